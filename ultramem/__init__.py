@@ -1,0 +1,1 @@
+"""UltraMem: Ultra-Sparse Memory Network as a Hugging Face Transformers model."""

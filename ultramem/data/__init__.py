@@ -1,0 +1,1 @@
+"""Files shipped with the package: the GPT-NeoX tokenizer and the embedded default corpus."""

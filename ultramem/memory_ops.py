@@ -1,0 +1,80 @@
+"""Pure-PyTorch memory-layer operators: the numerical reference for the Triton kernels.
+
+This module is flat on purpose: `save_pretrained` copies it next to `modeling_ultramem.py`, so a
+checkpoint loaded with `trust_remote_code=True` runs this path without the `ultramem` package.
+Every function is vectorized (no Python loop over tokens, heads or candidates).
+
+Shapes use T for flattened tokens, H memory heads, K = H * m selected slots per token,
+r Tucker rank, h MCS cores, E IVE groups, N physical rows and Dv the value dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def lookup_reduce(
+    values: torch.Tensor,
+    rows: torch.Tensor,
+    groups: torch.Tensor,
+    scores: torch.Tensor,
+    num_groups: int,
+) -> torch.Tensor:
+    """Gather the selected physical rows and pool them into their IVE groups.
+
+    out[t, e, c * Dv/h + j] = sum_k [groups[t, k] == e] * scores[t, k, c] * values[rows[t, k], c * Dv/h + j]
+
+    Args:
+        values: (N, Dv) physical value table.
+        rows: (T, K) int64 physical row of every selected slot.
+        groups: (T, K) int64 IVE projector group in [0, num_groups) of every selected slot.
+        scores: (T, K, h) score of every MCS core for every selected slot; chunk c of a row is weighted
+            by core c.
+        num_groups: E, the number of IVE groups.
+
+    Returns:
+        (T, E, Dv) pooled values in the dtype of `values`, accumulated in float32.
+    """
+    num_tokens, num_slots = rows.shape
+    num_cores = scores.shape[-1]
+    value_dim = values.shape[-1]
+    gathered = F.embedding(rows, values).float()  # (T, K, Dv)
+    weighted = gathered.view(num_tokens, num_slots, num_cores, value_dim // num_cores) * scores.float().unsqueeze(-1)
+    weighted = weighted.view(num_tokens, num_slots, value_dim)  # (T, K, Dv)
+    if num_groups == 1:
+        pooled = weighted.sum(dim=1, keepdim=True)  # (T, 1, Dv)
+    else:
+        group_one_hot = F.one_hot(groups, num_groups).float()  # (T, K, E)
+        pooled = torch.bmm(group_one_hot.transpose(1, 2), weighted)  # (T, E, Dv)
+    return pooled.to(values.dtype)
+
+
+def tucker_candidate_topk(
+    row_scores: torch.Tensor,
+    col_scores: torch.Tensor,
+    cores: torch.Tensor,
+    topk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact Tucker scores on the m x m candidate grid, then the final top-m (TDQKR steps 6-7).
+
+    The per-core score of candidate (x, y) is S_row[:, x]^T C^(i) S_col[:, y]; the top-m is taken on
+    the sum over cores (the full Tucker score), and the per-core scores of the winners are returned
+    for multi-core scoring.
+
+    Args:
+        row_scores: (..., r, m) scores of the m candidate rows for each of the r query parts.
+        col_scores: (..., r, m) same for the m candidate columns.
+        cores: (..., h, r, r) the h MCS component cores, broadcastable against the leading dims.
+        topk: number of winners to keep (m).
+
+    Returns:
+        flat_index: (..., topk) int64 index x * m + y into the candidate grid, best first.
+        core_scores: (..., topk, h) per-core scores of the winners.
+    """
+    per_core = torch.einsum("...ax,...iab,...by->...ixy", row_scores, cores, col_scores)  # (..., h, m, m)
+    per_core = per_core.flatten(-2)  # (..., h, m*m)
+    _, flat_index = per_core.sum(dim=-2).topk(topk, dim=-1)  # (..., topk)
+    gather_index = flat_index.unsqueeze(-2).expand(*per_core.shape[:-1], topk)  # (..., h, topk)
+    core_scores = per_core.gather(-1, gather_index).transpose(-1, -2)  # (..., topk, h)
+    return flat_index, core_scores
