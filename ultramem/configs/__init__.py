@@ -1,0 +1,1 @@
+"""Launcher configs shipped with the package: DeepSpeed ZeRO JSON files and Accelerate YAML files."""

@@ -1,0 +1,1 @@
+"""`accelerate launch --config_file` files that use the DeepSpeed configs next door."""

@@ -1,0 +1,1 @@
+"""Embedded default training corpus: public-domain Project Gutenberg books (see PROVENANCE.md)."""

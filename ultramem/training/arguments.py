@@ -1,0 +1,72 @@
+"""Command-line arguments: model and data choices plus `TrainingArguments` with the paper's recipe as defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import TrainingArguments
+from transformers.integrations import is_tensorboard_available
+
+PAPER_MIN_LR_RATE = 0.1  # cosine decay to 10% of the peak learning rate
+
+
+@dataclass
+class ModelArguments:
+    """Which model to train: a preset, a config file, or an existing checkpoint."""
+
+    preset: str | None = field(default=None, metadata={"help": "Name in ultramem.presets.PRESETS, e.g. tiny-ultramem."})
+    config_file: str | None = field(default=None, metadata={"help": "JSON config file (config.json of a model)."})
+    config_overrides: str | None = field(
+        default=None,
+        metadata={"help": "Comma-separated key=value pairs applied on top of the preset/config, e.g. 'num_hidden_layers=2'."},
+    )
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Checkpoint to continue training from (weights are loaded)."}
+    )
+
+
+@dataclass
+class DataArguments:
+    """Text data: local files or a `datasets` name; the embedded Gutenberg slice when nothing is given."""
+
+    train_file: str | None = field(default=None, metadata={"help": "Text, JSON/JSONL (optionally .xz/.gz) or parquet file."})
+    validation_file: str | None = field(default=None, metadata={"help": "Same formats as --train_file."})
+    dataset_name: str | None = field(default=None, metadata={"help": "A `datasets` name (needs the Hub)."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Configuration of --dataset_name."})
+    text_column: str = field(default="text", metadata={"help": "Column holding the raw text."})
+    block_size: int = field(default=512, metadata={"help": "Tokens per packed training sequence."})
+    validation_split_percentage: float = field(
+        default=5.0,
+        metadata={"help": "Percent of the packed training blocks held out when no validation set is given."},
+    )
+    max_train_samples: int | None = field(default=None, metadata={"help": "Keep at most this many training blocks."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Keep at most this many validation blocks."})
+    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
+
+
+@dataclass
+class UltraMemTrainingArguments(TrainingArguments):
+    """`TrainingArguments` whose defaults are the paper's recipe: AdamW(0.9, 0.95), wd 0.1, 1% warmup, cosine to 10%."""
+
+    learning_rate: float = field(default=6e-4, metadata={"help": "Peak learning rate of the dense parameters."})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay."})
+    adam_beta2: float = field(default=0.95, metadata={"help": "AdamW beta2."})
+    lr_scheduler_type: str = field(default="cosine_with_min_lr", metadata={"help": "Base LR schedule."})
+    warmup_steps: float = field(default=0.01, metadata={"help": "Warmup steps, or a fraction of training if < 1."})
+    logging_steps: float = field(default=10, metadata={"help": "Log every X steps (or fraction of training if < 1)."})
+    report_to: None | str | list[str] = field(
+        default=None, metadata={"help": "Integrations to report to; default: tensorboard when installed."}
+    )
+    diagnostics_batch_size: int = field(
+        default=4, metadata={"help": "Validation blocks used for the memory diagnostics at each log (0: off)."}
+    )
+
+    def __post_init__(self) -> None:
+        if self.lr_scheduler_type == "cosine_with_min_lr" and not self.lr_scheduler_kwargs:
+            self.lr_scheduler_kwargs = {"min_lr_rate": PAPER_MIN_LR_RATE}
+        if not torch.cuda.is_available():
+            self.dataloader_pin_memory = False  # pinning needs an accelerator; on CPU it only warns
+        if self.report_to is None:
+            self.report_to = ["tensorboard"] if is_tensorboard_available() else "none"
+        super().__post_init__()

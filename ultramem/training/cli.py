@@ -1,0 +1,130 @@
+"""`ultramem-train`: train a preset or a config on text files with the Trainer (plain, DDP, Accelerate or DeepSpeed)."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from importlib import resources
+
+import torch
+from transformers import HfArgumentParser, PretrainedConfig, default_data_collator, set_seed
+
+from ultramem.tokenization import load_tokenizer
+from ultramem.training.arguments import DataArguments, ModelArguments, UltraMemTrainingArguments
+from ultramem.training.data import load_raw_datasets, tokenize_and_pack
+from ultramem.training.errors import UsageError
+from ultramem.training.model_setup import build_config, build_model, max_positions
+from ultramem.training.trainer import UltraMemTrainer
+
+SHIPPED_DEEPSPEED_CONFIGS = ("zero2", "zero3")
+
+
+def shipped_deepspeed_config(name: str) -> str:
+    """Path of `ultramem/configs/deepspeed/<name>.json`."""
+    return str(resources.files("ultramem.configs") / "deepspeed" / f"{name}.json")
+
+
+def _resolve_deepspeed_shorthand(argv: list[str]) -> list[str]:
+    """`--deepspeed zero3` names the shipped config file."""
+    resolved = list(argv)
+    for index, item in enumerate(resolved[:-1]):
+        if item == "--deepspeed" and resolved[index + 1] in SHIPPED_DEEPSPEED_CONFIGS:
+            resolved[index + 1] = shipped_deepspeed_config(resolved[index + 1])
+    return resolved
+
+
+def _prepare_cpu_distributed(argv: list[str]) -> None:
+    """On machines without CUDA, multi-process runs need a gloo process group before the arguments are built.
+
+    DeepSpeed's batch-size check reads the world size while `TrainingArguments` is constructed; without this
+    state Accelerate reports a world size of 1 on CPU.
+    """
+    if torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    if "--deepspeed" in argv:
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from accelerate import PartialState
+
+    PartialState(backend="gloo")
+
+
+def parse_args(argv: list[str]) -> tuple[ModelArguments, DataArguments, UltraMemTrainingArguments]:
+    """Parse flags (or one JSON file of them); invalid values become a `UsageError`."""
+    argv = _resolve_deepspeed_shorthand(argv)
+    _prepare_cpu_distributed(argv)
+    parser = HfArgumentParser((ModelArguments, DataArguments, UltraMemTrainingArguments))
+    try:
+        if len(argv) == 1 and argv[0].endswith(".json"):
+            model_args, data_args, training_args = parser.parse_json_file(argv[0])
+        else:
+            model_args, data_args, training_args = parser.parse_args_into_dataclasses(argv)
+    except ValueError as error:
+        raise UsageError(str(error).strip().splitlines()[0]) from error
+    if not torch.cuda.is_available() and training_args.world_size > 1:
+        training_args.accelerator_config.use_configured_state = True
+    return model_args, data_args, training_args
+
+
+def check_block_size(block_size: int, config: PretrainedConfig) -> None:
+    limit = max_positions(config)
+    if block_size < 1 or (limit is not None and block_size > limit):
+        raise UsageError(
+            f"--block_size {block_size}: allowed range is 1..{limit} (the model's max_position_embeddings)"
+        )
+
+
+def check_deepspeed(args: UltraMemTrainingArguments) -> None:
+    """Report DeepSpeed/Trainer contradictions now, in one line, instead of after the model is built."""
+    ds_config = getattr(args, "hf_deepspeed_config", None)
+    if ds_config is not None and ds_config.mismatches:
+        found = "; ".join(line.lstrip("- ") for line in ds_config.mismatches)
+        raise UsageError(f"--deepspeed {args.deepspeed} contradicts the Trainer arguments: {found}")
+
+
+def run(argv: list[str]) -> dict[str, float]:
+    """Train and evaluate; returns the final evaluation metrics (with perplexity)."""
+    model_args, data_args, training_args = parse_args(argv)
+    config = build_config(model_args)
+    check_block_size(data_args.block_size, config)
+    check_deepspeed(training_args)
+    tokenizer = load_tokenizer(model_max_length=max_positions(config) or data_args.block_size)
+    blocks = tokenize_and_pack(load_raw_datasets(data_args), tokenizer, data_args, training_args.main_process_first)
+
+    set_seed(training_args.seed)
+    model = build_model(model_args, config)
+    diagnostics_count = min(training_args.diagnostics_batch_size, len(blocks["validation"]))
+    trainer = UltraMemTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=blocks["train"],
+        eval_dataset=blocks["validation"],
+        processing_class=tokenizer,
+        data_collator=default_data_collator,
+        diagnostics_input_ids=torch.tensor(blocks["validation"][:diagnostics_count]["input_ids"]),
+    )
+    resume = training_args.resume_from_checkpoint
+    if resume is not None and resume.lower() in ("true", "last"):
+        resume = True
+    train_result = trainer.train(resume_from_checkpoint=resume)
+    trainer.save_model()
+    trainer.log_metrics("train", train_result.metrics)
+    trainer.save_metrics("train", train_result.metrics)
+    trainer.save_state()
+
+    metrics = trainer.evaluate()
+    metrics["perplexity"] = math.exp(metrics["eval_loss"]) if metrics["eval_loss"] < 700 else float("inf")
+    trainer.log_metrics("eval", metrics)
+    trainer.save_metrics("eval", metrics)
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: a usage error prints one line and exits with status 2."""
+    try:
+        run(sys.argv[1:] if argv is None else argv)
+    except UsageError as error:
+        print(f"ultramem-train: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -1,0 +1,99 @@
+"""Building the model to train from a preset, a config file or a checkpoint, with `key=value` overrides."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from ultramem.training.arguments import ModelArguments
+from ultramem.training.errors import UsageError
+
+
+def parse_overrides(text: str | None) -> dict[str, Any]:
+    """`"a=1,b=true,c=gelu"` -> `{"a": 1, "b": True, "c": "gelu"}` (values are JSON when they parse as JSON)."""
+    overrides: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--config_overrides '{item}': expected key=value")
+        try:
+            overrides[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key.strip()] = value
+    return overrides
+
+
+def _read_config_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except OSError as error:
+        raise UsageError(f"--config_file {path}: cannot be read ({error.strerror})") from error
+    except json.JSONDecodeError as error:
+        raise UsageError(f"--config_file {path}: not valid JSON ({error.msg} at line {error.lineno})") from error
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise UsageError(f"--config_file {path}: must be a JSON object with a 'model_type' field")
+    return data
+
+
+def _check_agrees_with_preset(file_values: dict[str, Any], preset: PretrainedConfig, args: ModelArguments) -> None:
+    reference = preset.to_dict()
+    for key, value in file_values.items():
+        if key in reference and reference[key] != value and not key.startswith("_") and key != "transformers_version":
+            raise UsageError(
+                f"--config_file {args.config_file} sets {key}={value!r}, which contradicts --preset {args.preset} "
+                f"({key}={reference[key]!r}); give only one of them, or change fields with --config_overrides"
+            )
+
+
+def _check_override_keys(config: PretrainedConfig, overrides: dict[str, Any]) -> None:
+    unknown = [key for key in overrides if not hasattr(config, key)]
+    if unknown:
+        raise UsageError(f"--config_overrides: {', '.join(unknown)} is not a field of {type(config).__name__}")
+
+
+def build_config(args: ModelArguments) -> PretrainedConfig:
+    """The config to train; errors name the contradicting flag or field."""
+    overrides = parse_overrides(args.config_overrides)
+    sources = [flag for flag, value in (("--preset", args.preset), ("--config_file", args.config_file)) if value]
+    if args.model_name_or_path is not None and sources:
+        raise UsageError(f"--model_name_or_path cannot be combined with {' or '.join(sources)}")
+    if args.model_name_or_path is None and not sources:
+        raise UsageError("give --preset NAME, --config_file FILE or --model_name_or_path PATH")
+    try:
+        if args.model_name_or_path is not None:
+            config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=True)
+            _check_override_keys(config, overrides)
+            config.update(overrides)
+            return config
+        if args.preset is not None:
+            from ultramem import presets
+
+            if args.preset not in presets.PRESETS:
+                raise UsageError(f"--preset {args.preset}: unknown; allowed: {', '.join(presets.PRESETS)}")
+            base = presets.get_config(args.preset)
+            if args.config_file is not None:
+                _check_agrees_with_preset(_read_config_file(args.config_file), base, args)
+            _check_override_keys(base, overrides)
+            return presets.get_config(args.preset, **overrides)
+        values = _read_config_file(args.config_file)
+        _check_override_keys(AutoConfig.for_model(**values), overrides)
+        return AutoConfig.for_model(**{**values, **overrides})
+    except UsageError:
+        raise
+    except (ValueError, TypeError, KeyError, OSError) as error:
+        raise UsageError(f"invalid model configuration: {str(error).strip().splitlines()[0]}") from error
+
+
+def build_model(args: ModelArguments, config: PretrainedConfig) -> PreTrainedModel:
+    """A fresh model from `config`, or the weights of `--model_name_or_path` under that (overridden) config."""
+    if args.model_name_or_path is not None:
+        return AutoModelForCausalLM.from_pretrained(args.model_name_or_path, config=config, trust_remote_code=True)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def max_positions(config: PretrainedConfig) -> int | None:
+    """Longest sequence the model accepts, when its config says."""
+    return getattr(config, "max_position_embeddings", None)

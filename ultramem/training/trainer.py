@@ -1,0 +1,170 @@
+"""`Trainer` with the UltraMem recipe: a value-table parameter group, split loss logging, diagnostics, atomic saves."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+from ultramem.training.schedule import VALUE_GROUP, value_lr_multiplier, with_value_multiplier
+
+STAGING_PREFIX = ".incomplete-"
+LOSS_PARTS = ("lm_loss", "aux_loss")
+
+
+def value_table_names(model: nn.Module) -> set[str]:
+    """Parameter names of the memory value tables; empty for models without memory layers."""
+    getter = getattr(model, "get_value_table_names", None)
+    return set(getter()) if getter is not None else set()
+
+
+class UltraMemTrainer(Trainer):
+    """Trains any causal LM; for UltraMem it adds the value-LR group, aux/LM loss logs and memory diagnostics.
+
+    `diagnostics_input_ids` is a fixed batch of validation tokens on which `retrieval_diagnostics` runs at
+    every training log, so the numbers are comparable across steps.
+    """
+
+    def __init__(self, *args: Any, diagnostics_input_ids: torch.Tensor | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.diagnostics_input_ids = diagnostics_input_ids
+        self._loss_sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.args.device))
+        self._loss_count = 0
+        self._staging_dir: str | None = None
+
+    # ---- optimizer and schedule -------------------------------------------------------------------------------
+    def _value_lr_settings(self) -> tuple[float, bool]:
+        config = self.model.config
+        return float(getattr(config, "value_lr_multiplier", 1.0)), bool(getattr(config, "value_lr_decay", False))
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """AdamW over three groups: decayed weights, undecayed norms/biases, and the value tables (own LR factor)."""
+        if self.optimizer is not None:
+            return self.optimizer
+        opt_model = self.model if model is None else model
+        decay = set(self.get_decay_parameter_names(opt_model))
+        values = value_table_names(opt_model)
+        groups: dict[str, dict[str, Any]] = {
+            "decay": {"params": [], "weight_decay": self.args.weight_decay},
+            "no_decay": {"params": [], "weight_decay": 0.0},
+            VALUE_GROUP: {"params": [], "weight_decay": self.args.weight_decay},
+        }
+        for name, param in opt_model.named_parameters():
+            if param.requires_grad:
+                key = VALUE_GROUP if name in values else "decay" if name in decay else "no_decay"
+                groups[key]["params"].append(param)
+        param_groups = [{**group, "ultramem_group": key} for key, group in groups.items() if group["params"]]
+        optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        self.optimizer = optimizer_cls(param_groups, **optimizer_kwargs)
+        return self.optimizer
+
+    def create_scheduler(
+        self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None
+    ) -> torch.optim.lr_scheduler.LRScheduler:
+        """The base schedule for every group, times the 10x -> 1x multiplier for the value group."""
+        if self.lr_scheduler is None:
+            optimizer = self.optimizer if optimizer is None else optimizer
+            base = super().create_scheduler(num_training_steps, optimizer)
+            start, decay = self._value_lr_settings()
+            self.lr_scheduler = with_value_multiplier(base, optimizer, num_training_steps, start, decay)
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+    def current_value_lr_multiplier(self) -> float:
+        start, decay = self._value_lr_settings()
+        return value_lr_multiplier(self.state.global_step, self.state.max_steps, start, decay)
+
+    # ---- logging ------------------------------------------------------------------------------------------------
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        if model.training and isinstance(outputs, dict):
+            parts = [name for name in LOSS_PARTS if outputs.get(name) is not None]
+            for name in parts:
+                self._loss_sums[name] += outputs[name].detach().float()
+            self._loss_count += bool(parts)
+        return (loss, outputs) if return_outputs else loss
+
+    def _training_log_extras(self) -> dict[str, float]:
+        """LM and aux loss averaged since the last log (and over ranks), the value-LR multiplier, diagnostics."""
+        extras: dict[str, float] = {}
+        if self._loss_count:
+            for name, total in self._loss_sums.items():
+                extras[name] = self.accelerator.reduce(total / self._loss_count, reduction="mean").item()
+            self._loss_sums.clear()
+            self._loss_count = 0
+        if value_table_names(self.model):
+            multiplier = self.current_value_lr_multiplier()
+            extras["value_lr_multiplier"] = multiplier
+            extras["value_learning_rate"] = self._value_group_lr()
+            extras.update(self._memory_diagnostics())
+        return extras
+
+    def _value_group_lr(self) -> float:
+        for group in self.optimizer.param_groups:
+            if group.get("ultramem_group") == VALUE_GROUP:
+                return float(group["lr"])
+        raise RuntimeError("the optimizer lost its value-table parameter group")
+
+    def _memory_diagnostics(self) -> dict[str, float]:
+        if self.diagnostics_input_ids is None or self.args.diagnostics_batch_size <= 0:
+            return {}
+        from ultramem.diagnostics import retrieval_diagnostics
+
+        was_training = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            stats = retrieval_diagnostics(self.model, self.diagnostics_input_ids.to(self.args.device))
+        self.model.train(was_training)
+        return {f"memory/{name}": float(value) for name, value in stats.items()}
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self.model.training:
+            logs.update(self._training_log_extras())
+        super().log(logs, start_time)
+
+    # ---- atomic checkpoints -----------------------------------------------------------------------------------
+    def _get_output_dir(self, trial: Any) -> str:
+        return self._staging_dir if self._staging_dir is not None else super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        """Write the checkpoint into a hidden staging folder, then rename it: a killed save leaves no `checkpoint-N`."""
+        run_dir = self._get_output_dir(trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging = os.path.join(run_dir, f"{STAGING_PREFIX}{name}")
+        if self.args.should_save and os.path.isdir(staging):
+            shutil.rmtree(staging)  # left over by a save that was killed
+        self.accelerator.wait_for_everyone()
+        self._staging_dir = staging
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_dir = None
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            final = os.path.join(run_dir, name)
+            if os.path.isdir(final):
+                shutil.rmtree(final)
+            os.replace(os.path.join(staging, name), final)
+            shutil.rmtree(staging)
+            best = self.state.best_model_checkpoint
+            if best is not None and best.startswith(staging):
+                self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+        self.accelerator.wait_for_everyone()
