@@ -1,1 +1,30 @@
-"""UltraMem: Ultra-Sparse Memory Network as a Hugging Face Transformers model."""
+"""UltraMem: Ultra-Sparse Memory Network (ICLR 2025) as a Hugging Face Transformers model.
+
+Importing the package registers the config and models with the Auto classes.
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .configuration_ultramem import UltraMemConfig, UltraMemConfigError
+from .modeling_ultramem import (
+    UltraMemCausalLMOutputWithPast,
+    UltraMemForCausalLM,
+    UltraMemModel,
+    UltraMemPreTrainedModel,
+)
+
+AutoConfig.register(UltraMemConfig.model_type, UltraMemConfig, exist_ok=True)
+AutoModel.register(UltraMemConfig, UltraMemModel, exist_ok=True)
+AutoModelForCausalLM.register(UltraMemConfig, UltraMemForCausalLM, exist_ok=True)
+UltraMemConfig.register_for_auto_class()
+UltraMemModel.register_for_auto_class("AutoModel")
+UltraMemForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+__all__ = [
+    "UltraMemCausalLMOutputWithPast",
+    "UltraMemConfig",
+    "UltraMemConfigError",
+    "UltraMemForCausalLM",
+    "UltraMemModel",
+    "UltraMemPreTrainedModel",
+]

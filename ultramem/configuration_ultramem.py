@@ -1,0 +1,267 @@
+"""UltraMem model configuration."""
+
+
+import math
+
+from huggingface_hub.dataclasses import strict
+from transformers.configuration_utils import PreTrainedConfig
+from transformers.modeling_rope_utils import RopeParameters
+
+MEMORY_KERNELS = ("auto", "triton", "torch")
+RETRIEVAL_MODES = ("product_key", "tucker")
+
+
+class UltraMemConfigError(ValueError):
+    """A config field is outside its allowed range; the message names the field, its value and the range."""
+
+
+def _require(condition: bool, field: str, value, allowed: str) -> None:
+    if not condition:
+        raise UltraMemConfigError(f"UltraMemConfig.{field}={value!r} is invalid: {allowed}.")
+
+
+@strict
+class UltraMemConfig(PreTrainedConfig):
+    r"""
+    Configuration of an UltraMem model ("Ultra-Sparse Memory Network", ICLR 2025).
+
+    The backbone is a pre-norm decoder with rotary embeddings on the full head dim, LayerNorm and a
+    2-matrix GeLU MLP: the shape of `GPTNeoXForCausalLM` with `use_parallel_residual=False` and
+    `rotary_pct=1.0`. Memory layers are placed by `memory_layers`, a list of `(a, b)` pairs of 0-based
+    block indices: the layer reads the residual stream entering block `a` (through its own pre-norm)
+    and its output is added to the residual stream leaving block `b`. `a == b` is PKM's placement in
+    parallel with a block; `a < b` is UltraMem's skip-layer placement. The paper's "3:5" (1-based) is
+    `(2, 4)` here.
+
+    Every improvement of the paper is a switch, so each row of the paper's ablation ladder is a config
+    (see `ultramem.presets.ABLATION_LADDER`); the plain PKM baseline is a config of the same model.
+
+    Memory notation: H heads (`memory_heads`), m top-m per head (`memory_topk`), Dk key dim
+    (`memory_key_dim`), n keys per axis (`memory_num_keys`, already including the sqrt(E) of IVE),
+    r Tucker rank (`tucker_rank`), h MCS cores (`mcs_cores`), E IVE expansion (`ive_expansion`),
+    Dv value dim (`memory_value_dim`), N physical values per layer (`memory_num_values` = n^2 / E).
+
+    Example:
+    ```python
+    >>> from ultramem import UltraMemConfig, UltraMemForCausalLM
+    >>> config = UltraMemConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+    ...                         intermediate_size=1024, memory_layers=[[0, 1], [2, 3]], memory_num_keys=64,
+    ...                         memory_key_dim=64, memory_value_dim=128, memory_topk=8)
+    >>> model = UltraMemForCausalLM(config)
+    ```
+    """
+
+    model_type = "ultramem"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    # Backbone
+    vocab_size: int = 50432
+    hidden_size: int = 1024
+    intermediate_size: int = 4096
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 16
+    hidden_act: str = "gelu"
+    max_position_embeddings: int = 2048
+    rope_parameters: RopeParameters | dict | None = None
+    layer_norm_eps: float = 1e-5
+    initializer_range: float = 0.02
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    tie_word_embeddings: bool = False
+    use_cache: bool = True
+    bos_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 0
+    pad_token_id: int | None = 0
+
+    # Memory placement: list of [a, b] block pairs (read before block a, write after block b)
+    memory_layers: list | None = None
+
+    # Retrieval
+    memory_heads: int = 2
+    memory_topk: int = 16
+    memory_key_dim: int = 256
+    memory_num_keys: int = 2200
+    retrieval_mode: str = "tucker"
+    tucker_rank: int = 2
+    mcs_cores: int = 2
+    share_query: bool = True
+    qk_layernorm: bool = True
+    use_query_conv: bool = True
+    query_conv_kernel_size: int = 4
+    memory_score_softmax: bool = False
+
+    # Values
+    ive_expansion: int = 4
+    memory_value_dim: int = 512
+    memory_num_values: int | None = None
+    value_projection: bool = True
+    ive_shuffle_seed: int = 0
+
+    # Aux loss on the Tucker core's non-leading singular values
+    aux_loss_alpha: float = 0.001
+    aux_loss_tau: float = 0.15
+
+    # Init and optimisation switches
+    improved_init: bool = True
+    value_lr_multiplier: float = 10.0
+    value_lr_decay: bool = True
+
+    # Which implementation of the memory ops runs: "auto" = Triton on CUDA, PyTorch elsewhere
+    memory_kernel: str = "auto"
+
+    # Derived, for the generation cache: blocks whose cache layer also holds query-conv states
+    layer_types: list[str] | None = None
+    number_of_conv_states: int = 1
+
+    def __post_init__(self, **kwargs):
+        # Accept the legacy `rope_theta` keyword as every Transformers config does.
+        self.memory_layers = [[int(a), int(b)] for a, b in (self.memory_layers or [])]
+        if self.memory_num_values is None and self.ive_expansion > 0 and self.memory_num_keys > 0:
+            self.memory_num_values = self.memory_num_keys**2 // self.ive_expansion
+        self._derive_cache_layout()
+        super().__post_init__(**kwargs)
+        self.validate_ultramem()
+
+    def _derive_cache_layout(self) -> None:
+        """Blocks that a memory layer with a query conv reads from keep its conv state in their cache layer."""
+        has_conv_state = self.use_query_conv and self.query_conv_kernel_size > 1
+        read_blocks = [a for a, _ in self.memory_layers] if has_conv_state else []
+        self.layer_types = [
+            "hybrid" if i in read_blocks else "full_attention" for i in range(max(self.num_hidden_layers, 0))
+        ]
+        self.number_of_conv_states = max([read_blocks.count(a) for a in read_blocks], default=1)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_memory_layers(self) -> int:
+        return len(self.memory_layers)
+
+    @property
+    def memory_read_block_slots(self) -> list[tuple[int, int]]:
+        """(block, conv-state index) of every memory layer, in `memory_layers` order."""
+        seen: dict[int, int] = {}
+        slots = []
+        for a, _ in self.memory_layers:
+            slots.append((a, seen.get(a, 0)))
+            seen[a] = seen.get(a, 0) + 1
+        return slots
+
+    def validate_ultramem(self) -> None:
+        """Check every field against what the model can build; raise `UltraMemConfigError` naming the field."""
+        for field in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, field)
+            _require(value > 0, field, value, "must be a positive integer")
+        _require(
+            self.hidden_size % self.num_attention_heads == 0,
+            "hidden_size",
+            self.hidden_size,
+            f"must be divisible by num_attention_heads={self.num_attention_heads}",
+        )
+        _require(
+            self.head_dim % 2 == 0, "num_attention_heads", self.num_attention_heads, "head dim must be even for RoPE"
+        )
+        _require(self.layer_norm_eps > 0, "layer_norm_eps", self.layer_norm_eps, "must be > 0")
+        for field in ("attention_dropout", "hidden_dropout"):
+            value = getattr(self, field)
+            _require(0.0 <= value < 1.0, field, value, "must be in [0, 1)")
+        _require(
+            self.memory_kernel in MEMORY_KERNELS, "memory_kernel", self.memory_kernel, f"must be one of {MEMORY_KERNELS}"
+        )
+        for i, (a, b) in enumerate(self.memory_layers):
+            for value in (a, b):
+                _require(
+                    0 <= value < self.num_hidden_layers,
+                    f"memory_layers[{i}]",
+                    [a, b],
+                    f"block indices must be in [0, {self.num_hidden_layers}) (num_hidden_layers)",
+                )
+            _require(a <= b, f"memory_layers[{i}]", [a, b], "needs a <= b (read before block a, write after block b)")
+        if not self.memory_layers:
+            return
+        for field in (
+            "memory_heads",
+            "memory_topk",
+            "memory_key_dim",
+            "memory_num_keys",
+            "tucker_rank",
+            "mcs_cores",
+            "ive_expansion",
+            "memory_value_dim",
+            "memory_num_values",
+        ):
+            value = getattr(self, field)
+            _require(value is not None and value > 0, field, value, "must be a positive integer")
+        _require(
+            self.retrieval_mode in RETRIEVAL_MODES,
+            "retrieval_mode",
+            self.retrieval_mode,
+            f"must be one of {RETRIEVAL_MODES}",
+        )
+        root = math.isqrt(self.ive_expansion)
+        _require(root * root == self.ive_expansion, "ive_expansion", self.ive_expansion, "must be a perfect square")
+        _require(
+            self.memory_topk <= self.memory_num_keys,
+            "memory_topk",
+            self.memory_topk,
+            f"must be <= memory_num_keys={self.memory_num_keys} (keys per axis)",
+        )
+        _require(
+            self.memory_num_keys**2 == self.ive_expansion * self.memory_num_values,
+            "memory_num_values",
+            self.memory_num_values,
+            f"must equal memory_num_keys^2 / ive_expansion = {self.memory_num_keys}^2 / {self.ive_expansion} "
+            "(every virtual address maps to one physical row and one projector)",
+        )
+        _require(
+            self.memory_key_dim % self.tucker_rank == 0,
+            "memory_key_dim",
+            self.memory_key_dim,
+            f"must be divisible by tucker_rank={self.tucker_rank}",
+        )
+        _require(
+            self.memory_value_dim % self.mcs_cores == 0,
+            "memory_value_dim",
+            self.memory_value_dim,
+            f"must be divisible by mcs_cores={self.mcs_cores}",
+        )
+        if self.retrieval_mode == "product_key":
+            _require(self.tucker_rank == 1, "tucker_rank", self.tucker_rank, "must be 1 with retrieval_mode='product_key'")
+            _require(self.mcs_cores == 1, "mcs_cores", self.mcs_cores, "must be 1 with retrieval_mode='product_key'")
+        if not self.value_projection:
+            _require(
+                self.ive_expansion == 1,
+                "ive_expansion",
+                self.ive_expansion,
+                "must be 1 when value_projection=False (IVE needs one projector per virtual block)",
+            )
+            _require(
+                self.memory_value_dim == self.hidden_size,
+                "memory_value_dim",
+                self.memory_value_dim,
+                f"must equal hidden_size={self.hidden_size} when value_projection=False",
+            )
+        if self.use_query_conv:
+            _require(
+                self.query_conv_kernel_size >= 1,
+                "query_conv_kernel_size",
+                self.query_conv_kernel_size,
+                "must be >= 1 when use_query_conv=True",
+            )
+        _require(self.aux_loss_alpha >= 0, "aux_loss_alpha", self.aux_loss_alpha, "must be >= 0")
+        _require(self.aux_loss_tau >= 0, "aux_loss_tau", self.aux_loss_tau, "must be >= 0")
+        _require(self.value_lr_multiplier > 0, "value_lr_multiplier", self.value_lr_multiplier, "must be > 0")
+
+
+__all__ = ["UltraMemConfig", "UltraMemConfigError"]

@@ -1,0 +1,208 @@
+"""Triton kernels of the fused lookup-reduce (forward, score gradient, value gradient).
+
+Reference: `ultramem.memory_ops.lookup_reduce`; every kernel below computes what autograd computes
+through it, accumulating in float32.
+
+Layout: values (N, Dv), rows/groups (T, K), scores (T, K, h), out (T, E, Dv), which is (T, E*Dv)
+row-major, so the E projectors run afterwards as one GEMM. Column blocks never straddle an MCS
+chunk (the grid has one axis per chunk), so each program reads one score per slot, not one per
+column. This module is imported lazily (first Triton launch), so `TRITON_INTERPRET=1` set by a
+test before that point is honoured.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_TILE_ELEMENTS = 4096  # BLOCK_K * BLOCK_D per program: 32 fp32 registers per thread at 4 warps
+
+
+def _blocks(num_slots: int, chunk: int) -> tuple[int, int]:
+    """Slot and column block sizes: whole chunks up to 128 columns, tiles of ~4096 elements."""
+    block_d = min(128, triton.next_power_of_2(chunk))
+    block_k = max(1, min(triton.next_power_of_2(max(num_slots, 1)), _TILE_ELEMENTS // block_d))
+    return block_k, block_d
+
+
+@triton.jit
+def _forward_kernel(
+    values_ptr, rows_ptr, groups_ptr, scores_ptr, out_ptr,
+    num_slots, value_dim, chunk, num_cores,
+    NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """out[t, e, chunk c] = sum_k [groups[t,k]==e] scores[t,k,c] values[rows[t,k], chunk c]."""
+    token = tl.program_id(0).to(tl.int64)
+    core = tl.program_id(1)
+    in_chunk = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_mask = in_chunk < chunk
+    cols = core * chunk + in_chunk
+    group_ids = tl.arange(0, GROUPS_PAD)
+    acc = tl.zeros((GROUPS_PAD, BLOCK_D), dtype=tl.float32)
+    for k0 in range(0, num_slots, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        slot_mask = ks < num_slots
+        slots = token * num_slots + ks
+        rows = tl.load(rows_ptr + slots, mask=slot_mask, other=0)
+        groups = tl.load(groups_ptr + slots, mask=slot_mask, other=0)
+        scores = tl.load(scores_ptr + slots * num_cores + core, mask=slot_mask, other=0.0).to(tl.float32)
+        tile = tl.load(
+            values_ptr + rows[:, None] * value_dim + cols[None, :],
+            mask=slot_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        weighted = tile * scores[:, None]
+        for group in tl.static_range(NUM_GROUPS):
+            pooled = tl.sum(tl.where(groups[:, None] == group, weighted, 0.0), axis=0)
+            acc += tl.where(group_ids[:, None] == group, pooled[None, :], 0.0)
+    out_offsets = (token * NUM_GROUPS + group_ids[:, None]) * value_dim + cols[None, :]
+    out_mask = (group_ids[:, None] < NUM_GROUPS) & col_mask[None, :]
+    tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _backward_kernel(
+    grad_out_ptr, values_ptr, rows_ptr, groups_ptr, scores_ptr, grad_scores_ptr, grad_values_ptr,
+    num_slots, value_dim, chunk, num_cores,
+    NUM_GROUPS: tl.constexpr, ACCUMULATE_VALUES: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Score gradient (per-chunk dot products); with ACCUMULATE_VALUES also the value gradient by
+    float32 atomics (the fast, non-deterministic mode)."""
+    token = tl.program_id(0).to(tl.int64)
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    slot_mask = ks < num_slots
+    slots = token * num_slots + ks
+    rows = tl.load(rows_ptr + slots, mask=slot_mask, other=0)
+    groups = tl.load(groups_ptr + slots, mask=slot_mask, other=0)
+    grad_rows = token * NUM_GROUPS + groups
+    for core in range(num_cores):
+        scores = tl.load(scores_ptr + slots * num_cores + core, mask=slot_mask, other=0.0).to(tl.float32)
+        grad_score = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for d0 in range(0, chunk, BLOCK_D):
+            cols = core * chunk + d0 + tl.arange(0, BLOCK_D)
+            mask = slot_mask[:, None] & ((cols < (core + 1) * chunk)[None, :])
+            grad = tl.load(grad_out_ptr + grad_rows[:, None] * value_dim + cols[None, :], mask=mask, other=0.0)
+            grad = grad.to(tl.float32)
+            tile = tl.load(values_ptr + rows[:, None] * value_dim + cols[None, :], mask=mask, other=0.0)
+            grad_score += tl.sum(grad * tile.to(tl.float32), axis=1)
+            if ACCUMULATE_VALUES:
+                tl.atomic_add(
+                    grad_values_ptr + rows[:, None] * value_dim + cols[None, :],
+                    grad * scores[:, None],
+                    mask=mask,
+                    sem="relaxed",
+                )
+        tl.store(grad_scores_ptr + slots * num_cores + core, grad_score.to(grad_scores_ptr.dtype.element_ty),
+                 mask=slot_mask)
+
+
+@triton.jit
+def _value_grad_segment_kernel(
+    grad_out_ptr, sorted_rows_ptr, order_ptr, segment_end_ptr, groups_ptr, scores_ptr, grad_values_ptr,
+    num_entries, num_slots, value_dim, chunk, num_cores,
+    NUM_GROUPS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Deterministic value gradient: (token, slot) entries sorted by row; the program owning the
+    first entry of a row sums that row's entries in sorted order and writes the row once."""
+    core = tl.program_id(1)
+    in_chunk = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_mask = in_chunk < chunk
+    cols = core * chunk + in_chunk
+    first = tl.program_id(0).to(tl.int64) * BLOCK_P
+    last = tl.minimum(first + BLOCK_P, num_entries)
+    for i in range(first, last):
+        row = tl.load(sorted_rows_ptr + i)
+        previous = tl.load(sorted_rows_ptr + i - 1, mask=i > 0, other=-1)
+        if row != previous:
+            end = tl.load(segment_end_ptr + i)
+            acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+            for j0 in range(i, end, BLOCK_J):
+                js = j0 + tl.arange(0, BLOCK_J)
+                entry_mask = js < end
+                entries = tl.load(order_ptr + js, mask=entry_mask, other=0)
+                groups = tl.load(groups_ptr + entries, mask=entry_mask, other=0)
+                scores = tl.load(scores_ptr + entries * num_cores + core, mask=entry_mask, other=0.0)
+                grad_rows = (entries // num_slots) * NUM_GROUPS + groups
+                grad = tl.load(
+                    grad_out_ptr + grad_rows[:, None] * value_dim + cols[None, :],
+                    mask=entry_mask[:, None] & col_mask[None, :],
+                    other=0.0,
+                )
+                acc += tl.sum(grad.to(tl.float32) * scores.to(tl.float32)[:, None], axis=0)
+            tl.store(grad_values_ptr + row.to(tl.int64) * value_dim + cols,
+                     acc.to(grad_values_ptr.dtype.element_ty), mask=col_mask)
+
+
+def forward(values: torch.Tensor, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor,
+            num_groups: int) -> torch.Tensor:
+    """Launch the fused forward on contiguous, validated inputs; returns (T, E, Dv) in values' dtype."""
+    num_tokens, num_slots = rows.shape
+    num_cores = scores.shape[-1]
+    value_dim = values.shape[-1]
+    chunk = value_dim // num_cores
+    out = torch.empty((num_tokens, num_groups, value_dim), dtype=values.dtype, device=values.device)
+    if num_tokens == 0:
+        return out
+    block_k, block_d = _blocks(num_slots, chunk)
+    grid = (num_tokens, num_cores, triton.cdiv(chunk, block_d))
+    _forward_kernel[grid](
+        values, rows, groups, scores, out, num_slots, value_dim, chunk, num_cores,
+        NUM_GROUPS=num_groups, GROUPS_PAD=triton.next_power_of_2(num_groups), BLOCK_K=block_k, BLOCK_D=block_d,
+    )
+    return out
+
+
+def backward(grad_out: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, groups: torch.Tensor,
+             scores: torch.Tensor, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients (values, scores) in their inputs' dtypes.
+
+    deterministic=True: sort/segment value gradient, no float atomics, identical bits every run, no
+    table-sized float32 scratch. deterministic=False: float32 atomics fused into the score-gradient
+    pass (one pass over the gathered rows), plus a float32 (N, Dv) scratch when values are 16-bit.
+    """
+    num_tokens, num_slots = rows.shape
+    num_cores = scores.shape[-1]
+    num_groups = grad_out.shape[1]
+    value_dim = values.shape[-1]
+    chunk = value_dim // num_cores
+    grad_scores = torch.empty_like(scores)
+    if num_tokens == 0 or num_slots == 0:
+        return torch.zeros_like(values), grad_scores.zero_()
+    block_k, block_d = _blocks(num_slots, chunk)
+    atomic = not deterministic
+    if atomic:
+        value_acc = torch.zeros(values.shape, dtype=torch.float32, device=values.device)
+    else:
+        value_acc = grad_scores  # unused by the kernel when ACCUMULATE_VALUES is False
+    grid = (num_tokens, triton.cdiv(num_slots, block_k))
+    _backward_kernel[grid](
+        grad_out, values, rows, groups, scores, grad_scores, value_acc, num_slots, value_dim, chunk, num_cores,
+        NUM_GROUPS=num_groups, ACCUMULATE_VALUES=atomic, BLOCK_K=block_k, BLOCK_D=block_d,
+    )
+    if atomic:
+        return value_acc.to(values.dtype), grad_scores
+    return _segment_value_grad(grad_out, values, rows, groups, scores, block_d), grad_scores
+
+
+def _segment_value_grad(grad_out: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, groups: torch.Tensor,
+                        scores: torch.Tensor, block_d: int) -> torch.Tensor:
+    """Value gradient without atomics: stable sort of the (token, slot) entries by row, then one
+    program per row segment (segment ends by binary search, so no host synchronisation)."""
+    num_slots = rows.shape[1]
+    num_cores = scores.shape[-1]
+    value_dim = values.shape[-1]
+    chunk = value_dim // num_cores
+    key_dtype = torch.int32 if values.shape[0] <= torch.iinfo(torch.int32).max else torch.int64
+    sorted_rows, order = torch.sort(rows.reshape(-1).to(key_dtype), stable=True)
+    segment_end = torch.searchsorted(sorted_rows, sorted_rows, right=True)
+    grad_values = torch.zeros_like(values)
+    num_entries = sorted_rows.numel()
+    block_p = 64
+    grid = (triton.cdiv(num_entries, block_p), num_cores, triton.cdiv(chunk, block_d))
+    _value_grad_segment_kernel[grid](
+        grad_out, sorted_rows, order, segment_end, groups, scores, grad_values,
+        num_entries, num_slots, value_dim, chunk, num_cores,
+        NUM_GROUPS=grad_out.shape[1], BLOCK_P=block_p, BLOCK_J=8, BLOCK_D=block_d,
+    )
+    return grad_values

@@ -1,0 +1,761 @@
+"""PyTorch UltraMem model ("Ultra-Sparse Memory Network", Huang et al., ICLR 2025).
+
+The backbone is GPT-NeoX shaped (pre-norm, RoPE on the full head dim, LayerNorm, GeLU MLP). Memory
+layers sit beside it: each reads the residual stream entering block `a` and adds its output to the
+stream leaving block `b` (skip-layer placement, `config.memory_layers`).
+
+One memory layer, for one token (paper section 3):
+    x = LayerNorm(h)
+    q = Linear(CausalDepthwiseConv(x))                      query, shared by row and column keys
+    S_row, S_col = K_row q, K_col q                         (r, n) each; r = Tucker rank
+    C = sum_i C^(i) ~ u t^T                                 rank-1 SVD of the Tucker core
+    rows = topm(u^T S_row), cols = topm(t^T S_col)          two-phase approximate top-m
+    s^(i)[x, y] = S_row[:, x]^T C^(i) S_col[:, y]           exact per-core scores on the m x m grid
+    top-m of sum_i s^(i) -> virtual addresses v             no softmax
+    v' = shuffle(v); row = v' mod N; group p = v' div N     implicit value expansion
+    pooled_p = sum_{v in group p} [s^(1) V[row, :Dv/h], ..., s^(h) V[row, -Dv/h:]]   multi-core scoring
+    out = sum_p W_p^T pooled_p                              one GEMM over the E projectors
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from statistics import NormalDist
+from types import ModuleType, SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.models.llama.modeling_llama import (
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_ultramem import UltraMemConfig
+from .memory_ops import lookup_reduce, tucker_candidate_topk
+
+TORCH_MEMORY_OPS = SimpleNamespace(lookup_reduce=lookup_reduce, tucker_candidate_topk=tucker_candidate_topk)
+
+
+def select_memory_ops(memory_kernel: str, device: torch.device) -> ModuleType | SimpleNamespace:
+    """The module implementing `lookup_reduce` and `tucker_candidate_topk` for `config.memory_kernel`.
+
+    "torch" is the pure-PyTorch reference; "triton" the fused kernels of `ultramem.kernels`; "auto" picks
+    Triton on CUDA when it is installed, PyTorch elsewhere. A checkpoint loaded with `trust_remote_code`
+    without the `ultramem` package installed runs the PyTorch path.
+    """
+    if memory_kernel == "torch" or (memory_kernel == "auto" and device.type != "cuda"):
+        return TORCH_MEMORY_OPS
+    try:
+        from ultramem import kernels
+    except ImportError as error:
+        if memory_kernel == "triton":
+            raise ImportError(
+                "config.memory_kernel='triton' needs the `ultramem` package with Triton installed "
+                "(pip install 'ultramem[triton]'); use memory_kernel='torch' or 'auto' otherwise."
+            ) from error
+        return TORCH_MEMORY_OPS
+    if memory_kernel == "auto" and not kernels.triton_available():
+        return TORCH_MEMORY_OPS
+    return kernels
+
+
+def expected_top_m_mean(num_candidates: int, top_m: int) -> float:
+    """E[mean of the top-m of `num_candidates` standard normals] (appendix A), in closed form.
+
+    The paper estimates it by sampling; the mean of a standard normal above its (1 - m/N) quantile,
+    phi(z) / (m/N), is the same quantity for m << N, deterministic, and allocation-free.
+    """
+    tail = min(top_m / num_candidates, 0.5)
+    normal = NormalDist()
+    return normal.pdf(normal.inv_cdf(1.0 - tail)) / tail
+
+
+@dataclass(frozen=True)
+class MemoryInitScales:
+    """Initial scales of a memory layer: appendix A when `improved_init`, PKM's init otherwise.
+
+    Improved: values ~ N(0, E / (2 m H L)), so the layer's output starts like an MLP's, N(0, 1/(2L));
+    query/key LayerNorm gains make the mean selected score about 1 (see `expected_top_m_mean`); the
+    projectors keep the pooled variance. PKM: values ~ N(0, 1/Dv), unit gains.
+    """
+
+    value_std: float
+    projector_std: float
+    query_gain: float
+    key_gain: float
+
+    @classmethod
+    def from_config(cls, config: UltraMemConfig) -> "MemoryInitScales":
+        if not config.improved_init:
+            return cls(config.memory_value_dim**-0.5, config.initializer_range, 1.0, 1.0)
+        num_groups = config.ive_expansion
+        activated = config.memory_topk * config.memory_heads
+        top_mean = expected_top_m_mean(config.memory_num_keys**2, config.memory_topk)
+        if config.retrieval_mode == "tucker":
+            query_gain = top_mean**-0.5  # Var(S_row^T C S_col) = g^4 ||C||_F^2 = 1 / top_mean^2
+        else:
+            query_gain = 1.0 / (math.sqrt(2.0) * top_mean)  # Var(s_row + s_col) = 2 g^2
+        return cls(
+            value_std=math.sqrt(num_groups / (2 * activated * config.num_hidden_layers)),
+            projector_std=(num_groups * config.memory_value_dim) ** -0.5,
+            query_gain=query_gain,
+            key_gain=(config.memory_key_dim // config.tucker_rank) ** -0.5,
+        )
+
+
+class ScaledLayerNorm(nn.LayerNorm):
+    """LayerNorm whose gain starts at `init_gain` instead of 1 (query/key norms of the memory layers)."""
+
+    def __init__(self, normalized_shape: int, eps: float, init_gain: float):
+        super().__init__(normalized_shape, eps=eps)
+        self.init_gain = init_gain
+
+    def init_ultramem(self) -> None:
+        init.constant_(self.weight, self.init_gain)
+        init.zeros_(self.bias)
+
+
+class MemoryValueTable(nn.Embedding):
+    """The physical value table V (N, Dv) of one memory layer."""
+
+    def __init__(self, num_values: int, value_dim: int, init_std: float):
+        super().__init__(num_values, value_dim)
+        self.init_std = init_std
+
+    def init_ultramem(self) -> None:
+        init.normal_(self.weight, std=self.init_std)
+
+
+class ValueProjector(nn.Linear):
+    """The E IVE projectors W_p (Dv -> D) stacked as one (E * Dv -> D) matrix, so they run as one GEMM."""
+
+    def __init__(self, in_features: int, out_features: int, init_std: float):
+        super().__init__(in_features, out_features, bias=False)
+        self.init_std = init_std
+
+    def init_ultramem(self) -> None:
+        init.normal_(self.weight, std=self.init_std)
+
+
+@dataclass
+class UltraMemCausalLMOutputWithPast(CausalLMOutputWithPast):
+    """`CausalLMOutputWithPast` plus the two parts of the loss.
+
+    lm_loss: next-token cross entropy (when `labels` are given); `loss` = `lm_loss` + `aux_loss`.
+    aux_loss: TDQKR auxiliary loss on the Tucker cores' non-leading singular values.
+    """
+
+    lm_loss: torch.FloatTensor | None = None
+    aux_loss: torch.FloatTensor | None = None
+
+
+class UltraMemMLP(nn.Module):
+    """Two-matrix GeLU MLP of inner size `intermediate_size` (4D in the paper)."""
+
+    def __init__(self, config: UltraMemConfig):
+        super().__init__()
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.up_proj(hidden_states)))
+
+
+class UltraMemAttention(nn.Module):
+    """Multi-head causal self-attention with RoPE, dispatched through Transformers' attention interface."""
+
+    def __init__(self, config: UltraMemConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = 1
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        width = config.num_attention_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, width, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, width, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, width, bias=config.attention_bias)
+        self.o_proj = nn.Linear(width, config.hidden_size, bias=config.attention_bias)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, heads, T, head_dim)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()  # (B, T, D)
+        return self.o_proj(attn_output), attn_weights
+
+
+class UltraMemDecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm transformer block; adds the outputs of the memory layers that write after it."""
+
+    def __init__(self, config: UltraMemConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = UltraMemAttention(config, layer_idx)
+        self.mlp = UltraMemMLP(config)
+        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        past_key_values: Cache | None = None,
+        memory_output: torch.Tensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        attn_output, _ = self.self_attn(
+            self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            **kwargs,
+        )
+        hidden_states = hidden_states + self.dropout(attn_output)
+        hidden_states = hidden_states + self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
+        if memory_output is not None:
+            hidden_states = hidden_states + memory_output
+        return hidden_states
+
+
+class CausalDepthwiseConv(nn.Module):
+    """Causal depthwise Conv1d over time (trick 4), with its last k-1 inputs kept in the generation cache.
+
+    Padded positions are zeroed before the convolution, so left padding never leaks into a real token's
+    query, and the cached state is exactly what a full recomputation would see.
+    """
+
+    def __init__(self, channels: int, kernel_size: int, cache_layer_idx: int, state_idx: int):
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.cache_layer_idx = cache_layer_idx
+        self.state_idx = state_idx
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
+        self.bias = nn.Parameter(torch.empty(channels))
+
+    def init_ultramem(self) -> None:
+        """Start as the identity on the current token, so adding the conv does not change the initial model."""
+        identity = torch.zeros_like(self.weight)
+        identity[..., -1] = 1.0
+        init.copy_(self.weight, identity)
+        init.zeros_(self.bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+    ) -> torch.Tensor:
+        if padding_mask is not None:
+            x = x * padding_mask.unsqueeze(-1).to(x.dtype)
+        x = x.transpose(1, 2)  # (B, D, T)
+        context = self.kernel_size - 1
+        past = None
+        if past_key_values is not None and context > 0:
+            cache_layer = past_key_values.layers[self.cache_layer_idx]
+            if not isinstance(cache_layer, LinearAttentionCacheLayerMixin):
+                raise ValueError(
+                    "UltraMem keeps query-conv states in the generation cache: build it with "
+                    "DynamicCache(config=model.config) (or let the model create it with use_cache=True)."
+                )
+            past = past_key_values.get_conv_state(self.cache_layer_idx, self.state_idx)
+            past_key_values.update_conv_state(
+                x, self.cache_layer_idx, self.state_idx, conv_kernel_size=context
+            )
+        if past is None:
+            past = x.new_zeros(x.shape[0], x.shape[1], context)
+        window = torch.cat([past.to(x.dtype), x], dim=-1)  # (B, D, k-1+T)
+        return F.conv1d(window, self.weight, self.bias, groups=x.shape[1]).transpose(1, 2)  # (B, T, D)
+
+
+class MemoryQuery(nn.Module):
+    """Query network: optional causal depthwise conv, a linear map, LayerNorm on each Tucker part.
+
+    With `share_query` one query serves row and column keys (trick 5); otherwise each gets its own.
+    """
+
+    def __init__(self, config: UltraMemConfig, cache_layer_idx: int, state_idx: int):
+        super().__init__()
+        self.num_heads = config.memory_heads
+        self.num_queries = 1 if config.share_query else 2
+        self.rank = config.tucker_rank
+        self.part_dim = config.memory_key_dim // config.tucker_rank
+        self.conv = (
+            CausalDepthwiseConv(config.hidden_size, config.query_conv_kernel_size, cache_layer_idx, state_idx)
+            if config.use_query_conv
+            else None
+        )
+        self.proj = nn.Linear(
+            config.hidden_size, self.num_heads * self.num_queries * config.memory_key_dim, bias=False
+        )
+        scales = MemoryInitScales.from_config(config)
+        self.norm = (
+            ScaledLayerNorm(self.part_dim, config.layer_norm_eps, scales.query_gain)
+            if config.qk_layernorm
+            else nn.Identity()
+        )
+
+    def forward(
+        self, x: torch.Tensor, padding_mask: torch.Tensor | None, past_key_values: Cache | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.conv is not None:
+            x = self.conv(x, padding_mask, past_key_values)
+        query = self.proj(x).unflatten(-1, (self.num_heads, self.num_queries, self.rank, self.part_dim))
+        query = self.norm(query)  # (B, T, H, 1|2, r, Dk/r)
+        return query[..., 0, :, :], query[..., -1, :, :]  # row and column queries, (B, T, H, r, Dk/r)
+
+
+def key_norm(config: UltraMemConfig) -> nn.Module:
+    """LayerNorm on each key part (trick 2), or the identity when `qk_layernorm` is off."""
+    if not config.qk_layernorm:
+        return nn.Identity()
+    part_dim = config.memory_key_dim // config.tucker_rank
+    return ScaledLayerNorm(part_dim, config.layer_norm_eps, MemoryInitScales.from_config(config).key_gain)
+
+
+def init_keys(retrieval: nn.Module) -> None:
+    """Keys ~ N(0, 1/part_dim), so unit-variance queries give unit-variance scores even without key norm."""
+    for keys in (retrieval.row_keys, retrieval.col_keys):
+        init.normal_(keys, std=keys.shape[-1] ** -0.5)
+
+
+class ProductKeyRetrieval(nn.Module):
+    """PKM retrieval (Lample et al. 2019): additive row + column scores, two-phase top-m, one score per slot."""
+
+    def __init__(self, config: UltraMemConfig):
+        super().__init__()
+        self.topk = config.memory_topk
+        self.num_keys = config.memory_num_keys
+        shape = (config.memory_heads, 1, config.memory_num_keys, config.memory_key_dim)
+        self.row_keys = nn.Parameter(torch.empty(shape))
+        self.col_keys = nn.Parameter(torch.empty(shape))
+        self.key_norm = key_norm(config)
+
+    def init_ultramem(self) -> None:
+        init_keys(self)
+
+    def axis_scores(self, row_query: torch.Tensor, col_query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row and column scores of every key: (B, T, H, r, n) each."""
+        row = torch.einsum("bthrd,hrnd->bthrn", row_query, self.key_norm(self.row_keys))
+        col = torch.einsum("bthrd,hrnd->bthrn", col_query, self.key_norm(self.col_keys))
+        return row, col
+
+    def grid_scores(self, row_scores: torch.Tensor, col_scores: torch.Tensor) -> torch.Tensor:
+        """Exact score of every cell of the n x n grid, (..., n, n); for diagnostics only."""
+        return row_scores[..., 0, :, None] + col_scores[..., 0, None, :]
+
+    def forward(
+        self, row_query: torch.Tensor, col_query: torch.Tensor, ops: ModuleType | SimpleNamespace
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Virtual addresses (B, T, H, m) and their scores (B, T, H, m, 1)."""
+        row_scores, col_scores = self.axis_scores(row_query, col_query)
+        row_top, row_index = row_scores[..., 0, :].topk(self.topk, dim=-1)  # (B, T, H, m)
+        col_top, col_index = col_scores[..., 0, :].topk(self.topk, dim=-1)
+        grid = (row_top.unsqueeze(-1) + col_top.unsqueeze(-2)).flatten(-2)  # (B, T, H, m*m)
+        scores, flat_index = grid.topk(self.topk, dim=-1)
+        rows = row_index.gather(-1, flat_index // self.topk)
+        cols = col_index.gather(-1, flat_index % self.topk)
+        return rows * self.num_keys + cols, scores.unsqueeze(-1)
+
+
+class TuckerQueryKeyRetrieval(nn.Module):
+    """Tucker Decomposed Query-Key Retrieval (TDQKR) with multi-core scoring (MCS).
+
+    Scores are S_row^T C S_col with a rank-r Tucker core C = sum_i C^(i). The top-m is approximated in
+    two phases through the rank-1 SVD C ~ u t^T: m rows by u^T S_row and m columns by t^T S_col, then
+    the exact scores of the m x m candidates pick the final m. Sign convention: (u, t) and (-u, -t) give
+    the same rank-1 core; we flip both so that u's largest-magnitude entry is positive, so the selected
+    rows and columns are those with large positive projections.
+    """
+
+    def __init__(self, config: UltraMemConfig):
+        super().__init__()
+        self.topk = config.memory_topk
+        self.num_keys = config.memory_num_keys
+        part_dim = config.memory_key_dim // config.tucker_rank
+        shape = (config.memory_heads, config.tucker_rank, config.memory_num_keys, part_dim)
+        self.row_keys = nn.Parameter(torch.empty(shape))
+        self.col_keys = nn.Parameter(torch.empty(shape))
+        self.cores = nn.Parameter(
+            torch.empty(config.memory_heads, config.mcs_cores, config.tucker_rank, config.tucker_rank)
+        )
+        self.key_norm = key_norm(config)
+
+    def init_ultramem(self) -> None:
+        init_keys(self)
+        num_cores, rank = self.cores.shape[1], self.cores.shape[-1]
+        init.normal_(self.cores, std=(num_cores * rank * rank) ** -0.5)  # E||sum_i C^(i)||_F^2 = 1
+
+    def axis_scores(self, row_query: torch.Tensor, col_query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """S_row and S_col for every key: (B, T, H, r, n) each."""
+        row = torch.einsum("bthrd,hrnd->bthrn", row_query, self.key_norm(self.row_keys))
+        col = torch.einsum("bthrd,hrnd->bthrn", col_query, self.key_norm(self.col_keys))
+        return row, col
+
+    def grid_scores(self, row_scores: torch.Tensor, col_scores: torch.Tensor) -> torch.Tensor:
+        """Exact Tucker score of every cell of the n x n grid, (..., n, n); for diagnostics only."""
+        return torch.einsum("...an,hab,...bk->...nk", row_scores, self.cores.sum(1), col_scores)
+
+    @torch.no_grad()
+    def leading_singular_vectors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """u, t of the rank-1 SVD of each head's summed core: (H, r) each, sign-normalized."""
+        left, _, right_h = torch.linalg.svd(self.cores.sum(1).float())
+        u, t = left[..., :, 0], right_h[..., 0, :]
+        sign = u.gather(-1, u.abs().argmax(-1, keepdim=True)).sign()
+        return (u * sign).to(self.cores.dtype), (t * sign).to(self.cores.dtype)
+
+    def aux_loss(self, alpha: float, tau: float) -> torch.Tensor:
+        """alpha/(r-1) * sum_{i>=2} max(0, lambda_i - tau)^2 of each head's core, summed over heads."""
+        rank = self.cores.shape[-1]
+        if rank == 1:
+            return self.cores.new_zeros(())
+        singular_values = torch.linalg.svdvals(self.cores.sum(1).float())  # (H, r), descending
+        excess = F.relu(singular_values[:, 1:] - tau)
+        return alpha / (rank - 1) * excess.pow(2).sum()
+
+    def forward(
+        self, row_query: torch.Tensor, col_query: torch.Tensor, ops: ModuleType | SimpleNamespace
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Virtual addresses (B, T, H, m) and per-core scores (B, T, H, m, h)."""
+        row_scores, col_scores = self.axis_scores(row_query, col_query)  # (B, T, H, r, n)
+        u, t = self.leading_singular_vectors()
+        row_index = torch.einsum("bthrn,hr->bthn", row_scores.detach(), u).topk(self.topk, dim=-1).indices
+        col_index = torch.einsum("bthrn,hr->bthn", col_scores.detach(), t).topk(self.topk, dim=-1).indices
+        rank = row_scores.shape[-2]
+        row_candidates = row_scores.gather(-1, row_index.unsqueeze(-2).expand(-1, -1, -1, rank, -1))
+        col_candidates = col_scores.gather(-1, col_index.unsqueeze(-2).expand(-1, -1, -1, rank, -1))
+        flat_index, core_scores = ops.tucker_candidate_topk(
+            row_candidates, col_candidates, self.cores, self.topk
+        )  # (B, T, H, m), (B, T, H, m, h)
+        rows = row_index.gather(-1, flat_index // self.topk)
+        cols = col_index.gather(-1, flat_index % self.topk)
+        return rows * self.num_keys + cols, core_scores
+
+
+class ImplicitValueExpansion(nn.Module):
+    """Implicit Value Expansion (IVE): E virtual blocks V W_p computed on demand.
+
+    The n^2 = E * N virtual addresses are shuffled by a fixed bijection, stored in the checkpoint so it
+    is identical after reload on any machine. Shuffled address v' reads physical row v' mod N into
+    group v' div N; the E pooled groups go through their projectors as one GEMM.
+    """
+
+    def __init__(self, config: UltraMemConfig):
+        super().__init__()
+        self.num_groups = config.ive_expansion
+        self.num_values = config.memory_num_values
+        self.seed = config.ive_shuffle_seed
+        if self.num_groups > 1:
+            self.virtual_to_physical = nn.Buffer(torch.empty(config.memory_num_keys**2, dtype=torch.int64))
+        else:
+            self.virtual_to_physical = None
+        self.projector = (
+            ValueProjector(
+                self.num_groups * config.memory_value_dim,
+                config.hidden_size,
+                MemoryInitScales.from_config(config).projector_std,
+            )
+            if config.value_projection
+            else nn.Identity()
+        )
+
+    def init_ultramem(self) -> None:
+        """The fixed bijection over virtual addresses, from a seeded CPU generator (stored, not re-derived)."""
+        if self.virtual_to_physical is not None:
+            generator = torch.Generator().manual_seed(self.seed)
+            init.copy_(self.virtual_to_physical, torch.randperm(self.virtual_to_physical.numel(), generator=generator))
+
+    def forward(
+        self, values: torch.Tensor, virtual_index: torch.Tensor, scores: torch.Tensor, ops: ModuleType | SimpleNamespace
+    ) -> torch.Tensor:
+        """values (N, Dv), virtual_index (T, K), scores (T, K, h) -> output (T, D)."""
+        if self.virtual_to_physical is not None:
+            virtual_index = self.virtual_to_physical[virtual_index]
+        rows = virtual_index % self.num_values
+        groups = torch.div(virtual_index, self.num_values, rounding_mode="floor")
+        pooled = ops.lookup_reduce(values, rows, groups, scores, self.num_groups)  # (T, E, Dv)
+        return self.projector(pooled.flatten(1).to(scores.dtype))
+
+
+class UltraMemMemoryLayer(GradientCheckpointingLayer):
+    """One UltraMem memory layer: pre-norm, query, retrieval (TDQKR or PKM), value lookup and IVE pooling."""
+
+    def __init__(self, config: UltraMemConfig, memory_idx: int):
+        super().__init__()
+        self.config = config
+        self.memory_idx = memory_idx
+        self.read_block, self.write_block = config.memory_layers[memory_idx]
+        _, state_idx = config.memory_read_block_slots[memory_idx]
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.query = MemoryQuery(config, self.read_block, state_idx)
+        retrieval_cls = TuckerQueryKeyRetrieval if config.retrieval_mode == "tucker" else ProductKeyRetrieval
+        self.retrieval = retrieval_cls(config)
+        self.values = MemoryValueTable(
+            config.memory_num_values, config.memory_value_dim, MemoryInitScales.from_config(config).value_std
+        )
+        self.value_expansion = ImplicitValueExpansion(config)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def retrieve(
+        self,
+        hidden_states: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Virtual addresses (B, T, H, m) and scores (B, T, H, m, h) for the residual stream (B, T, D)."""
+        ops = select_memory_ops(self.config.memory_kernel, hidden_states.device)
+        row_query, col_query = self.query(self.norm(hidden_states), padding_mask, past_key_values)
+        virtual_index, scores = self.retrieval(row_query, col_query, ops)
+        if self.config.memory_score_softmax:
+            scores = scores.softmax(dim=-2)
+        return virtual_index, scores
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+    ) -> torch.Tensor:
+        batch, length, hidden = hidden_states.shape
+        virtual_index, scores = self.retrieve(hidden_states, padding_mask, past_key_values)
+        ops = select_memory_ops(self.config.memory_kernel, hidden_states.device)
+        output = self.value_expansion(
+            self.values.weight,
+            virtual_index.reshape(batch * length, -1),  # (B*T, H*m)
+            scores.reshape(batch * length, virtual_index.shape[-2] * virtual_index.shape[-1], -1),
+            ops,
+        )
+        return self.dropout(output.view(batch, length, hidden))
+
+    def aux_loss(self) -> torch.Tensor:
+        if isinstance(self.retrieval, TuckerQueryKeyRetrieval):
+            return self.retrieval.aux_loss(self.config.aux_loss_alpha, self.config.aux_loss_tau)
+        return self.values.weight.new_zeros((), dtype=torch.float32)
+
+
+class UltraMemPreTrainedModel(PreTrainedModel):
+    config: UltraMemConfig
+    config_class = UltraMemConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["UltraMemDecoderLayer", "UltraMemMemoryLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_record_outputs = {
+        "hidden_states": UltraMemDecoderLayer,
+        "attentions": UltraMemAttention,
+    }
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Transformers' defaults, then each memory module's own init (`init_ultramem`, see `MemoryInitScales`)."""
+        super()._init_weights(module)
+        if hasattr(module, "init_ultramem"):
+            module.init_ultramem()
+
+    def get_value_table_names(self) -> list[str]:
+        """Names of the memory value tables, for the optimizer's value-LR parameter group."""
+        return [
+            f"{name}.values.weight" for name, module in self.named_modules() if isinstance(module, UltraMemMemoryLayer)
+        ]
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Also map AutoConfig and AutoModel in `auto_map` (Transformers writes only the saved class)."""
+        self.config.auto_map = {
+            "AutoConfig": "configuration_ultramem.UltraMemConfig",
+            "AutoModel": "modeling_ultramem.UltraMemModel",
+            "AutoModelForCausalLM": "modeling_ultramem.UltraMemForCausalLM",
+        }
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+
+class UltraMemModel(UltraMemPreTrainedModel):
+    """The decoder stack with its memory layers; returns the final normalized hidden states."""
+
+    def __init__(self, config: UltraMemConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([UltraMemDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.memory_layers = nn.ModuleList([UltraMemMemoryLayer(config, j) for j in range(config.num_memory_layers)])
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def aux_loss(self) -> torch.Tensor:
+        """TDQKR aux loss summed over memory layers (zero without Tucker memory layers)."""
+        losses = [layer.aux_loss() for layer in self.memory_layers]
+        return torch.stack(losses).sum() if losses else self.embed_tokens.weight.new_zeros((), dtype=torch.float32)
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)  # (B, T, D)
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        if position_ids is None:
+            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+        # 2D padding mask of the current tokens, for the query convolutions
+        padding_mask = None
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+            padding_mask = attention_mask[:, -inputs_embeds.shape[1] :]
+
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        pending: dict[int, torch.Tensor] = {}  # memory layer -> output waiting for its write block
+        for block_idx, decoder_layer in enumerate(self.layers):
+            for memory_layer in self.memory_layers:
+                if memory_layer.read_block == block_idx:  # runs as soon as its input exists
+                    pending[memory_layer.memory_idx] = memory_layer(hidden_states, padding_mask, past_key_values)
+            writes = [pending.pop(layer.memory_idx) for layer in self.memory_layers if layer.write_block == block_idx]
+            hidden_states = decoder_layer(
+                hidden_states,
+                attention_mask=causal_mask,
+                position_embeddings=position_embeddings,
+                past_key_values=past_key_values,
+                memory_output=torch.stack(writes).sum(0) if writes else None,
+                **kwargs,
+            )
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+
+
+class UltraMemForCausalLM(UltraMemPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: UltraMemConfig):
+        super().__init__(config)
+        self.model = UltraMemModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> UltraMemCausalLMOutputWithPast:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            Next-token labels (shifted inside); -100 is ignored. `loss` is then the LM loss plus the aux loss.
+
+        Example:
+        ```python
+        >>> import ultramem
+        >>> from transformers import AutoModelForCausalLM
+        >>> model = AutoModelForCausalLM.from_pretrained("path/to/checkpoint")
+        >>> out = model(input_ids, labels=input_ids)
+        >>> out.loss, out.lm_loss, out.aux_loss
+        ```
+        """
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, slice_indices, :])  # (B, T, vocab)
+        aux_loss = self.model.aux_loss()
+        loss = lm_loss = None
+        if labels is not None:
+            lm_loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            loss = lm_loss + aux_loss.to(lm_loss.dtype)
+        return UltraMemCausalLMOutputWithPast(
+            loss=loss,
+            lm_loss=lm_loss,
+            aux_loss=aux_loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+__all__ = ["UltraMemForCausalLM", "UltraMemModel", "UltraMemPreTrainedModel"]
