@@ -8,7 +8,7 @@ import sys
 from importlib import resources
 
 import torch
-from transformers import HfArgumentParser, PretrainedConfig, default_data_collator, set_seed
+from transformers import HfArgumentParser, PretrainedConfig, TrainerCallback, default_data_collator, set_seed
 
 from ultramem.tokenization import load_tokenizer
 from ultramem.training.arguments import DataArguments, ModelArguments, UltraMemTrainingArguments
@@ -84,8 +84,8 @@ def check_deepspeed(args: UltraMemTrainingArguments) -> None:
         raise UsageError(f"--deepspeed {args.deepspeed} contradicts the Trainer arguments: {found}")
 
 
-def run(argv: list[str]) -> dict[str, float]:
-    """Train and evaluate; returns the final evaluation metrics (with perplexity)."""
+def run(argv: list[str], callbacks: list[TrainerCallback] | None = None) -> dict[str, float]:
+    """Train and evaluate; returns the final evaluation metrics (with perplexity). `callbacks` go to the Trainer."""
     model_args, data_args, training_args = parse_args(argv)
     config = build_config(model_args)
     check_block_size(data_args.block_size, config)
@@ -103,6 +103,7 @@ def run(argv: list[str]) -> dict[str, float]:
         eval_dataset=blocks["validation"],
         processing_class=tokenizer,
         data_collator=default_data_collator,
+        callbacks=callbacks,
         diagnostics_input_ids=torch.tensor(blocks["validation"][:diagnostics_count]["input_ids"]),
     )
     resume = training_args.resume_from_checkpoint

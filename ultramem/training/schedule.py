@@ -13,10 +13,11 @@ VALUE_GROUP = "values"
 
 
 def value_lr_multiplier(step: int, total_steps: int, start: float, decay: bool) -> float:
-    """`start` at step 0, falling linearly to 1 at `total_steps` when `decay` (paper: 10x -> 1x), else constant."""
-    if not decay or total_steps <= 0:
+    """Factor for optimizer step `step` (0-based): `start` at the first step, falling linearly to 1 at the last one
+    (step `total_steps - 1`) when `decay` (paper: 10x -> 1x), else constant."""
+    if not decay or total_steps <= 1:
         return start
-    progress = min(max(step / total_steps, 0.0), 1.0)
+    progress = min(max(step / (total_steps - 1), 0.0), 1.0)
     return start + (1.0 - start) * progress
 
 

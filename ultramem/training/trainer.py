@@ -37,6 +37,7 @@ class UltraMemTrainer(Trainer):
         self._loss_sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.args.device))
         self._loss_count = 0
         self._staging_dir: str | None = None
+        self._last_value_lr: float | None = None
 
     # ---- optimizer and schedule -------------------------------------------------------------------------------
     def _value_lr_settings(self) -> tuple[float, bool]:
@@ -76,9 +77,12 @@ class UltraMemTrainer(Trainer):
             self._created_lr_scheduler = True
         return self.lr_scheduler
 
-    def current_value_lr_multiplier(self) -> float:
-        start, decay = self._value_lr_settings()
-        return value_lr_multiplier(self.state.global_step, self.state.max_steps, start, decay)
+    def _get_learning_rate(self) -> float:
+        """The Trainer reads the LR of the step just taken here; remember the value group's LR of that step too."""
+        self._last_value_lr = next(
+            (float(g["lr"]) for g in self.optimizer.param_groups if g.get("ultramem_group") == VALUE_GROUP), None
+        )
+        return super()._get_learning_rate()
 
     # ---- logging ------------------------------------------------------------------------------------------------
     def compute_loss(
@@ -89,12 +93,29 @@ class UltraMemTrainer(Trainer):
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        if model.training and isinstance(outputs, dict) and outputs.get("aux_loss") is not None:
+            loss = self._count_aux_loss_once(loss, outputs["aux_loss"], num_items_in_batch)
         if model.training and isinstance(outputs, dict):
             parts = [name for name in LOSS_PARTS if outputs.get(name) is not None]
             for name in parts:
                 self._loss_sums[name] += outputs[name].detach().float()
             self._loss_count += bool(parts)
         return (loss, outputs) if return_outputs else loss
+
+    def _count_aux_loss_once(
+        self, loss: torch.Tensor, aux_loss: torch.Tensor, num_items_in_batch: torch.Tensor | int | None
+    ) -> torch.Tensor:
+        """Keep the aux loss's weight independent of world size and gradient accumulation.
+
+        When the LM loss is normalized by the tokens of the whole accumulated, all-rank batch, the Trainer skips
+        the division by the accumulation steps and multiplies by the number of processes (DDP then averages);
+        that is right for the LM term but would count the per-step aux loss `processes x accumulation` times.
+        """
+        if num_items_in_batch is None or not self.model_accepts_loss_kwargs:
+            return loss
+        scale = self.accelerator.num_processes // self.get_tp_size() if self.args.average_tokens_across_devices else 1
+        aux = aux_loss.to(loss.dtype)
+        return loss - aux * scale + aux / self.current_gradient_accumulation_steps
 
     def _training_log_extras(self) -> dict[str, float]:
         """LM and aux loss averaged since the last log (and over ranks), the value-LR multiplier, diagnostics."""
@@ -104,18 +125,14 @@ class UltraMemTrainer(Trainer):
                 extras[name] = self.accelerator.reduce(total / self._loss_count, reduction="mean").item()
             self._loss_sums.clear()
             self._loss_count = 0
+        if self._last_value_lr is not None:
+            start, decay = self._value_lr_settings()
+            step_taken = self.state.global_step - 1
+            extras["value_lr_multiplier"] = value_lr_multiplier(step_taken, self.state.max_steps, start, decay)
+            extras["value_learning_rate"] = self._last_value_lr
         if value_table_names(self.model):
-            multiplier = self.current_value_lr_multiplier()
-            extras["value_lr_multiplier"] = multiplier
-            extras["value_learning_rate"] = self._value_group_lr()
             extras.update(self._memory_diagnostics())
         return extras
-
-    def _value_group_lr(self) -> float:
-        for group in self.optimizer.param_groups:
-            if group.get("ultramem_group") == VALUE_GROUP:
-                return float(group["lr"])
-        raise RuntimeError("the optimizer lost its value-table parameter group")
 
     def _memory_diagnostics(self) -> dict[str, float]:
         if self.diagnostics_input_ids is None or self.args.diagnostics_batch_size <= 0:
