@@ -1,0 +1,290 @@
+"""The Triton memory kernels against the PyTorch reference (`ultramem.memory_ops`), on CPU.
+
+Kernels run in Triton's interpreter (TRITON_INTERPRET=1). Triton reads that variable when a
+function is decorated, including its own standard library, so it must be set before anything in
+the process imports triton. This module sets it at collection; if triton was imported earlier
+(another test module pulled in DeepSpeed, say), the cases cannot run in this process, and one test
+re-runs this file in a fresh interpreter instead while the in-process cases are skipped with that
+reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+_INTERPRETER_WAS_SET = os.environ.get("TRITON_INTERPRET") == "1"
+_TRITON_IMPORTED_FIRST = "triton" in sys.modules and not _INTERPRETER_WAS_SET
+os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from ultramem import kernels, memory_ops  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+in_process = pytest.mark.skipif(
+    _TRITON_IMPORTED_FIRST, reason="triton was imported before TRITON_INTERPRET=1; run by test_in_fresh_process"
+)
+
+# Tolerances per dtype: the kernels round once from float32, the reference is run in float32.
+TOLERANCE = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.bfloat16: dict(rtol=1e-2, atol=2e-2),
+    torch.float16: dict(rtol=2e-3, atol=2e-3),
+}
+
+
+def _poisoned(factory):
+    """Wrap torch.empty / torch.empty_like so that freshly allocated buffers hold NaN (or -7 for ints)."""
+
+    def allocate(*args, **kwargs):
+        tensor = factory(*args, **kwargs)
+        return tensor.fill_(float("nan") if tensor.is_floating_point() else -7)
+
+    return allocate
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Every buffer the kernels allocate without initialising starts as garbage, so an element the
+    kernels forget to write shows up as NaN / -7 in the result."""
+    monkeypatch.setattr(torch, "empty", _poisoned(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", _poisoned(torch.empty_like))
+
+
+def _lookup_inputs(num_tokens, num_slots, value_dim, num_rows, num_groups, num_cores, dtype, seed, row_range=None):
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(num_rows, value_dim, generator=generator).to(dtype)
+    rows = torch.randint(0, row_range or num_rows, (num_tokens, num_slots), generator=generator)
+    groups = torch.randint(0, num_groups, (num_tokens, num_slots), generator=generator)
+    scores = torch.randn(num_tokens, num_slots, num_cores, generator=generator).to(dtype)
+    grad_out = torch.randn(num_tokens, num_groups, value_dim, generator=generator).to(dtype)
+    return values, rows, groups, scores, grad_out
+
+
+def _reference_grads(values, rows, groups, scores, num_groups, grad_out):
+    """Reference output and gradients, computed in float32 from the same (rounded) inputs."""
+    values32 = values.float().requires_grad_()
+    scores32 = scores.float().requires_grad_()
+    out = memory_ops.lookup_reduce(values32, rows, groups, scores32, num_groups)
+    grad_values, grad_scores = torch.autograd.grad(out, (values32, scores32), grad_out.float())
+    return out.detach(), grad_values, grad_scores
+
+
+def _kernel_grads(values, rows, groups, scores, num_groups, grad_out, deterministic):
+    values = values.clone().requires_grad_()
+    scores = scores.clone().requires_grad_()
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        out = kernels.lookup_reduce(values, rows, groups, scores, num_groups)
+        grad_values, grad_scores = torch.autograd.grad(out, (values, scores), grad_out)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    return out.detach(), grad_values, grad_scores
+
+
+# (T, K, Dv, N, E, h): E in {1, 4, 9}, h in {1, 2, 4}, value dims that are not powers of two.
+SHAPES = [
+    (5, 7, 12, 11, 1, 1),
+    (6, 12, 20, 9, 4, 2),
+    (4, 18, 36, 13, 9, 4),
+    (3, 9, 24, 10, 9, 1),
+    (7, 5, 40, 6, 4, 4),
+]
+
+
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-K{}-Dv{}-N{}-E{}-h{}".format(*s))
+def test_lookup_reduce_matches_reference(shape, dtype, poison):
+    num_tokens, num_slots, value_dim, num_rows, num_groups, num_cores = shape
+    inputs = _lookup_inputs(*shape, dtype=dtype, seed=sum(shape))
+    values, rows, groups, scores, grad_out = inputs
+    ref_out, ref_grad_values, ref_grad_scores = _reference_grads(values, rows, groups, scores, num_groups, grad_out)
+    for deterministic in (True, False):
+        out, grad_values, grad_scores = _kernel_grads(*inputs[:4], num_groups, grad_out, deterministic)
+        assert out.dtype == grad_values.dtype == grad_scores.dtype == dtype
+        assert out.shape == (num_tokens, num_groups, value_dim)
+        torch.testing.assert_close(out.float(), ref_out, **TOLERANCE[dtype])
+        torch.testing.assert_close(grad_scores.float(), ref_grad_scores, **TOLERANCE[dtype])
+        torch.testing.assert_close(grad_values.float(), ref_grad_values, **TOLERANCE[dtype])
+
+
+@in_process
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic"])
+def test_value_gradient_with_heavy_duplicates(deterministic):
+    """48 tokens x 16 slots all reading 3 rows (many tokens and heads on one row), 4 groups, 2 cores."""
+    inputs = _lookup_inputs(48, 16, 20, 50, 4, 2, torch.float32, seed=3, row_range=3)
+    values, rows, groups, scores, grad_out = inputs
+    _, ref_grad_values, ref_grad_scores = _reference_grads(values, rows, groups, scores, 4, grad_out)
+    _, grad_values, grad_scores = _kernel_grads(values, rows, groups, scores, 4, grad_out, deterministic)
+    assert ref_grad_values[:3].abs().min() > 0 and ref_grad_values[3:].abs().max() == 0
+    torch.testing.assert_close(grad_values, ref_grad_values, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(grad_scores, ref_grad_scores, rtol=1e-5, atol=1e-5)
+
+
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_deterministic_mode_gives_identical_bits(dtype):
+    inputs = _lookup_inputs(24, 12, 20, 5, 4, 2, dtype, seed=11)
+    first = _kernel_grads(*inputs[:4], 4, inputs[4], deterministic=True)
+    second = _kernel_grads(*inputs[:4], 4, inputs[4], deterministic=True)
+    for a, b in zip(first, second):
+        assert torch.equal(a.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           b.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
+@in_process
+def test_empty_and_slotless_inputs():
+    values = torch.randn(4, 6, requires_grad=True)
+    for num_tokens, num_slots in ((0, 3), (2, 0)):
+        rows = torch.zeros(num_tokens, num_slots, dtype=torch.int64)
+        scores = torch.zeros(num_tokens, num_slots, 2, requires_grad=True)
+        out = kernels.lookup_reduce(values, rows, rows, scores, 4)
+        assert torch.equal(out, torch.zeros(num_tokens, 4, 6))
+        out.sum().backward()
+        assert torch.equal(values.grad, torch.zeros_like(values))
+
+
+@in_process
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        (dict(values=torch.zeros(5, 12, dtype=torch.int32)), TypeError, "values has dtype torch.int32"),
+        (dict(rows=torch.zeros(3, 4)), TypeError, "rows has dtype torch.float32"),
+        (dict(groups=torch.zeros(3, 5, dtype=torch.int64)), ValueError, "groups must have the shape of rows"),
+        (dict(scores=torch.zeros(3, 4, 5)), ValueError, "h = 5"),
+        (dict(rows=torch.full((3, 4), 5)), IndexError, "rows contains 5; allowed range is [0, 4]"),
+        (dict(rows=torch.full((3, 4), -1)), IndexError, "rows contains -1; allowed range is [0, 4]"),
+        (dict(groups=torch.full((3, 4), 4)), IndexError, "groups contains 4; allowed range is [0, 3]"),
+        (dict(num_groups=0), ValueError, "num_groups must be an int >= 1"),
+    ],
+)
+def test_lookup_reduce_rejects_bad_input(change, error, message):
+    arguments = dict(
+        values=torch.zeros(5, 12),
+        rows=torch.zeros(3, 4, dtype=torch.int64),
+        groups=torch.zeros(3, 4, dtype=torch.int64),
+        scores=torch.zeros(3, 4, 2),
+        num_groups=4,
+    )
+    arguments.update(change)
+    with pytest.raises(error, match=message.replace("[", r"\[").replace("]", r"\]")):
+        kernels.lookup_reduce(**arguments)
+
+
+def _candidate_inputs(lead, num_heads, num_cores, rank, num_candidates, dtype, seed):
+    generator = torch.Generator().manual_seed(seed)
+    row = torch.randn(*lead, num_heads, rank, num_candidates, generator=generator).to(dtype)
+    col = torch.randn(*lead, num_heads, rank, num_candidates, generator=generator).to(dtype)
+    cores = torch.randn(num_heads, num_cores, rank, rank, generator=generator).to(dtype)
+    return row, col, cores
+
+
+@in_process
+@pytest.mark.parametrize("num_cores, rank, num_candidates", [(1, 2, 5), (2, 2, 7), (4, 3, 6), (2, 2, 16)])
+def test_tucker_candidate_topk_matches_reference(num_cores, rank, num_candidates, poison):
+    row, col, cores = _candidate_inputs((2, 3), 2, num_cores, rank, num_candidates, torch.float32, seed=num_candidates)
+    inputs = [t.clone().requires_grad_() for t in (row, col, cores)]
+    ref_inputs = [t.clone().requires_grad_() for t in (row, col, cores)]
+    flat_index, core_scores = kernels.tucker_candidate_topk(*inputs, num_candidates)
+    ref_index, ref_scores = memory_ops.tucker_candidate_topk(*ref_inputs, num_candidates)
+    assert flat_index.dtype == torch.int64
+    assert torch.equal(flat_index, ref_index)
+    torch.testing.assert_close(core_scores, ref_scores, rtol=1e-5, atol=1e-5)
+    weights = torch.randn_like(core_scores)
+    grads = torch.autograd.grad((core_scores * weights).sum(), inputs)
+    ref_grads = torch.autograd.grad((ref_scores * weights).sum(), ref_inputs)
+    for grad, ref_grad in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-5)
+
+
+@in_process
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_tucker_candidate_topk_half_precision(dtype):
+    """Indices may differ from the reference only where two summed scores tie at this precision."""
+    row, col, cores = _candidate_inputs((3,), 2, 2, 2, 6, dtype, seed=5)
+    flat_index, core_scores = kernels.tucker_candidate_topk(row, col, cores, 6)
+    exact = torch.einsum("...ax,...iab,...by->...xy", row.float(), cores.float(), col.float()).flatten(-2)
+    chosen = exact.gather(-1, flat_index)
+    best = exact.topk(6, dim=-1).values
+    torch.testing.assert_close(chosen, best, **TOLERANCE[dtype])
+    assert core_scores.dtype == dtype
+    torch.testing.assert_close(core_scores.float().sum(-1), chosen, **TOLERANCE[dtype])
+
+
+@in_process
+def test_tucker_candidate_topk_falls_back_above_128_candidates():
+    row, col, cores = _candidate_inputs((1,), 1, 2, 2, 130, torch.float32, seed=1)
+    for got, ref in zip(kernels.tucker_candidate_topk(row, col, cores, 3),
+                        memory_ops.tucker_candidate_topk(row, col, cores, 3)):
+        assert torch.equal(got, ref)
+
+
+@in_process
+@pytest.mark.parametrize(
+    "shapes, topk, message",
+    [
+        (((2, 2, 5), (2, 2, 4), (1, 2, 2)), 3, "row_scores and col_scores must both be"),
+        (((2, 2, 5), (2, 2, 5), (1, 3, 3)), 3, r"cores must be \(..., h, r, r\) with r = 2"),
+        (((2, 2, 5), (2, 2, 5), (1, 2, 2)), 26, r"topk must be an int in \[1, 25\]"),
+    ],
+)
+def test_tucker_candidate_topk_rejects_bad_input(shapes, topk, message):
+    with pytest.raises(ValueError, match=message):
+        kernels.tucker_candidate_topk(*(torch.zeros(s) for s in shapes), topk)
+
+
+@in_process
+def test_torch_compile_traces_the_kernels_without_graph_breaks():
+    """fullgraph=True fails on any graph break; aot_eager runs the custom ops' fake and real kernels."""
+    values, rows, groups, scores, _ = _lookup_inputs(4, 6, 12, 7, 4, 2, torch.float32, seed=2)
+    row, col, cores = _candidate_inputs((4,), 1, 2, 2, 5, torch.float32, seed=2)
+
+    def memory_step(values, scores, row, col, cores):
+        flat_index, core_scores = kernels.tucker_candidate_topk(row, col, cores, 5)
+        pooled = kernels.lookup_reduce(values, rows, groups, scores * core_scores.mean(), 4)
+        return pooled.square().sum() + flat_index.sum()
+
+    leaves = [t.clone().requires_grad_() for t in (values, scores, row, col, cores)]
+    compiled = torch.compile(memory_step, backend="aot_eager", fullgraph=True)
+    compiled_grads = torch.autograd.grad(compiled(*leaves), leaves)
+    eager_grads = torch.autograd.grad(memory_step(*leaves), leaves)
+    for got, ref in zip(compiled_grads, eager_grads):
+        torch.testing.assert_close(got, ref)
+
+
+def test_triton_available_under_interpreter():
+    assert kernels.triton_available()
+
+
+@pytest.mark.skipif(not _TRITON_IMPORTED_FIRST, reason="the cases ran in this process (triton was not imported first)")
+def test_in_fresh_process():
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+def test_benchmark_script_writes_results(tmp_path):
+    """CPU smoke run of benchmarks/bench_kernels.py at toy sizes: JSON, PNG and a table, no timings checked."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET")
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "bench_kernels.py"), "--device", "cpu", "--smoke",
+         "--out-dir", str(tmp_path)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    report = json.loads((tmp_path / "bench_kernels_cpu.json").read_text())
+    assert report["device"]["type"] == "cpu" and report["results"]
+    assert {"torch", "embedding_bag"} <= {row["impl"] for row in report["results"]}
+    assert all(row["forward_ms"] > 0 for row in report["results"] if row["status"] == "ok")
+    assert (tmp_path / "bench_kernels_cpu.png").stat().st_size > 0
+    assert "forward_ms" in result.stdout.strip().splitlines()[-len(report["results"]) - 2]
