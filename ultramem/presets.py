@@ -1,0 +1,396 @@
+"""Named configs: the paper's Table "Model parameter setting", tiny CPU models, and the ablation ladder.
+
+Conventions (see SPEC.md): memory placement pairs are 0-based (paper "3:5" -> (2, 4)); the paper's
+"Top-m" column "16x2" is m=16 values per head times H=2 heads; its "Knum" is sqrt(N physical values),
+so the keys per axis are sqrt(E) * Knum. MoE rows are Transformers' Mixtral with SwiGLU experts of
+2/3 the paper's GeLU expert width, which matches the paper's parameters and FLOPs per token.
+
+Two rows of the paper's table are inconsistent with their own parameter column and are corrected:
+"UltraMem-151M-x10" lists a 2048/8192/32 backbone (not provided: it is a typo for the 151M backbone),
+and "PKM-1.6B-x12" lists Knum 1792, which gives 8.2B parameters instead of 21.44B with its full value
+dim of 2048; Knum 3104 reproduces 21.44B.
+
+Run `python -m ultramem.presets` for the table, side by side with the paper's figures.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import MixtralConfig, MixtralForCausalLM, PreTrainedConfig, PreTrainedModel
+
+from .configuration_ultramem import UltraMemConfig
+from .modeling_ultramem import UltraMemForCausalLM
+
+VOCAB_SIZE = 50432
+
+
+@dataclass(frozen=True)
+class Backbone:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_hidden_layers: int
+
+    def kwargs(self) -> dict[str, int]:
+        return dict(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_hidden_layers=self.num_hidden_layers,
+        )
+
+
+BACKBONES = {
+    "tiny": Backbone(256, 1024, 4, 4),
+    "151m": Backbone(1024, 4096, 16, 12),
+    "680m": Backbone(1536, 6144, 16, 24),
+    "1.6b": Backbone(2048, 8192, 16, 32),
+    "6.5b": Backbone(4096, 16384, 32, 32),
+}
+
+# The plain PKM baseline: product keys, softmax, full value dim, one layer in parallel with a block.
+PKM_SWITCHES: dict[str, Any] = dict(
+    retrieval_mode="product_key",
+    memory_score_softmax=True,
+    value_projection=False,
+    share_query=False,
+    qk_layernorm=False,
+    ive_expansion=1,
+    tucker_rank=1,
+    mcs_cores=1,
+    improved_init=False,
+    value_lr_decay=False,
+    use_query_conv=False,
+)
+
+
+def _ultramem(scale: str, topk: int, key_dim: int, knum: int, layers: list[list[int]]) -> dict[str, Any]:
+    backbone = BACKBONES[scale]
+    return dict(
+        **backbone.kwargs(),
+        memory_layers=layers,
+        memory_heads=2,
+        memory_topk=topk,
+        memory_key_dim=key_dim,
+        memory_num_keys=2 * knum,  # sqrt(E) * Knum with E = 4
+        memory_value_dim=backbone.hidden_size // 2,
+        ive_expansion=4,
+        tucker_rank=2,
+        mcs_cores=2,
+    )
+
+
+def _pkm(scale: str, topk: int, heads: int, key_dim: int, knum: int, block: int) -> dict[str, Any]:
+    backbone = BACKBONES[scale]
+    return dict(
+        **backbone.kwargs(),
+        **PKM_SWITCHES,
+        memory_layers=[[block, block]],
+        memory_heads=heads,
+        memory_topk=topk,
+        memory_key_dim=key_dim,
+        memory_num_keys=knum,
+        memory_value_dim=backbone.hidden_size,
+    )
+
+
+def _moe(scale: str, experts: int, paper_expert_inner: int) -> dict[str, Any]:
+    backbone = BACKBONES[scale]
+    return dict(
+        hidden_size=backbone.hidden_size,
+        intermediate_size=round(paper_expert_inner * 2 / 3),  # SwiGLU: 3 matrices of 2/3 width
+        num_attention_heads=backbone.num_attention_heads,
+        num_key_value_heads=backbone.num_attention_heads,
+        num_hidden_layers=backbone.num_hidden_layers,
+        num_local_experts=experts,
+        num_experts_per_tok=2,
+        router_aux_loss_coef=0.01,
+        output_router_logits=True,
+    )
+
+
+def _skip_layers(num_layers: int, span: int) -> list[list[int]]:
+    """Paper placement a:a+span (1-based), every span+1 blocks from block 3 -> 0-based (a-1, a-1+span)."""
+    return [[2 + i * (span + 1), 2 + i * (span + 1) + span] for i in range(num_layers)]
+
+
+# name -> (kind, config kwargs)
+_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "dense-151m": ("ultramem", BACKBONES["151m"].kwargs()),
+    "dense-680m": ("ultramem", BACKBONES["680m"].kwargs()),
+    "dense-1.6b": ("ultramem", BACKBONES["1.6b"].kwargs()),
+    "dense-6.5b": ("ultramem", BACKBONES["6.5b"].kwargs()),
+    "moe-151m-2in32": ("mixtral", _moe("151m", 32, 2528)),
+    "moe-680m-2in33": ("mixtral", _moe("680m", 33, 3584)),
+    "moe-1.6b-2in34": ("mixtral", _moe("1.6b", 34, 4672)),
+    "pkm-151m-x12": ("ultramem", _pkm("151m", 16, 6, 512, 1347, 5)),
+    "pkm-680m-x12": ("ultramem", _pkm("680m", 35, 8, 768, 2308, 11)),
+    "pkm-1.6b-x12": ("ultramem", _pkm("1.6b", 42, 12, 896, 3104, 15)),
+    "ultramem-151m-x12": ("ultramem", _ultramem("151m", 16, 256, 1100, _skip_layers(3, span=2))),
+    "ultramem-680m-x12": ("ultramem", _ultramem("680m", 35, 384, 1632, _skip_layers(4, span=4))),
+    "ultramem-1.6b-x12": ("ultramem", _ultramem("1.6b", 42, 448, 1792, _skip_layers(6, span=4))),
+    # Models that train in minutes on 2 CPU cores; tiny-ultramem is the last row of the tiny ablation ladder.
+    "tiny-dense": ("ultramem", dict(**BACKBONES["tiny"].kwargs(), max_position_embeddings=512)),
+    "tiny-ultramem": (
+        "ultramem",
+        dict(
+            **BACKBONES["tiny"].kwargs(),
+            max_position_embeddings=512,
+            memory_layers=[[0, 1], [2, 3]],
+            memory_heads=2,
+            memory_topk=16,
+            memory_key_dim=64,
+            memory_num_keys=512,
+            memory_value_dim=128,
+        ),
+    ),
+    "tiny-pkm": (
+        "ultramem",
+        dict(
+            **BACKBONES["tiny"].kwargs(),
+            **PKM_SWITCHES,
+            max_position_embeddings=512,
+            memory_layers=[[2, 2]],
+            memory_heads=2,
+            memory_topk=16,
+            memory_key_dim=64,
+            memory_num_keys=256,
+            memory_value_dim=256,
+        ),
+    ),
+    "tiny-moe": (
+        "mixtral",
+        dict(
+            hidden_size=256,
+            intermediate_size=341,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            num_hidden_layers=4,
+            num_local_experts=16,
+            num_experts_per_tok=2,
+            router_aux_loss_coef=0.01,
+            output_router_logits=True,
+            max_position_embeddings=512,
+        ),
+    ),
+}
+
+PRESETS: tuple[str, ...] = tuple(_PRESETS)
+
+# The paper's "Param (B)" and "FLOPs (G)" columns, embeddings and head excluded.
+PAPER_FIGURES: dict[str, tuple[float, float]] = {
+    "dense-151m": (0.15, 0.30),
+    "dense-680m": (0.68, 1.36),
+    "dense-1.6b": (1.61, 3.21),
+    "dense-6.5b": (6.44, 12.88),
+    "moe-151m-2in32": (2.04, 0.35),
+    "moe-680m-2in33": (8.95, 1.50),
+    "moe-1.6b-2in34": (21.36, 3.52),
+    "pkm-151m-x12": (2.04, 0.35),
+    "pkm-680m-x12": (8.95, 1.50),
+    "pkm-1.6b-x12": (21.44, 3.52),
+    "ultramem-151m-x12": (2.03, 0.35),
+    "ultramem-680m-x12": (8.93, 1.49),
+    "ultramem-1.6b-x12": (21.41, 3.50),
+}
+
+
+def get_config(name: str, **overrides: Any) -> PreTrainedConfig:
+    """The preset `name` as a config (`UltraMemConfig`, or `MixtralConfig` for the MoE rows).
+
+    Overrides replace preset fields; unknown or invalid fields raise with the field named.
+    """
+    if name not in _PRESETS:
+        raise KeyError(f"Unknown preset {name!r}; available: {', '.join(PRESETS)}")
+    kind, kwargs = _PRESETS[name]
+    kwargs = {"vocab_size": VOCAB_SIZE, **kwargs, **overrides}
+    if kind == "mixtral":
+        return MixtralConfig(rope_theta=10000.0, tie_word_embeddings=False, **kwargs)
+    return UltraMemConfig(**kwargs)
+
+
+def build_model(config: PreTrainedConfig) -> PreTrainedModel:
+    """A randomly initialised model for a preset's config."""
+    if isinstance(config, MixtralConfig):
+        return MixtralForCausalLM(config)
+    return UltraMemForCausalLM(config)
+
+
+def count_parameters(config: PreTrainedConfig) -> dict[str, float]:
+    """Total and activated parameters and FLOPs per token, embeddings and head excluded, on the meta device.
+
+    Activated parameters are those a token multiplies: all dense weights, all keys (scored in full), and
+    H*m value rows per memory layer; for MoE, the shared weights plus k of the experts. FLOPs per token
+    = 2 x activated parameters (attention over the context excluded), as in the paper's FLOPs column.
+    """
+    with torch.device("meta"):
+        model = build_model(config)
+    excluded = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+    params = {name: p for name, p in model.named_parameters() if id(p) not in excluded}
+    total = sum(p.numel() for p in params.values())
+    activated = total
+    memory_slots = physical_values = 0
+    if isinstance(config, MixtralConfig):
+        expert_params = sum(p.numel() for name, p in params.items() if ".experts." in name)
+        activated = total - expert_params + expert_params * config.num_experts_per_tok // config.num_local_experts
+    else:
+        for layer in model.model.memory_layers:
+            table = layer.values.weight
+            activated += config.memory_heads * config.memory_topk * table.shape[1] - table.numel()
+            physical_values += table.shape[0]
+            memory_slots += config.memory_num_keys**2
+    return {
+        "total": total,
+        "activated": activated,
+        "flops_per_token": 2 * activated,
+        "memory_slots": memory_slots,
+        "physical_values": physical_values,
+    }
+
+
+# The paper's ablation ladder (Table "Ablation study of model improvements"): each row changes exactly
+# one improvement of the previous row. Sizes that an improvement changes are derived from the row above.
+LADDER_ROWS: tuple[str, ...] = (
+    "PKM x10",
+    "+rm softmax",
+    "+half vdim+proj",
+    "+share query",
+    "+split big mem&skip",
+    "+query/key LN",
+    "+IVE",
+    "+TDQKR",
+    "+MCS",
+    "+improved init",
+    "+value lr decay",
+    "+query conv",
+)
+
+
+def _ladder_step(row: str, previous: dict[str, Any], skip_layers: list[list[int]]) -> dict[str, Any]:
+    config = dict(previous)
+    if row == "+rm softmax":
+        config["memory_score_softmax"] = False
+    elif row == "+half vdim+proj":  # half Dv, twice the values and twice the top-m: same activated params
+        config["memory_value_dim"] //= 2
+        config["value_projection"] = True
+        config["memory_num_keys"] = round(config["memory_num_keys"] * math.sqrt(2))
+        config["memory_topk"] *= 2
+    elif row == "+share query":
+        config["share_query"] = True
+    elif row == "+split big mem&skip":  # same total values and activated values, spread over skip layers
+        parts = len(skip_layers)
+        config["memory_layers"] = skip_layers
+        config["memory_num_keys"] = round(config["memory_num_keys"] / math.sqrt(parts))
+        config["memory_topk"] = max(1, config["memory_topk"] // parts)
+    elif row == "+query/key LN":
+        config["qk_layernorm"] = True
+    elif row == "+IVE":  # E = 4 virtual blocks: keys per axis x sqrt(E), same physical values
+        config["ive_expansion"] = 4
+        config["memory_num_keys"] *= 2
+    elif row == "+TDQKR":
+        config["retrieval_mode"] = "tucker"
+        config["tucker_rank"] = 2
+    elif row == "+MCS":
+        config["mcs_cores"] = 2
+    elif row == "+improved init":
+        config["improved_init"] = True
+    elif row == "+value lr decay":
+        config["value_lr_decay"] = True
+    elif row == "+query conv":
+        config["use_query_conv"] = True
+    config.pop("memory_num_values", None)
+    return config
+
+
+def ablation_ladder(scale: str = "tiny", **overrides: Any) -> list[tuple[str, UltraMemConfig]]:
+    """The ablation ladder at `scale` ("tiny" or "151m"), as (row name, config) pairs.
+
+    The first row is PKM in one memory layer in parallel with the middle block, with ~10x the dense
+    parameters at "151m" (the paper's PKM-151M-x10) and ~5x at "tiny"; the last row is full UltraMem
+    (at "tiny", exactly the `tiny-ultramem` preset). `overrides` apply to every row (e.g. max_position_embeddings).
+    """
+    backbone = BACKBONES[scale]
+    blocks = backbone.num_hidden_layers
+    if scale == "tiny":
+        skip_layers, knum, key_dim, heads, topk = [[0, 1], [2, 3]], 256, 64, 2, 16
+    else:
+        skip_layers, knum, key_dim, heads, topk = [[2, 4], [5, 7], [8, 10]], 1224, 256, 2, 16
+    row_config: dict[str, Any] = dict(
+        **backbone.kwargs(),
+        **PKM_SWITCHES,
+        vocab_size=VOCAB_SIZE,
+        memory_layers=[[blocks // 2, blocks // 2]],
+        memory_heads=heads,
+        memory_topk=topk,
+        memory_key_dim=key_dim,
+        memory_num_keys=knum,
+        memory_value_dim=backbone.hidden_size,
+        **overrides,
+    )
+    ladder = []
+    for row in LADDER_ROWS:
+        if row != LADDER_ROWS[0]:
+            row_config = _ladder_step(row, row_config, skip_layers)
+        ladder.append((row, UltraMemConfig(**row_config)))
+    return ladder
+
+
+def _describe(name: str, config: PreTrainedConfig) -> dict[str, Any]:
+    counts = count_parameters(config)
+    paper_params, paper_flops = PAPER_FIGURES.get(name, (None, None))
+    row = {
+        "preset": name,
+        "hidden": config.hidden_size,
+        "inner": config.intermediate_size,
+        "heads": config.num_attention_heads,
+        "layers": config.num_hidden_layers,
+        "top_m": "-",
+        "experts": "-",
+        "kdim": "-",
+        "knum": "-",
+        "mem_layers": "-",
+        "params_b": counts["total"] / 1e9,
+        "paper_params_b": paper_params,
+        "flops_g": counts["flops_per_token"] / 1e9,
+        "paper_flops_g": paper_flops,
+    }
+    if isinstance(config, MixtralConfig):
+        row.update(top_m=config.num_experts_per_tok, experts=config.num_local_experts)
+    elif config.memory_layers:
+        row.update(
+            top_m=f"{config.memory_topk}x{config.memory_heads}",
+            kdim=config.memory_key_dim,
+            knum=round(math.sqrt(config.memory_num_values)),
+            mem_layers=len(config.memory_layers),
+        )
+    return row
+
+
+def preset_table() -> list[dict[str, Any]]:
+    """One row per preset: shape, our parameter and FLOP counts, and the paper's."""
+    return [_describe(name, get_config(name)) for name in PRESETS]
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    header = (
+        f"{'preset':<20}{'hidden':>7}{'inner':>7}{'heads':>6}{'L':>4}{'top-m':>7}{'exp':>5}{'kdim':>6}"
+        f"{'knum':>6}{'mem':>5}{'params(B)':>11}{'paper':>8}{'diff':>8}{'FLOPs(G)':>10}{'paper':>8}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        paper_p, paper_f = r["paper_params_b"], r["paper_flops_g"]
+        diff = f"{100 * (r['params_b'] / paper_p - 1):+.1f}%" if paper_p else "-"
+        lines.append(
+            f"{r['preset']:<20}{r['hidden']:>7}{r['inner']:>7}{r['heads']:>6}{r['layers']:>4}{r['top_m']!s:>7}"
+            f"{r['experts']!s:>5}{r['kdim']!s:>6}{r['knum']!s:>6}{r['mem_layers']!s:>5}{r['params_b']:>11.3f}"
+            f"{paper_p if paper_p else '-'!s:>8}{diff:>8}{r['flops_g']:>10.3f}{paper_f if paper_f else '-'!s:>8}"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(format_table(preset_table()))
