@@ -34,14 +34,14 @@ def _resolve_deepspeed_shorthand(argv: list[str]) -> list[str]:
     return resolved
 
 
-def _prepare_cpu_distributed(argv: list[str]) -> None:
+def _prepare_cpu_distributed(argv: list[str]) -> bool:
     """On machines without CUDA, multi-process runs need a gloo process group before the arguments are built.
 
     DeepSpeed's batch-size check reads the world size while `TrainingArguments` is constructed; without this
-    state Accelerate reports a world size of 1 on CPU.
+    state Accelerate reports a world size of 1 on CPU. Returns whether such a state was created.
     """
     if torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return
+        return False
     if "--deepspeed" in argv:
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
@@ -49,13 +49,15 @@ def _prepare_cpu_distributed(argv: list[str]) -> None:
     from accelerate import PartialState
 
     PartialState(backend="gloo")
+    return True
 
 
 def parse_args(argv: list[str]) -> tuple[ModelArguments, DataArguments, UltraMemTrainingArguments]:
     """Parse flags (or one JSON file of them); invalid values become a `UsageError`."""
     argv = _resolve_deepspeed_shorthand(argv)
-    _prepare_cpu_distributed(argv)
     parser = HfArgumentParser((ModelArguments, DataArguments, UltraMemTrainingArguments))
+    if _prepare_cpu_distributed(argv):
+        parser.set_defaults(accelerator_config={"use_configured_state": True})
     try:
         if len(argv) == 1 and argv[0].endswith(".json"):
             model_args, data_args, training_args = parser.parse_json_file(argv[0])
@@ -63,8 +65,6 @@ def parse_args(argv: list[str]) -> tuple[ModelArguments, DataArguments, UltraMem
             model_args, data_args, training_args = parser.parse_args_into_dataclasses(argv)
     except ValueError as error:
         raise UsageError(str(error).strip().splitlines()[0]) from error
-    if not torch.cuda.is_available() and training_args.world_size > 1:
-        training_args.accelerator_config.use_configured_state = True
     return model_args, data_args, training_args
 
 
