@@ -15,7 +15,6 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from ultramem.training.schedule import VALUE_GROUP, value_lr_multiplier, with_value_multiplier
 
 STAGING_PREFIX = ".incomplete-"
-LOSS_PARTS = ("lm_loss", "aux_loss")
 
 
 def value_table_names(model: nn.Module) -> set[str]:
@@ -35,7 +34,7 @@ class UltraMemTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.diagnostics_input_ids = diagnostics_input_ids
         self._loss_sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.args.device))
-        self._loss_count = 0
+        self._steps_since_log = 0
         self._staging_dir: str | None = None
         self._last_value_lr: float | None = None
 
@@ -93,38 +92,35 @@ class UltraMemTrainer(Trainer):
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
-        if model.training and isinstance(outputs, dict) and outputs.get("aux_loss") is not None:
-            loss = self._count_aux_loss_once(loss, outputs["aux_loss"], num_items_in_batch)
-        if model.training and isinstance(outputs, dict):
-            parts = [name for name in LOSS_PARTS if outputs.get(name) is not None]
-            for name in parts:
-                self._loss_sums[name] += outputs[name].detach().float()
-            self._loss_count += bool(parts)
+        if model.training and isinstance(outputs, dict) and outputs.get("lm_loss") is not None:
+            lm_scale, aux_scale = self._loss_part_scales(num_items_in_batch)
+            aux = outputs["aux_loss"].to(loss.dtype)
+            loss = loss - aux * lm_scale + aux * aux_scale  # the Trainer scaled the aux term like the LM term
+            self._loss_sums["lm_loss"] += outputs["lm_loss"].detach().float() * lm_scale
+            self._loss_sums["aux_loss"] += aux.detach().float() * aux_scale
         return (loss, outputs) if return_outputs else loss
 
-    def _count_aux_loss_once(
-        self, loss: torch.Tensor, aux_loss: torch.Tensor, num_items_in_batch: torch.Tensor | int | None
-    ) -> torch.Tensor:
-        """Keep the aux loss's weight independent of world size and gradient accumulation.
+    def _loss_part_scales(self, num_items_in_batch: torch.Tensor | int | None) -> tuple[float, float]:
+        """Factors that turn this micro-batch's LM and aux loss into their share of the optimizer step's loss.
 
         When the LM loss is normalized by the tokens of the whole accumulated, all-rank batch, the Trainer skips
-        the division by the accumulation steps and multiplies by the number of processes (DDP then averages);
-        that is right for the LM term but would count the per-step aux loss `processes x accumulation` times.
+        the division by the accumulation steps and multiplies by the number of processes (DDP then averages):
+        right for the LM term, but the aux loss (a function of the weights only) must count once per step,
+        whatever the world size and accumulation.
         """
+        accumulation = self.current_gradient_accumulation_steps
         if num_items_in_batch is None or not self.model_accepts_loss_kwargs:
-            return loss
-        scale = self.accelerator.num_processes // self.get_tp_size() if self.args.average_tokens_across_devices else 1
-        aux = aux_loss.to(loss.dtype)
-        return loss - aux * scale + aux / self.current_gradient_accumulation_steps
+            return 1.0 / accumulation, 1.0 / accumulation
+        processes = self.accelerator.num_processes // self.get_tp_size()
+        return float(processes if self.args.average_tokens_across_devices else 1), 1.0 / accumulation
 
     def _training_log_extras(self) -> dict[str, float]:
-        """LM and aux loss averaged since the last log (and over ranks), the value-LR multiplier, diagnostics."""
+        """LM and aux loss per step since the last log (over ranks), the value-LR multiplier, diagnostics."""
         extras: dict[str, float] = {}
-        if self._loss_count:
+        if self._loss_sums and self._steps_since_log > 0:
             for name, total in self._loss_sums.items():
-                extras[name] = self.accelerator.reduce(total / self._loss_count, reduction="mean").item()
+                extras[name] = self.accelerator.reduce(total / self._steps_since_log, reduction="mean").item()
             self._loss_sums.clear()
-            self._loss_count = 0
         if self._last_value_lr is not None:
             start, decay = self._value_lr_settings()
             step_taken = self.state.global_step - 1
@@ -145,6 +141,10 @@ class UltraMemTrainer(Trainer):
             stats = retrieval_diagnostics(self.model, self.diagnostics_input_ids.to(self.args.device))
         self.model.train(was_training)
         return {f"memory/{name}": float(value) for name, value in stats.items()}
+
+    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
+        self._steps_since_log = self.state.global_step - self._globalstep_last_logged
+        super()._maybe_log_save_evaluate(*args, **kwargs)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self.model.training:
