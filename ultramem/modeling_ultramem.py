@@ -296,8 +296,10 @@ class CausalDepthwiseConv(nn.Module):
         context = self.kernel_size - 1
         past = None
         if past_key_values is not None and context > 0:
-            cache_layer = past_key_values.layers[self.cache_layer_idx]
-            if not isinstance(cache_layer, LinearAttentionCacheLayerMixin):
+            layers = past_key_values.layers
+            if len(layers) <= self.cache_layer_idx or not isinstance(
+                layers[self.cache_layer_idx], LinearAttentionCacheLayerMixin
+            ):
                 raise ValueError(
                     "UltraMem keeps query-conv states in the generation cache: build it with "
                     "DynamicCache(config=model.config) (or let the model create it with use_cache=True)."

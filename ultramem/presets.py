@@ -102,7 +102,8 @@ def _moe(scale: str, experts: int, paper_expert_inner: int) -> dict[str, Any]:
     backbone = BACKBONES[scale]
     return dict(
         hidden_size=backbone.hidden_size,
-        intermediate_size=round(paper_expert_inner * 2 / 3),  # SwiGLU: 3 matrices of 2/3 width
+        # SwiGLU: 3 matrices of 2/3 the width; a multiple of 8 keeps grouped-GEMM strides 16-byte aligned
+        intermediate_size=8 * round(paper_expert_inner * 2 / 3 / 8),
         num_attention_heads=backbone.num_attention_heads,
         num_key_value_heads=backbone.num_attention_heads,
         num_hidden_layers=backbone.num_hidden_layers,
@@ -166,7 +167,7 @@ _PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         "mixtral",
         dict(
             hidden_size=256,
-            intermediate_size=341,
+            intermediate_size=344,
             num_attention_heads=4,
             num_key_value_heads=4,
             num_hidden_layers=4,

@@ -1,0 +1,46 @@
+"""Shared test setup: offline Hub, few threads, and small UltraMem configs with every feature switched on."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from ultramem import UltraMemConfig  # noqa: E402
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def small_config(**overrides) -> UltraMemConfig:
+    """A model small enough for exact float64 references: every improvement of the paper is on."""
+    kwargs = dict(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        memory_layers=[[0, 2], [1, 3], [1, 1]],
+        memory_heads=2,
+        memory_topk=4,
+        memory_key_dim=8,
+        memory_num_keys=12,
+        memory_value_dim=12,
+        tucker_rank=2,
+        mcs_cores=2,
+        ive_expansion=4,
+        query_conv_kernel_size=3,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    kwargs.update(overrides)
+    return UltraMemConfig(**kwargs)
+
+
+@pytest.fixture
+def config() -> UltraMemConfig:
+    return small_config()

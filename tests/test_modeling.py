@@ -1,0 +1,344 @@
+"""The model against independent references: GPT-NeoX, a float64 loop implementation, full recomputation."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import small_config
+from transformers import DynamicCache, GPTNeoXConfig, GPTNeoXForCausalLM
+
+from ultramem import UltraMemForCausalLM
+from ultramem.diagnostics import retrieval_diagnostics
+
+
+def _model(config, seed: int = 0) -> UltraMemForCausalLM:
+    torch.manual_seed(seed)
+    return UltraMemForCausalLM(config).eval()
+
+
+def _left_padded_batch(vocab_size: int, lengths: list[int], seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    input_ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    attention_mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        input_ids[row, width - length :] = torch.randint(1, vocab_size, (length,), generator=generator)
+        attention_mask[row, width - length :] = 1
+    return input_ids, attention_mask
+
+
+# ----------------------------------------------------------------------------------------------------
+# Backbone
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_backbone_matches_gpt_neox(attn_implementation):
+    """With no memory layers the model is GPT-NeoX (sequential residual, full rotary) without linear biases."""
+    config = small_config(memory_layers=[])
+    config._attn_implementation = attn_implementation
+    ours = _model(config)
+    neox_config = GPTNeoXConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        intermediate_size=config.intermediate_size,
+        hidden_act="gelu",
+        max_position_embeddings=config.max_position_embeddings,
+        layer_norm_eps=config.layer_norm_eps,
+        use_parallel_residual=False,
+        rotary_pct=1.0,
+        rope_theta=config.rope_parameters["rope_theta"],
+        tie_word_embeddings=False,
+        attn_implementation=attn_implementation,
+    )
+    neox = GPTNeoXForCausalLM(neox_config).eval()
+    head_dim = config.head_dim
+    with torch.no_grad():
+        neox.gpt_neox.embed_in.weight.copy_(ours.model.embed_tokens.weight)
+        for theirs, mine in zip(neox.gpt_neox.layers, ours.model.layers):
+            for name in ("input_layernorm", "post_attention_layernorm"):
+                getattr(theirs, name).load_state_dict(getattr(mine, name).state_dict())
+            attention = mine.self_attn
+            per_head = [
+                torch.cat([proj.weight[h * head_dim : (h + 1) * head_dim] for proj in (attention.q_proj, attention.k_proj, attention.v_proj)])
+                for h in range(config.num_attention_heads)
+            ]
+            theirs.attention.query_key_value.weight.copy_(torch.cat(per_head))
+            theirs.attention.query_key_value.bias.zero_()
+            theirs.attention.dense.weight.copy_(attention.o_proj.weight)
+            theirs.attention.dense.bias.zero_()
+            theirs.mlp.dense_h_to_4h.weight.copy_(mine.mlp.up_proj.weight)
+            theirs.mlp.dense_h_to_4h.bias.zero_()
+            theirs.mlp.dense_4h_to_h.weight.copy_(mine.mlp.down_proj.weight)
+            theirs.mlp.dense_4h_to_h.bias.zero_()
+        neox.gpt_neox.final_layer_norm.load_state_dict(ours.model.norm.state_dict())
+        neox.lm_head.weight.copy_(ours.lm_head.weight)
+    input_ids, attention_mask = _left_padded_batch(config.vocab_size, [9, 6])
+    with torch.no_grad():
+        expected = neox(input_ids, attention_mask=attention_mask).logits
+        actual = ours(input_ids, attention_mask=attention_mask).logits
+    real = attention_mask.bool()
+    assert (actual - expected)[real].abs().max() < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------------
+# Memory layer against a float64 reference written from the paper's equations
+# ----------------------------------------------------------------------------------------------------
+
+
+def _reference_memory_layer(layer, hidden: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One token and one head at a time, in float64, from the equations (no code shared with the model)."""
+    config = layer.config
+    batch, length, hidden_size = hidden.shape
+    heads, m, n, rank, cores_n = (
+        config.memory_heads,
+        config.memory_topk,
+        config.memory_num_keys,
+        config.tucker_rank,
+        config.mcs_cores,
+    )
+    part, value_dim, groups = config.memory_key_dim // rank, config.memory_value_dim, config.ive_expansion
+    num_values, eps = config.memory_num_values, config.layer_norm_eps
+    permutation = layer.value_expansion.virtual_to_physical.tolist()
+
+    x = F.layer_norm(hidden, (hidden_size,), params["norm.weight"], params["norm.bias"], eps)
+    kernel = config.query_conv_kernel_size
+    conv_weight = params["query.conv.weight"][:, 0, :]  # (D, k)
+    convolved = []
+    for t in range(length):
+        acc = params["query.conv.bias"].expand(batch, hidden_size)
+        for j in range(kernel):
+            source = t - (kernel - 1) + j
+            if source >= 0:
+                acc = acc + conv_weight[:, j] * x[:, source]
+        convolved.append(acc)
+    convolved = torch.stack(convolved, dim=1)
+    num_queries = 1 if config.share_query else 2
+    query = (convolved @ params["query.proj.weight"].T).view(batch, length, heads, num_queries, rank, part)
+    query = F.layer_norm(query, (part,), params["query.norm.weight"], params["query.norm.bias"], eps)
+    key_norm = (params["retrieval.key_norm.weight"], params["retrieval.key_norm.bias"])
+    row_keys = F.layer_norm(params["retrieval.row_keys"], (part,), *key_norm, eps)
+    col_keys = F.layer_norm(params["retrieval.col_keys"], (part,), *key_norm, eps)
+    cores = params["retrieval.cores"]
+    values = params["values.weight"]
+    chunk = value_dim // cores_n
+
+    outputs = []
+    for b in range(batch):
+        for t in range(length):
+            pooled = [[] for _ in range(groups)]
+            for h in range(heads):
+                s_row = torch.stack([row_keys[h, a] @ query[b, t, h, 0, a] for a in range(rank)])  # (r, n)
+                s_col = torch.stack([col_keys[h, a] @ query[b, t, h, -1, a] for a in range(rank)])
+                core = cores[h].sum(0).detach().numpy()
+                left, _, right_h = np.linalg.svd(core)
+                u, v = left[:, 0], right_h[0]
+                if u[np.argmax(np.abs(u))] < 0:
+                    u, v = -u, -v
+                rows = np.argsort(-(u @ s_row.detach().numpy()), kind="stable")[:m]
+                cols = np.argsort(-(v @ s_col.detach().numpy()), kind="stable")[:m]
+                candidates = []
+                for i in rows:
+                    for j in cols:
+                        per_core = [s_row[:, i] @ cores[h, c] @ s_col[:, j] for c in range(cores_n)]
+                        candidates.append((sum(per_core).item(), int(i), int(j), per_core))
+                candidates.sort(key=lambda item: -item[0])
+                for _, i, j, per_core in candidates[:m]:
+                    shuffled = permutation[i * n + j]
+                    row, group = shuffled % num_values, shuffled // num_values
+                    pooled[group].append(
+                        torch.cat([per_core[c] * values[row, c * chunk : (c + 1) * chunk] for c in range(cores_n)])
+                    )
+            stacked = torch.cat(
+                [torch.stack(p).sum(0) if p else values.new_zeros(value_dim) for p in pooled]
+            )  # (E * Dv,)
+            outputs.append(params["value_expansion.projector.weight"] @ stacked)
+    return torch.stack(outputs).view(batch, length, hidden_size)
+
+
+def test_memory_layer_matches_float64_reference():
+    config = small_config(share_query=False)
+    model = _model(config, seed=3)
+    layer = model.model.memory_layers[0]
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(2, 5, config.hidden_size, generator=generator)
+    upstream = torch.randn(2, 5, config.hidden_size, generator=generator)
+
+    output = layer(hidden)
+    output.backward(upstream)
+
+    params = {name: p.detach().double().requires_grad_() for name, p in layer.named_parameters()}
+    expected = _reference_memory_layer(layer, hidden.double(), params)
+    expected.backward(upstream.double())
+
+    torch.testing.assert_close(output.double(), expected, rtol=1e-5, atol=1e-6)
+    for name, param in layer.named_parameters():
+        expected_grad = params[name].grad  # float32 accumulation error grows with the gradient's scale
+        scale = max(1.0, expected_grad.abs().max().item())
+        torch.testing.assert_close(param.grad.double(), expected_grad, rtol=1e-4, atol=1e-6 * scale, msg=name)
+    assert params["retrieval.cores"].grad.abs().sum() > 0
+    assert params["query.conv.weight"].grad.abs().sum() > 0
+
+
+def test_product_key_retrieval_is_exact_and_softmax_pools_to_one():
+    """PKM's two-phase top-m finds the exact top-m; with softmax the scores of each head sum to 1."""
+    config = small_config(
+        retrieval_mode="product_key",
+        tucker_rank=1,
+        mcs_cores=1,
+        memory_score_softmax=True,
+        ive_expansion=1,
+        value_projection=False,
+        memory_value_dim=32,
+        memory_num_keys=12,
+    )
+    model = _model(config)
+    input_ids, attention_mask = _left_padded_batch(config.vocab_size, [8, 5])
+    stats = retrieval_diagnostics(model, input_ids, attention_mask)
+    assert stats["tdqkr_recall"] == pytest.approx(1.0)
+    layer = model.model.memory_layers[0]
+    _, scores = layer.retrieve(torch.randn(1, 4, config.hidden_size))
+    torch.testing.assert_close(scores.sum(-2), torch.ones(1, 4, config.memory_heads, 1))
+
+
+def test_retrieval_diagnostics_ranges():
+    model = _model(small_config())
+    input_ids, attention_mask = _left_padded_batch(97, [10, 7, 3])
+    stats = retrieval_diagnostics(model, input_ids, attention_mask)
+    assert set(stats) == {"tdqkr_recall", "slot_usage", "top1_score", "memory_output_std"}
+    assert 0.0 < stats["tdqkr_recall"] <= 1.0
+    assert 0.0 < stats["slot_usage"] <= 1.0
+    assert stats["memory_output_std"] > 0
+
+
+def test_aux_loss_formula_and_loss_sum():
+    config = small_config(aux_loss_alpha=0.5, aux_loss_tau=0.01)
+    model = _model(config)
+    input_ids, _ = _left_padded_batch(config.vocab_size, [6, 6])
+    out = model(input_ids, labels=input_ids)
+    expected = 0.0
+    for layer in model.model.memory_layers:
+        for head_core in layer.retrieval.cores.detach().double().sum(1):
+            singular = np.linalg.svd(head_core.numpy(), compute_uv=False)
+            expected += 0.5 / (config.tucker_rank - 1) * sum(max(0.0, s - 0.01) ** 2 for s in singular[1:])
+    assert out.aux_loss.item() == pytest.approx(expected, rel=1e-5)
+    torch.testing.assert_close(out.loss, out.lm_loss + out.aux_loss)
+    out.loss.backward()
+    assert model.model.memory_layers[0].retrieval.cores.grad.abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# Padding, caching, generation
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_left_padding_does_not_leak_into_query_conv():
+    """A left-padded row gives the same logits on its real tokens as the same tokens alone."""
+    config = small_config()
+    model = _model(config)
+    input_ids, attention_mask = _left_padded_batch(config.vocab_size, [9, 5])
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        padded = model(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        alone = model(input_ids[1:, -5:]).logits
+        garbage = input_ids.clone()
+        garbage[1, :4] = 7  # different pad content must not matter
+        padded_garbage = model(garbage, attention_mask=attention_mask, position_ids=position_ids).logits
+    torch.testing.assert_close(padded[1, -5:], alone[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(padded[1, -5:], padded_garbage[1, -5:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_incremental_decoding_matches_full_recompute(attn_implementation):
+    """Prefill then one token at a time through the cache gives the logits of a full forward pass."""
+    config = small_config()
+    config._attn_implementation = attn_implementation
+    model = _model(config)
+    input_ids, attention_mask = _left_padded_batch(config.vocab_size, [11, 7, 4], seed=2)
+    with torch.no_grad():
+        full = model(input_ids, attention_mask=attention_mask).logits
+        cache = DynamicCache(config=config)
+        prefill = 4
+        steps = [model(input_ids[:, :prefill], attention_mask=attention_mask[:, :prefill], past_key_values=cache).logits]
+        for t in range(prefill, input_ids.shape[1]):
+            out = model(input_ids[:, t : t + 1], attention_mask=attention_mask[:, : t + 1], past_key_values=cache)
+            steps.append(out.logits)
+    incremental = torch.cat(steps, dim=1)
+    real = attention_mask.bool()
+    torch.testing.assert_close(incremental[real], full[real], rtol=1e-5, atol=1e-5)
+
+
+def test_cached_generation_equals_uncached():
+    """Greedy generation with the KV + query-conv cache equals recomputing everything at every step."""
+    config = small_config(vocab_size=211)
+    model = _model(config, seed=7)
+    input_ids, attention_mask = _left_padded_batch(config.vocab_size, [12, 8, 3], seed=4)
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=32, do_sample=False, pad_token_id=0)
+    cached = model.generate(input_ids, use_cache=True, **kwargs)
+    uncached = model.generate(input_ids, use_cache=False, **kwargs)
+    assert cached.shape == (3, input_ids.shape[1] + 32)
+    assert torch.equal(cached, uncached)
+    assert len(set(cached[:, -32:].flatten().tolist())) > 3  # not a degenerate constant output
+
+
+def test_plain_dynamic_cache_gives_a_clear_error():
+    model = _model(small_config())
+    with pytest.raises(ValueError, match="DynamicCache\\(config=model.config\\)"):
+        model(torch.ones(1, 3, dtype=torch.long), past_key_values=DynamicCache())
+
+
+# ----------------------------------------------------------------------------------------------------
+# Transformers features
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_inputs_embeds_and_hidden_states():
+    config = small_config()
+    model = _model(config)
+    input_ids, _ = _left_padded_batch(config.vocab_size, [6, 6])
+    with torch.no_grad():
+        by_ids = model(input_ids, output_hidden_states=True)
+        by_embeds = model(inputs_embeds=model.get_input_embeddings()(input_ids))
+    torch.testing.assert_close(by_ids.logits, by_embeds.logits)
+    assert len(by_ids.hidden_states) == config.num_hidden_layers + 1
+    assert by_ids.hidden_states[0].shape == (2, 6, config.hidden_size)
+
+
+def test_gradient_checkpointing_gives_same_gradients():
+    config = small_config()
+    input_ids, _ = _left_padded_batch(config.vocab_size, [8, 8])
+    grads = []
+    for checkpointing in (False, True):
+        model = _model(config).train()
+        if checkpointing:
+            model.activation_checkpointing_enable()
+        model(input_ids, labels=input_ids).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], msg=name)
+
+
+def test_value_table_names_point_at_the_tables():
+    config = small_config()
+    model = _model(config)
+    names = model.get_value_table_names()
+    params = dict(model.named_parameters())
+    assert len(names) == len(config.memory_layers)
+    for name in names:
+        assert params[name].shape == (config.memory_num_values, config.memory_value_dim)
+
+
+def test_improved_init_scales():
+    """Values start at N(0, E/(2 m H L)) and the layer output near N(0, 1/(2L)) (appendix A)."""
+    config = small_config(memory_num_keys=64, memory_value_dim=64, memory_key_dim=32, hidden_size=64)
+    model = _model(config)
+    values = model.model.memory_layers[0].values.weight
+    expected_std = (config.ive_expansion / (2 * config.memory_topk * config.memory_heads * config.num_hidden_layers)) ** 0.5
+    assert values.std().item() == pytest.approx(expected_std, rel=0.05)
+    input_ids = torch.randint(1, config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+    stats = retrieval_diagnostics(model, input_ids)
+    target = (1 / (2 * config.num_hidden_layers)) ** 0.5
+    assert 0.5 * target < stats["memory_output_std"] < 2.0 * target
