@@ -1,0 +1,105 @@
+"""Save, then load in a fresh process through the Auto classes: with `ultramem` importable, and without it."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import small_config
+from safetensors import safe_open
+
+from ultramem import UltraMemForCausalLM
+
+LOAD_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    if sys.argv[2] == "remote":
+        sys.modules["ultramem"] = None  # the package must not be importable: only the folder's code runs
+    else:
+        import ultramem  # registers the Auto classes
+    import torch
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    folder = sys.argv[1]
+    kwargs = {"trust_remote_code": True} if sys.argv[2] == "remote" else {}
+    config = AutoConfig.from_pretrained(folder, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(folder, **kwargs).eval()
+    base = AutoModel.from_pretrained(folder, **kwargs)
+    inputs = torch.load(folder + "/inputs.pt")
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    shuffles = [layer.value_expansion.virtual_to_physical for layer in model.model.memory_layers]
+    torch.save({"logits": logits, "shuffles": shuffles, "classes": [type(config).__name__, type(model).__name__,
+               type(base).__name__, type(model).__module__]}, folder + "/result-" + sys.argv[2] + ".pt")
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[Path, torch.Tensor, list[torch.Tensor]]:
+    folder = tmp_path_factory.mktemp("checkpoint")
+    torch.manual_seed(11)
+    model = UltraMemForCausalLM(small_config()).eval()
+    inputs = {
+        "input_ids": torch.tensor([[0, 0, 5, 9, 3, 44], [8, 1, 7, 2, 6, 90]]),
+        "attention_mask": torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]),
+    }
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    model.save_pretrained(folder)
+    torch.save(inputs, folder / "inputs.pt")
+    shuffles = [layer.value_expansion.virtual_to_physical.clone() for layer in model.model.memory_layers]
+    return folder, logits, shuffles
+
+
+def test_folder_has_safetensors_code_and_auto_map(saved):
+    folder, _, _ = saved
+    files = set(os.listdir(folder))
+    assert {"model.safetensors", "config.json", "modeling_ultramem.py", "configuration_ultramem.py", "memory_ops.py"} <= files
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == "ultramem"
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_ultramem.UltraMemConfig",
+        "AutoModel": "modeling_ultramem.UltraMemModel",
+        "AutoModelForCausalLM": "modeling_ultramem.UltraMemForCausalLM",
+    }
+    with safe_open(folder / "model.safetensors", "pt") as tensors:
+        assert "model.memory_layers.0.value_expansion.virtual_to_physical" in tensors.keys()
+
+
+@pytest.mark.parametrize("mode", ["registered", "remote"])
+def test_fresh_process_loads_identical_model(saved, mode, tmp_path):
+    folder, logits, shuffles = saved
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    subprocess.run([sys.executable, "-c", LOAD_SCRIPT, str(folder), mode], check=True, env=env, cwd=tmp_path)
+    result = torch.load(folder / f"result-{mode}.pt")
+    assert torch.equal(result["logits"], logits)
+    for before, after in zip(shuffles, result["shuffles"]):
+        assert torch.equal(before, after)
+    config_cls, model_cls, base_cls, module = result["classes"]
+    assert (config_cls, model_cls, base_cls) == ("UltraMemConfig", "UltraMemForCausalLM", "UltraMemModel")
+    if mode == "remote":
+        assert module.startswith("transformers_modules.")
+    else:
+        assert module == "ultramem.modeling_ultramem"
+
+
+def test_shuffle_is_stored_not_rederived(saved):
+    """A checkpoint's bijection wins over what the seed would give today (robust to RNG changes)."""
+    folder, _, shuffles = saved
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(folder / "model.safetensors")
+    key = "model.memory_layers.0.value_expansion.virtual_to_physical"
+    state[key] = state[key].flip(0).contiguous()
+    altered = folder.parent / "altered"
+    altered.mkdir(exist_ok=True)
+    for name in os.listdir(folder):
+        if name != "model.safetensors":
+            (altered / name).write_bytes((folder / name).read_bytes())
+    save_file(state, altered / "model.safetensors", metadata={"format": "pt"})
+    model = UltraMemForCausalLM.from_pretrained(altered)
+    assert torch.equal(model.model.memory_layers[0].value_expansion.virtual_to_physical, shuffles[0].flip(0))
