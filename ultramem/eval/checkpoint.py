@@ -1,0 +1,40 @@
+"""What ultramem-eval and the model card need from a checkpoint folder: its config and its size."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoConfig, MixtralConfig, PreTrainedConfig
+
+from ultramem.configuration_ultramem import UltraMemConfig
+from ultramem.presets import count_parameters
+
+
+class CheckpointError(ValueError):
+    """The folder is not a checkpoint written by `save_pretrained`."""
+
+
+def require_checkpoint(path: str | Path, option: str = "--model") -> Path:
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"{option} {folder}: not a folder; expected a checkpoint folder written by save_pretrained")
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"{option} {folder}: no config.json; expected a checkpoint folder written by save_pretrained")
+    return folder
+
+
+def load_config(folder: Path) -> PreTrainedConfig:
+    """The checkpoint's config, as this package's class for UltraMem and Mixtral (the MoE baseline)."""
+    model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+    if model_type == UltraMemConfig.model_type:
+        return UltraMemConfig.from_pretrained(folder)
+    if model_type == MixtralConfig.model_type:
+        return MixtralConfig.from_pretrained(folder)
+    return AutoConfig.from_pretrained(folder)
+
+
+def parameter_counts(config: PreTrainedConfig) -> dict[str, Any] | None:
+    """`ultramem.presets.count_parameters` for the architectures it knows (UltraMem/PKM/dense, Mixtral), else None."""
+    return count_parameters(config) if isinstance(config, (UltraMemConfig, MixtralConfig)) else None

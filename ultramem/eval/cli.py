@@ -1,0 +1,170 @@
+"""`ultramem-eval`: score checkpoints on the paper's benchmarks with lm-eval, from the Hub or from local copies.
+
+    ultramem-eval --model CKPT [CKPT ...] --tasks ultramem_paper [--data-dir DIR] [--limit N] [--output DIR]
+
+Writes `results.json`, `results.md` (the paper's table layout) and, for several checkpoints, `results.png`.
+Benchmarks whose data cannot be read are reported by name and left out of the run, never dropped silently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from tqdm.auto import tqdm
+
+from ultramem.eval import tasks_path
+from ultramem.eval.benchmarks import Benchmark, group_entries, select
+from ultramem.eval.checkpoint import CheckpointError, load_config, parameter_counts, require_checkpoint
+from ultramem.eval.local_data import LocalDataMissing
+from ultramem.eval.report import ModelResult, bar_chart, markdown_table, scores_from_lm_eval, write_results
+
+logger = logging.getLogger(__name__)
+LOCAL_LOADER = "ultramem.eval.local_data.load_local"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ultramem-eval", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", nargs="+", required=True, type=Path, help="checkpoint folder(s) from save_pretrained")
+    parser.add_argument("--tasks", default="ultramem_paper", help="ultramem_paper, or a comma-separated subset of its benchmarks")
+    parser.add_argument("--data-dir", type=Path, help="local benchmark copies (layout: ultramem/eval/local_data.py); default: the Hub")
+    parser.add_argument("--output", type=Path, default=Path("eval_results"), help="folder for results.json/.md/.png")
+    parser.add_argument("--limit", type=float, help="documents per task: a count (>= 1) or a fraction in (0, 1)")
+    parser.add_argument("--max-gen-toks", type=int, help="cap on generated tokens per answer (BBH CoT allows 1024)")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    return parser
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.limit is not None and args.limit <= 0:
+        raise ValueError(f"--limit must be > 0 (a count >= 1 or a fraction in (0, 1)), got {args.limit}")
+    if args.max_gen_toks is not None and args.max_gen_toks < 1:
+        raise ValueError(f"--max-gen-toks must be >= 1, got {args.max_gen_toks}")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.data_dir is not None and not args.data_dir.is_dir():
+        raise ValueError(f"--data-dir {args.data_dir}: not a folder")
+
+
+def _write_groups(folder: Path, benchmarks: list[Benchmark], offline: bool) -> dict[str, str]:
+    """One group YAML per benchmark, wrapping its `ultramem_paper` entry (task/group + shots); offline, every
+    task in it reads local files (a group-level override). Returns benchmark key -> group name."""
+    entries = group_entries()
+    names = {}
+    for bench in benchmarks:
+        names[bench.key] = f"ultramem_run_{bench.key}"
+        text = yaml.safe_dump({"group": names[bench.key], "task": [entries[bench.task]]}, sort_keys=False)
+        if offline:
+            text += f"custom_dataset: !function {LOCAL_LOADER}\n"
+        (folder / f"{names[bench.key]}.yaml").write_text(text, encoding="utf-8")
+    return names
+
+
+def _available(task_manager: Any, groups: dict[str, str], offline: bool) -> tuple[list[str], dict[str, str]]:
+    """Split benchmarks into those whose data loads and those missing (key -> reason), by building their tasks."""
+    ready, missing = [], {}
+    for key, group in tqdm(groups.items(), desc="loading benchmark data", unit="benchmark"):
+        try:
+            task_manager.load([group])
+        except LocalDataMissing as err:
+            missing[key] = str(err)
+        except Exception as err:  # noqa: BLE001 - online, any failure to fetch a Hub dataset is reported per benchmark
+            if offline:
+                raise
+            missing[key] = f"could not load the Hub dataset: {type(err).__name__}: {err}"
+        else:
+            ready.append(key)
+    return ready, missing
+
+
+def _size(checkpoint: Path) -> tuple[float | None, float | None]:
+    counts = parameter_counts(load_config(checkpoint))
+    return (counts["total"] / 1e9, counts["flops_per_token"] / 1e9) if counts else (None, None)
+
+
+def evaluate(checkpoints: list[Path], benchmarks: list[Benchmark], args: argparse.Namespace) -> list[ModelResult]:
+    """Run lm-eval once per checkpoint on the benchmarks whose data is available."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    offline = args.data_dir is not None
+    results = []
+    with tempfile.TemporaryDirectory(prefix="ultramem-eval-") as tmp:
+        groups = _write_groups(Path(tmp), benchmarks, offline)
+        metadata = {"data_dir": str(args.data_dir.resolve())} if offline else None
+        task_manager = TaskManager(include_path=[tasks_path(), tmp], metadata=metadata)
+        ready, missing = _available(task_manager, groups, offline)
+        for key, reason in missing.items():
+            print(f"ultramem-eval: benchmark {key} not scored: {reason}", file=sys.stderr)
+        if not ready:
+            raise LocalDataMissing("no benchmark data could be read: " + "; ".join(missing.values()))
+        for checkpoint in tqdm(checkpoints, desc="checkpoints", unit="model"):
+            output = simple_evaluate(
+                model="hf",
+                model_args={"pretrained": str(checkpoint), "trust_remote_code": True, "dtype": args.dtype},
+                tasks=[groups[key] for key in ready],
+                task_manager=task_manager,
+                limit=args.limit,
+                gen_kwargs={"max_gen_toks": args.max_gen_toks} if args.max_gen_toks else None,
+                batch_size=args.batch_size,
+                device=args.device,
+            )
+            params_b, flops_g = _size(checkpoint)
+            lm_eval_part = {k: output.get(k, {}) for k in ("results", "groups", "n-shot", "n-samples")}
+            results.append(
+                ModelResult(
+                    name=checkpoint.resolve().name,
+                    checkpoint=str(checkpoint.resolve()),
+                    params_b=params_b,
+                    flops_g=flops_g,
+                    scores=scores_from_lm_eval(output, [b for b in benchmarks if b.key in ready]),
+                    missing=dict(missing),
+                    lm_eval=lm_eval_part,
+                )
+            )
+    return results
+
+
+def lm_eval_version() -> str:
+    from importlib.metadata import version
+
+    return version("lm_eval")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        _check_args(args)
+        benchmarks = select(args.tasks)
+        checkpoints = [require_checkpoint(path) for path in args.model]
+        results = evaluate(checkpoints, benchmarks, args)
+    except (ValueError, CheckpointError, LocalDataMissing) as err:
+        parser.exit(2, f"ultramem-eval: error: {err}\n")
+    args.output.mkdir(parents=True, exist_ok=True)
+    settings = {"tasks": args.tasks, "data_dir": str(args.data_dir) if args.data_dir else "hub", "limit": args.limit, "max_gen_toks": args.max_gen_toks}
+    write_results(args.output / "results.json", results, settings)
+    source = f"local copies in {args.data_dir}" if args.data_dir else "the Hub datasets"
+    notes = [f"lm-eval {lm_eval_version()} on {source}; group ultramem_paper (shots and metrics: its YAML)."]
+    if args.limit is not None:
+        notes.append(f"At most {args.limit:g} documents per task (--limit): not comparable with full-set scores.")
+    if args.max_gen_toks is not None:
+        notes.append(f"Generation capped at {args.max_gen_toks} tokens (--max-gen-toks).")
+    table = markdown_table(results, notes)
+    (args.output / "results.md").write_text(table, encoding="utf-8")
+    if len(results) > 1:
+        bar_chart(results, args.output / "results.png")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
