@@ -288,3 +288,44 @@ def test_benchmark_script_writes_results(tmp_path):
     assert all(row["forward_ms"] > 0 for row in report["results"] if row["status"] == "ok")
     assert (tmp_path / "bench_kernels_cpu.png").stat().st_size > 0
     assert "forward_ms" in result.stdout.strip().splitlines()[-len(report["results"]) - 1]
+
+
+@in_process
+def test_model_trains_through_the_kernels():
+    """UltraMemForCausalLM with memory_kernel='triton' gives the loss and every gradient of 'torch'."""
+    from conftest import small_config
+
+    from ultramem import UltraMemForCausalLM
+
+    torch.manual_seed(0)
+    reference = UltraMemForCausalLM(small_config(memory_kernel="torch"))
+    fused = UltraMemForCausalLM(small_config(memory_kernel="triton"))
+    fused.load_state_dict(reference.state_dict())
+    input_ids = torch.randint(0, 97, (2, 9))
+    losses = []
+    for model in (reference, fused):
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    fused_params = dict(fused.named_parameters())
+    for name, parameter in reference.named_parameters():
+        if parameter.grad is not None:
+            torch.testing.assert_close(fused_params[name].grad, parameter.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@in_process
+def test_model_compiles_without_graph_breaks_through_the_kernels():
+    """torch.compile(fullgraph=True) of the whole model on the Triton path: custom ops, no graph break."""
+    from conftest import small_config
+
+    from ultramem import UltraMemForCausalLM
+
+    torch.manual_seed(0)
+    model = UltraMemForCausalLM(small_config(memory_kernel="triton"))
+    input_ids = torch.randint(0, 97, (2, 9))
+    eager = model(input_ids=input_ids, labels=input_ids).loss
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(input_ids=input_ids, labels=input_ids).loss
+    compiled.backward()
+    torch.testing.assert_close(compiled, eager)
+    assert model.model.embed_tokens.weight.grad is not None
