@@ -294,7 +294,7 @@ class CausalDepthwiseConv(nn.Module):
             x = x * padding_mask.unsqueeze(-1).to(x.dtype)
         x = x.transpose(1, 2)  # (B, D, T)
         context = self.kernel_size - 1
-        past = None
+        window = None
         if past_key_values is not None and context > 0:
             layers = past_key_values.layers
             if len(layers) <= self.cache_layer_idx or not isinstance(
@@ -304,13 +304,16 @@ class CausalDepthwiseConv(nn.Module):
                     "UltraMem keeps query-conv states in the generation cache: build it with "
                     "DynamicCache(config=model.config) (or let the model create it with use_cache=True)."
                 )
-            past = past_key_values.get_conv_state(self.cache_layer_idx, self.state_idx)
-            past_key_values.update_conv_state(
+            has_past = past_key_values.get_conv_state(self.cache_layer_idx, self.state_idx) is not None
+            # With a previous state the cache returns cat(state, x) before overwriting its state in place
+            # (so the old state must not be read after this call); on prefill it returns x, unpadded.
+            updated = past_key_values.update_conv_state(
                 x, self.cache_layer_idx, self.state_idx, conv_kernel_size=context
             )
-        if past is None:
-            past = x.new_zeros(x.shape[0], x.shape[1], context)
-        window = torch.cat([past.to(x.dtype), x], dim=-1)  # (B, D, k-1+T)
+            if has_past:
+                window = updated.to(x.dtype)
+        if window is None:
+            window = F.pad(x, (context, 0))  # (B, D, k-1+T): zeros before the first token
         return F.conv1d(window, self.weight, self.bias, groups=x.shape[1]).transpose(1, 2)  # (B, T, D)
 
 
