@@ -17,20 +17,21 @@ class Benchmark:
     task: str  # lm-eval task or group in the `ultramem_paper` group (and the key of its results)
     title: str  # column of the paper's table
     metric: str  # lm-eval result key, "metric,filter"
+    dataset: str  # Hub dataset of lm-eval's task (the model card's model-index names it)
 
 
 # Column order of the paper's appendix Table "All performance metrics of various models".
 BENCHMARKS: tuple[Benchmark, ...] = (
-    Benchmark("arc_challenge", "arc_challenge", "ARC-C", "acc_norm,none"),
-    Benchmark("gpqa", "gpqa_diamond_zeroshot", "GPQA", "acc,none"),
-    Benchmark("triviaqa", "triviaqa", "TriviaQA", "exact_match,remove_whitespace"),
-    Benchmark("mmlu", "mmlu", "MMLU", "acc,none"),
-    Benchmark("bbh", "bbh_cot_fewshot", "BBH cot", "exact_match,get-answer"),
-    Benchmark("boolq", "boolq", "BoolQ", "acc,none"),
-    Benchmark("hellaswag", "hellaswag", "HellaSwag", "acc_norm,none"),
-    Benchmark("winogrande", "winogrande", "WinoGrande", "acc,none"),
-    Benchmark("agieval", "agieval_en", "AGIEval", "acc,none"),
-    Benchmark("drop", "drop", "DROP", "f1,none"),
+    Benchmark("arc_challenge", "arc_challenge", "ARC-C", "acc_norm,none", "allenai/ai2_arc"),
+    Benchmark("gpqa", "gpqa_diamond_zeroshot", "GPQA", "acc,none", "Idavidrein/gpqa"),
+    Benchmark("triviaqa", "triviaqa", "TriviaQA", "exact_match,remove_whitespace", "mandarjoshi/trivia_qa"),
+    Benchmark("mmlu", "mmlu", "MMLU", "acc,none", "cais/mmlu"),
+    Benchmark("bbh", "bbh_cot_fewshot", "BBH cot", "exact_match,get-answer", "SaylorTwift/bbh"),
+    Benchmark("boolq", "boolq", "BoolQ", "acc,none", "aps/super_glue"),
+    Benchmark("hellaswag", "hellaswag", "HellaSwag", "acc_norm,none", "Rowan/hellaswag"),
+    Benchmark("winogrande", "winogrande", "WinoGrande", "acc,none", "allenai/winogrande"),
+    Benchmark("agieval", "agieval_en", "AGIEval", "acc,none", "hails/agieval-*"),
+    Benchmark("drop", "drop", "DROP", "f1,none", "EleutherAI/drop"),
 )
 
 

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from ultramem.eval import tasks_path
 from ultramem.eval.benchmarks import Benchmark, group_entries, select
-from ultramem.eval.checkpoint import CheckpointError, load_config, parameter_counts, require_checkpoint
+from ultramem.eval.checkpoint import load_config, parameter_counts, require_checkpoint
 from ultramem.eval.local_data import LocalDataMissing
 from ultramem.eval.report import ModelResult, bar_chart, markdown_table, scores_from_lm_eval, write_results
 
@@ -133,10 +133,17 @@ def evaluate(checkpoints: list[Path], benchmarks: list[Benchmark], args: argpars
     return results
 
 
-def lm_eval_version() -> str:
+def _run_notes(args: argparse.Namespace) -> list[str]:
+    """What a reader of the table must know to compare it with the paper: data source and any caps."""
     from importlib.metadata import version
 
-    return version("lm_eval")
+    source = f"local copies in {args.data_dir}" if args.data_dir else "the Hub datasets"
+    notes = [f"lm-eval {version('lm_eval')} on {source}; shots and metrics of the ultramem_paper group."]
+    if args.limit is not None:
+        notes.append(f"At most {args.limit:g} documents per task (--limit): not comparable with full-set scores.")
+    if args.max_gen_toks is not None:
+        notes.append(f"Generation capped at {args.max_gen_toks} tokens (--max-gen-toks).")
+    return notes
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -146,18 +153,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_args(args)
         benchmarks = select(args.tasks)
         checkpoints = [require_checkpoint(path) for path in args.model]
-        results = evaluate(checkpoints, benchmarks, args)
-    except (ValueError, CheckpointError, LocalDataMissing) as err:
+    except ValueError as err:  # includes CheckpointError
         parser.exit(2, f"ultramem-eval: error: {err}\n")
+    try:
+        results = evaluate(checkpoints, benchmarks, args)
+    except LocalDataMissing as err:
+        parser.exit(2, f"ultramem-eval: error: {err}\n")
+    notes = _run_notes(args)
     args.output.mkdir(parents=True, exist_ok=True)
     settings = {"tasks": args.tasks, "data_dir": str(args.data_dir) if args.data_dir else "hub", "limit": args.limit, "max_gen_toks": args.max_gen_toks}
-    write_results(args.output / "results.json", results, settings)
-    source = f"local copies in {args.data_dir}" if args.data_dir else "the Hub datasets"
-    notes = [f"lm-eval {lm_eval_version()} on {source}; group ultramem_paper (shots and metrics: its YAML)."]
-    if args.limit is not None:
-        notes.append(f"At most {args.limit:g} documents per task (--limit): not comparable with full-set scores.")
-    if args.max_gen_toks is not None:
-        notes.append(f"Generation capped at {args.max_gen_toks} tokens (--max-gen-toks).")
+    write_results(args.output / "results.json", results, settings, notes)
     table = markdown_table(results, notes)
     (args.output / "results.md").write_text(table, encoding="utf-8")
     if len(results) > 1:

@@ -88,16 +88,17 @@ def bar_chart(results: list[ModelResult], path: Path, benchmarks: tuple[Benchmar
     plt.close(fig)
 
 
-def write_results(path: Path, results: list[ModelResult], settings: dict[str, Any]) -> None:
+def write_results(path: Path, results: list[ModelResult], settings: dict[str, Any], notes: Sequence[str]) -> None:
     payload = {
         "benchmarks": [asdict(b) for b in BENCHMARKS],
         "settings": settings,
+        "notes": list(notes),
         "models": [asdict(r) for r in results],
     }
     path.write_text(json.dumps(payload, indent=1, default=str), encoding="utf-8")
 
 
-def read_results(path: str | Path) -> list[ModelResult]:
-    """Model results of a results JSON written by `ultramem-eval`."""
+def read_results(path: str | Path) -> tuple[list[ModelResult], list[str]]:
+    """Model results and table notes (data source, limits) of a results JSON written by `ultramem-eval`."""
     payload = json.loads(Path(path).read_text(encoding="utf-8"))
-    return [ModelResult(**model) for model in payload["models"]]
+    return [ModelResult(**model) for model in payload["models"]], payload["notes"]

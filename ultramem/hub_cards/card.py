@@ -1,0 +1,197 @@
+"""The Hub model card (README.md) of a checkpoint: metadata, size, memory layout, training recipe, usage, scores.
+
+Everything is read from the checkpoint folder (config.json, trainer_state.json when the Trainer wrote one) and
+from an `ultramem-eval` results JSON when given. A section whose facts are missing is left out, never printed
+with empty numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+from transformers import MixtralConfig, PreTrainedConfig
+
+from ultramem.configuration_ultramem import UltraMemConfig
+from ultramem.eval.benchmarks import BENCHMARKS, group_entries
+from ultramem.eval.checkpoint import load_config, parameter_counts, require_checkpoint
+from ultramem.eval.report import ModelResult, markdown_table
+
+PAPER = "https://arxiv.org/abs/2411.12364"
+LM_EVAL = "https://github.com/EleutherAI/lm-evaluation-harness"
+CITATION = """@inproceedings{huang2025ultramem,
+  title     = {Ultra-Sparse Memory Network},
+  author    = {Zihao Huang and Qiyang Min and Hongzhi Huang and Defa Zhu and Yutao Zeng and Ran Guo and Xun Zhou},
+  booktitle = {International Conference on Learning Representations (ICLR)},
+  year      = {2025}
+}"""
+
+
+def _kind(config: PreTrainedConfig) -> str:
+    if isinstance(config, MixtralConfig):
+        return "Mixture-of-Experts baseline (Transformers' Mixtral)"
+    if isinstance(config, UltraMemConfig) and config.memory_layers:
+        return "PKM memory-layer baseline" if config.retrieval_mode == "pkm" else "UltraMem memory layers"
+    if isinstance(config, UltraMemConfig):
+        return "dense baseline: the UltraMem backbone without memory layers"
+    return config.model_type
+
+
+def _human(count: float) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.3g}{unit}"
+    return f"{count:g}"
+
+
+def _size_section(config: PreTrainedConfig) -> str | None:
+    counts = parameter_counts(config)
+    if counts is None:
+        return None
+    rows = [
+        ("Total parameters (embeddings and LM head excluded)", f"{_human(counts['total'])} ({counts['total']:,})"),
+        ("Activated parameters per token", f"{_human(counts['activated'])} ({counts['activated']:,})"),
+        ("Forward FLOPs per token (2 x activated, attention over the context excluded)", _human(counts["flops_per_token"])),
+        ("Transformer blocks / hidden size", f"{config.num_hidden_layers} / {config.hidden_size}"),
+    ]
+    if counts["memory_slots"]:
+        rows.append(("Memory slots (virtual, all memory layers)", f"{_human(counts['memory_slots'])} ({counts['memory_slots']:,})"))
+        rows.append(("Physical value rows (all memory layers)", f"{counts['physical_values']:,}"))
+    return "## Size\n\n| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n"
+
+
+def _memory_section(config: PreTrainedConfig) -> str | None:
+    if not isinstance(config, UltraMemConfig) or not config.memory_layers:
+        return None
+    placement = ", ".join(f"({a}, {b})" for a, b in config.memory_layers)
+    rows = [
+        ("Placement (a, b), 0-based blocks: reads the input of block a, adds after block b", placement),
+        ("Retrieval", f"{config.retrieval_mode}, Tucker rank r={config.tucker_rank}, MCS cores h={config.mcs_cores}"),
+        ("Heads H / top-m per head / key dim", f"{config.memory_heads} / {config.memory_topk} / {config.memory_key_dim}"),
+        ("Keys per axis n / IVE expansion E", f"{config.memory_num_keys} / {config.ive_expansion}"),
+        ("Physical values N per layer / value dim", f"{config.memory_num_values:,} / {config.memory_value_dim}"),
+    ]
+    return "## Memory layers\n\n| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n"
+
+
+def _trainer_state(folder: Path) -> dict[str, Any] | None:
+    path = folder / "trainer_state.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def _training_section(config: PreTrainedConfig, state: dict[str, Any] | None) -> str | None:
+    lines = []
+    if isinstance(config, UltraMemConfig) and config.memory_layers:
+        decay = "decaying linearly to 1x by the end of training" if config.value_lr_decay else "constant"
+        lines.append(f"- Value-table learning rate: {config.value_lr_multiplier:g}x the base rate at the start, {decay}.")
+        lines.append(
+            f"- Auxiliary loss on the Tucker cores' non-leading singular values: alpha={config.aux_loss_alpha:g}, tau={config.aux_loss_tau:g}."
+        )
+    if state:
+        steps = state.get("global_step")
+        if steps:
+            lines.append(f"- Optimizer steps: {steps:,}" + (f" of {state['max_steps']:,}" if state.get("max_steps") else "") + ".")
+        if state.get("train_batch_size"):
+            lines.append(f"- Batch size per device: {state['train_batch_size']}.")
+        history = state.get("log_history", [])
+        learning_rates = [entry["learning_rate"] for entry in history if "learning_rate" in entry]
+        if learning_rates:
+            lines.append(f"- Peak logged learning rate: {max(learning_rates):.3g}.")
+        train_losses = [entry["loss"] for entry in history if "loss" in entry]
+        if train_losses:
+            lines.append(f"- Last logged training loss: {train_losses[-1]:.4f}.")
+        eval_losses = [entry["eval_loss"] for entry in history if "eval_loss" in entry]
+        if eval_losses:
+            lines.append(f"- Last validation loss: {eval_losses[-1]:.4f}.")
+    return "## Training recipe\n\n" + "\n".join(lines) + "\n" if lines else None
+
+
+def _usage_section(repo_id: str) -> str:
+    return f"""## Usage
+
+`trust_remote_code=True` loads the model code shipped next to the weights (`auto_map` in config.json); the
+`ultramem` package need not be installed:
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+tokenizer = AutoTokenizer.from_pretrained("{repo_id}")
+model = AutoModelForCausalLM.from_pretrained("{repo_id}", trust_remote_code=True)
+inputs = tokenizer("The capital of France is", return_tensors="pt")
+print(tokenizer.decode(model.generate(**inputs, max_new_tokens=20)[0]))
+```
+"""
+
+
+def _eval_section(result: ModelResult, notes: Sequence[str]) -> str:
+    return (
+        "## Evaluation\n\nlm-eval-harness, task group `ultramem_paper` (the paper's ten benchmarks and shot settings), "
+        "scores in percent:\n\n" + markdown_table([result], notes)
+    )
+
+
+def _eval_results(result: ModelResult) -> list[EvalResult]:
+    shots = {name: entry.get("num_fewshot") for name, entry in group_entries().items()}
+    return [
+        EvalResult(
+            task_type="text-generation",
+            dataset_type=b.dataset,
+            dataset_name=b.title,
+            metric_type=b.metric.split(",")[0],
+            metric_value=round(result.scores[b.key], 2),
+            metric_name=f"{b.title} ({shots[b.task]}-shot)",
+            source_name="lm-evaluation-harness (ultramem_paper)",
+            source_url=LM_EVAL,
+        )
+        for b in BENCHMARKS
+        if b.key in result.scores
+    ]
+
+
+def render_card(
+    checkpoint: str | Path,
+    repo_id: str,
+    result: ModelResult | None = None,
+    notes: Sequence[str] = (),
+    datasets: Sequence[str] = (),
+    base_model: str | None = None,
+    license: str = "apache-2.0",
+) -> str:
+    """README.md text for `checkpoint` published as `repo_id`; `result` adds the scores and the model-index."""
+    folder = require_checkpoint(checkpoint, option="checkpoint")
+    config = load_config(folder)
+    name = repo_id.split("/")[-1]
+    scored = result is not None and bool(result.scores)
+    data = ModelCardData(
+        license=license,
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=["ultramem", "memory-layer", config.model_type] + (["custom_code"] if getattr(config, "auto_map", None) else []),
+        datasets=list(datasets) or None,
+        base_model=base_model,
+        model_name=name if scored else None,
+        eval_results=_eval_results(result) if scored else None,
+    )
+    sections = [
+        f"# {name}\n\n{name} is a causal language model ({_kind(config)}) built with `ultramem`, the reference "
+        f"implementation of [Ultra-Sparse Memory Network]({PAPER}) (ICLR 2025) for Transformers.\n",
+        _size_section(config),
+        _memory_section(config),
+        _training_section(config, _trainer_state(folder)),
+        _usage_section(repo_id),
+        _eval_section(replace(result, name=name), notes) if scored else None,
+        f"## Citation\n\n```bibtex\n{CITATION}\n```\n",
+    ]
+    body = "\n".join(section for section in sections if section)
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}"))
+
+
+def write_card(checkpoint: str | Path, repo_id: str, **kwargs: Any) -> Path:
+    """Write the card as `README.md` into the checkpoint folder (see `render_card` for the arguments)."""
+    path = Path(checkpoint) / "README.md"
+    path.write_text(render_card(checkpoint, repo_id, **kwargs), encoding="utf-8")
+    return path

@@ -1,0 +1,158 @@
+"""`ultramem-push`: publish a checkpoint folder to the Hub in one commit.
+
+    ultramem-push CKPT --repo-id USER/NAME [--private] [--revision BRANCH] [--results results.json]
+
+The commit holds the safetensors weights, config.json (with `auto_map`), the model code files that
+`save_pretrained` copied next to them, the tokenizer and a generated model card. It goes through
+`HfApi.create_commit` with one `CommitOperationAdd` per file: `upload_folder` would also send optimizer
+states and, with hf_xet installed, bypass `create_commit`. The token and the repo id are checked before
+anything is sent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, get_token
+from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
+from huggingface_hub.utils import validate_repo_id
+
+from ultramem.eval.checkpoint import require_checkpoint
+from ultramem.eval.report import ModelResult, read_results
+from ultramem.hub_cards.card import render_card
+
+WEIGHT_GLOBS = ("*.safetensors", "model.safetensors.index.json")
+CONFIG_FILES = ("config.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+class PushError(ValueError):
+    """The push cannot start: bad repo id, no token, or an incomplete checkpoint folder."""
+
+
+def check_repo_id(repo_id: str) -> str:
+    """`USER/NAME` as the Hub accepts it; the namespace is required so the target is never a guess."""
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise PushError(f"--repo-id {repo_id!r} is not a valid Hub repo id: {err}") from err
+    if repo_id.count("/") != 1:
+        raise PushError(f"--repo-id {repo_id!r}: expected USER/NAME (or ORG/NAME)")
+    return repo_id
+
+
+def require_token(token: str | None) -> str:
+    found = token or get_token()
+    if not found:
+        raise PushError("no Hugging Face token: pass --token, set HF_TOKEN, or run `hf auth login`")
+    return found
+
+
+def files_to_push(folder: Path) -> list[Path]:
+    """Weights, configs, code and tokenizer of the checkpoint; never optimizer states or pickles."""
+    weights = sorted({p for pattern in WEIGHT_GLOBS for p in folder.glob(pattern)})
+    if not any(p.suffix == ".safetensors" for p in weights):
+        raise PushError(f"checkpoint {folder}: no *.safetensors weights (save with save_pretrained)")
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    code = sorted(folder.glob("*.py"))
+    if config.get("model_type") == "ultramem" and ("auto_map" not in config or not code):
+        raise PushError(f"checkpoint {folder}: config.json has no auto_map or the model code files are missing")
+    if not (folder / "tokenizer.json").is_file():
+        raise PushError(f"checkpoint {folder}: no tokenizer.json (save the tokenizer into the folder too)")
+    named = [folder / name for name in (*CONFIG_FILES, *TOKENIZER_FILES) if (folder / name).is_file()]
+    return weights + named + code
+
+
+def build_operations(folder: Path, card: str) -> list[CommitOperationAdd]:
+    operations = [CommitOperationAdd(path_in_repo=path.name, path_or_fileobj=str(path)) for path in files_to_push(folder)]
+    operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card.encode("utf-8")))
+    return operations
+
+
+def push_checkpoint(
+    checkpoint: str | Path,
+    repo_id: str,
+    token: str | None = None,
+    private: bool = False,
+    revision: str | None = None,
+    result: ModelResult | None = None,
+    notes: Sequence[str] = (),
+    datasets: Sequence[str] = (),
+    base_model: str | None = None,
+) -> CommitInfo:
+    """Push the checkpoint as one commit; the repo (and branch) are created when the first commit finds none."""
+    check_repo_id(repo_id)
+    token = require_token(token)
+    folder = require_checkpoint(checkpoint, option="checkpoint")
+    card = render_card(folder, repo_id, result=result, notes=notes, datasets=datasets, base_model=base_model)
+    operations = build_operations(folder, card)
+    api = HfApi(token=token)
+    message = f"Upload {folder.name} with ultramem-push"
+
+    def commit() -> CommitInfo:
+        return api.create_commit(repo_id, operations, commit_message=message, revision=revision, repo_type="model")
+
+    try:
+        return commit()
+    except RepositoryNotFoundError:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    except RevisionNotFoundError:
+        pass
+    if revision:
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
+    return commit()
+
+
+def _result_for(path: Path, checkpoint: Path) -> tuple[ModelResult, list[str]]:
+    """The entry of an ultramem-eval results JSON that scored this checkpoint (matched by folder)."""
+    results, notes = read_results(path)
+    for result in results:
+        if Path(result.checkpoint).resolve() == checkpoint.resolve():
+            return result, notes
+    if len(results) == 1:
+        return results[0], notes
+    names = ", ".join(r.checkpoint for r in results)
+    raise PushError(f"--results {path}: no entry for checkpoint {checkpoint} (entries: {names})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ultramem-push", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", type=Path, help="checkpoint folder (save_pretrained of model and tokenizer)")
+    parser.add_argument("--repo-id", required=True, help="USER/NAME on the Hub")
+    parser.add_argument("--private", action="store_true", help="create the repo private (when it does not exist yet)")
+    parser.add_argument("--revision", help="branch to commit to (created if missing); default: main")
+    parser.add_argument("--results", type=Path, help="results.json of ultramem-eval, for the card's scores")
+    parser.add_argument("--dataset", action="append", default=[], help="training dataset id for the card (repeatable)")
+    parser.add_argument("--base-model", help="model this checkpoint was fine-tuned from, for the card")
+    parser.add_argument("--token", help="Hub token; default: HF_TOKEN or the stored login")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        result, notes = _result_for(args.results, args.checkpoint) if args.results else (None, [])
+        info = push_checkpoint(
+            args.checkpoint,
+            args.repo_id,
+            token=args.token,
+            private=args.private,
+            revision=args.revision,
+            result=result,
+            notes=notes,
+            datasets=args.dataset,
+            base_model=args.base_model,
+        )
+    except ValueError as err:  # PushError, CheckpointError
+        parser.exit(2, f"ultramem-push: error: {err}\n")
+    print(f"pushed {args.checkpoint} to {info.commit_url}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
