@@ -1,12 +1,12 @@
 """Triton kernels of the memory layer, with the contract of `ultramem.memory_ops` (their reference).
 
 `lookup_reduce` and `tucker_candidate_topk` take exactly the arguments of the functions of the same
-name in `ultramem.memory_ops`; `use_triton` resolves `config.memory_kernel`. Importing this package
-never imports Triton: kernels are compiled on first launch. See README.md in this folder.
+name in `ultramem.memory_ops`. Importing this package never imports Triton: kernels are compiled
+on first launch. See README.md in this folder.
 """
 
-from ultramem.kernels._device import MEMORY_KERNELS, triton_available, use_triton
+from ultramem.kernels._device import triton_available
 from ultramem.kernels.candidate_topk import tucker_candidate_topk
 from ultramem.kernels.lookup_reduce import lookup_reduce
 
-__all__ = ["MEMORY_KERNELS", "lookup_reduce", "triton_available", "tucker_candidate_topk", "use_triton"]
+__all__ = ["lookup_reduce", "triton_available", "tucker_candidate_topk"]

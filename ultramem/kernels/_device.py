@@ -1,4 +1,4 @@
-"""Where the Triton kernels can run, and which path a `memory_kernel` setting selects."""
+"""Where the Triton kernels can run (the model's `select_memory_ops` decides when to use them)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ import importlib.util
 import os
 
 import torch
-
-MEMORY_KERNELS = ("auto", "triton", "torch")
 
 
 def interpreting() -> bool:
@@ -22,27 +20,11 @@ def triton_available() -> bool:
     return interpreting() or torch.cuda.is_available()
 
 
-def use_triton(memory_kernel: str, device: torch.device | str) -> bool:
-    """Resolve `config.memory_kernel` for tensors on `device`.
-
-    "auto" picks Triton on CUDA (when available) and the PyTorch path elsewhere; "triton" insists and
-    raises if the kernels cannot run on `device`; "torch" always picks the PyTorch path.
-    """
-    if memory_kernel not in MEMORY_KERNELS:
-        raise ValueError(f"memory_kernel must be one of {MEMORY_KERNELS}, got {memory_kernel!r}")
-    device = torch.device(device)
-    runnable = triton_available() and (device.type == "cuda" or interpreting())
-    if memory_kernel == "triton" and not runnable:
-        raise RuntimeError(
-            f"memory_kernel='triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 on CPU); "
-            f"tensors are on {device}, triton importable: {importlib.util.find_spec('triton') is not None}. "
-            "Use memory_kernel='auto' or 'torch'."
-        )
-    if memory_kernel == "auto":
-        return runnable and device.type == "cuda"
-    return memory_kernel == "triton"
-
-
 def require_launchable(device: torch.device) -> None:
     """Raise a clear error before a launch that Triton could not perform on `device`."""
-    use_triton("triton", device)
+    if not triton_available() or (device.type != "cuda" and not interpreting()):
+        raise RuntimeError(
+            f"the Triton memory kernels need triton and CUDA tensors (or TRITON_INTERPRET=1 for CPU "
+            f"tensors); got tensors on {device}, triton importable: {importlib.util.find_spec('triton') is not None}. "
+            "Set config.memory_kernel='torch' or 'auto'."
+        )
