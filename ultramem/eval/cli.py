@@ -121,8 +121,8 @@ def evaluate(checkpoints: list[Path], benchmarks: list[Benchmark], args: argpars
             lm_eval_part = {k: output.get(k, {}) for k in ("results", "groups", "n-shot", "n-samples")}
             results.append(
                 ModelResult(
-                    name=checkpoint.resolve().name,
-                    checkpoint=str(checkpoint.resolve()),
+                    name=checkpoint.absolute().name,
+                    checkpoint=str(checkpoint.absolute()),
                     params_b=params_b,
                     flops_g=flops_g,
                     scores=scores_from_lm_eval(output, [b for b in benchmarks if b.key in ready]),

@@ -1,0 +1,251 @@
+"""lm-eval scoring of UltraMem checkpoints: the task group, the local-data readers, the lm_eval CLI, ultramem-eval."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ultramem.eval import tasks_path
+from ultramem.eval.benchmarks import BENCHMARKS, group_entries, select
+from ultramem.eval.cli import main as eval_main
+from ultramem.eval.local_data import LocalDataMissing, read_local
+from ultramem.presets import build_model, get_config
+from ultramem.tokenization import load_tokenizer
+
+FIXTURES = Path(__file__).parent / "fixtures" / "eval"
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in OFFLINE_ENV.items():
+        monkeypatch.setenv(key, value)
+
+
+def _save_checkpoint(folder: Path, preset: str) -> Path:
+    torch.manual_seed(0)
+    build_model(get_config(preset)).save_pretrained(folder)
+    load_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _save_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-ultramem", "tiny-ultramem")
+
+
+# --- the task group ------------------------------------------------------------------------------------------
+
+
+def test_group_lists_the_ten_benchmarks_with_the_papers_shots() -> None:
+    assert (Path(tasks_path()) / "ultramem_paper.yaml").is_file()
+    assert (Path(tasks_path()) / "ultramem_paper_offline.yaml").is_file()
+    entries = group_entries()
+    assert set(entries) == {b.task for b in BENCHMARKS}
+    shots = {name: entry["num_fewshot"] for name, entry in entries.items()}
+    # stated by the paper: BBH CoT 3-shot, WinoGrande and TriviaQA 5-shot; the rest LLaMA-3's conventions
+    assert shots == {
+        "mmlu": 5, "triviaqa": 5, "gpqa_diamond_zeroshot": 0, "arc_challenge": 25, "bbh_cot_fewshot": 3,
+        "boolq": 0, "hellaswag": 0, "winogrande": 5, "drop": 3, "agieval_en": 0,
+    }  # fmt: skip
+
+
+def test_task_selection_names_the_allowed_values() -> None:
+    assert [b.key for b in select("ultramem_paper")] == [b.key for b in BENCHMARKS]
+    assert [b.key for b in select("bbh_cot_fewshot,drop,bbh")] == ["bbh", "drop"]
+    with pytest.raises(ValueError, match=r"unknown task 'hellaswag_typo'; allowed: ultramem_paper, arc_challenge"):
+        select("hellaswag_typo")
+
+
+# --- local copies in their published formats ------------------------------------------------------------------
+
+
+def test_readers_give_the_hub_columns_that_lm_eval_configs_use() -> None:
+    mmlu = read_local(FIXTURES, "cais/mmlu", "anatomy")
+    assert set(mmlu) == {"test", "dev"} and len(mmlu["dev"]) == 5
+    assert mmlu["test"][0]["answer"] == 0 and len(mmlu["test"][0]["choices"]) == 4  # the CSV's answer letter is A
+
+    arc = read_local(FIXTURES, "allenai/ai2_arc", "ARC-Challenge")
+    first = arc["test"][0]
+    assert first["question"].startswith("An astronomer observes")
+    assert first["choices"]["label"][first["choices"]["label"].index(first["answerKey"])] == "C"
+    assert len(arc["train"]) == 26  # the Dev file stands in for the AI2 train split
+
+    boolq = read_local(FIXTURES, "aps/super_glue", "boolq")["validation"]
+    assert set(boolq["label"]) <= {0, 1} and len(boolq) == 10
+
+    wino = read_local(FIXTURES, "allenai/winogrande", "winogrande_xl")["validation"][0]
+    assert wino["answer"] == "2" and "_" in wino["sentence"]
+
+    trivia = read_local(FIXTURES, "mandarjoshi/trivia_qa", "rc.nocontext")["validation"][0]
+    assert trivia["question"] == "Brunswick, Lancastrian and Pearl Pickler are types of which vegetable"
+    assert "Onion" in trivia["answer"]["aliases"]
+
+    bbh = read_local(FIXTURES, "SaylorTwift/bbh", "navigate")["test"]
+    assert set(bbh.column_names) == {"input", "target"}
+
+    agieval = read_local(FIXTURES, "hails/agieval-lsat-ar", None)["test"][0]
+    assert agieval["query"].endswith("A: Among A through E, the answer is") and len(agieval["choices"]) == 5
+    math = read_local(FIXTURES, "hails/agieval-math", None)["test"][0]
+    assert math["query"].endswith("A: The answer is") and math["answer"]
+
+
+def test_lm_evals_own_document_processing_accepts_the_local_rows() -> None:
+    from lm_eval.tasks.drop import utils as drop_utils
+    from lm_eval.tasks.gpqa.zeroshot import utils as gpqa_utils
+    from lm_eval.tasks.hellaswag import utils as hellaswag_utils
+
+    hellaswag = hellaswag_utils.process_docs(read_local(FIXTURES, "Rowan/hellaswag", None)["validation"])
+    assert len(hellaswag) == 10
+    assert hellaswag[0]["query"] == "Roof shingle removal: A man is sitting on a roof. he"
+    assert hellaswag[0]["gold"] == 3 and len(hellaswag[0]["choices"]) == 4
+
+    gpqa = gpqa_utils.process_docs(read_local(FIXTURES, "Idavidrein/gpqa", "gpqa_diamond")["train"])
+    assert gpqa[0]["answer"] in {"(A)", "(B)", "(C)", "(D)"}
+    assert "1.5 atm" in [gpqa[0][f"choice{i}"] for i in range(1, 5)]
+
+    drop = drop_utils.process_docs(read_local(FIXTURES, "EleutherAI/drop", None)["validation"])
+    by_id = {doc["id"]: doc for doc in drop}
+    # DROP's F1 path: number, span, date and multi-span answers of the made-up fixture score as DROP defines
+    assert drop_utils.process_results(by_id["madeup-drop-q1"], ["2300"]) == {"em": 1.0, "f1": 1.0}
+    assert drop_utils.process_results(by_id["madeup-drop-q2"], ["the engineer Ada Thornton"])["em"] == 1.0
+    assert drop_utils.process_results(by_id["madeup-drop-q3"], ["14 May 1827"])["f1"] == 1.0
+    partial = drop_utils.process_results(by_id["madeup-drop-q4"], ["Brookhaven"])
+    assert 0.0 < partial["f1"] < 1.0
+    assert drop_utils.process_results(by_id["madeup-drop-q1"], ["1200"])["f1"] == 0.0
+
+
+def test_a_missing_benchmark_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(LocalDataMissing, match=r"drop[/\\]drop_dataset_dev\.json"):
+        read_local(tmp_path, "EleutherAI/drop", None)
+    with pytest.raises(LocalDataMissing, match="not a directory"):
+        read_local(tmp_path / "absent", "cais/mmlu", "anatomy")
+
+
+def test_no_real_gpqa_item_is_in_the_fixtures() -> None:
+    text = (FIXTURES / "gpqa" / "gpqa_diamond.csv").read_text(encoding="utf-8")
+    questions = read_local(FIXTURES, "Idavidrein/gpqa", "gpqa_diamond")["train"]["Question"]
+    assert all(q.startswith("A made-up test item, not from GPQA") for q in questions) and "madeup-gpqa" in text
+
+
+# --- the plain lm_eval command line on a saved checkpoint -----------------------------------------------------
+
+
+def _samples(folder: Path, task: str) -> list[dict]:
+    (path,) = folder.rglob(f"samples_{task}_*.jsonl")
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_lm_eval_cli_scores_a_checkpoint_on_the_offline_group(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    command = [
+        sys.executable, "-m", "lm_eval",
+        "--model", "hf",
+        "--model_args", f"pretrained={tiny_checkpoint},trust_remote_code=True,dtype=float32",
+        "--include_path", tasks_path(),
+        "--tasks", "ultramem_paper_offline",
+        "--metadata", json.dumps({"data_dir": str(FIXTURES)}),
+        "--limit", "1",
+        "--gen_kwargs", "max_gen_toks=16",
+        "--device", "cpu",
+        "--output_path", str(tmp_path),
+        "--log_samples",
+    ]  # fmt: skip
+    done = subprocess.run(command, env={**os.environ, **OFFLINE_ENV}, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (results_file,) = tmp_path.rglob("results_*.json")
+    output = json.loads(results_file.read_text(encoding="utf-8"))
+    scores = {**output["results"], **output["groups"]}
+    for bench in BENCHMARKS:
+        assert 0.0 <= scores[bench.task][bench.metric] <= 1.0, bench
+    assert output["n-shot"]["arc_challenge"] == 25 and output["n-shot"]["mmlu_anatomy"] == 5
+    assert output["n-shot"]["winogrande"] == 5 and output["n-shot"]["drop"] == 3
+
+    # log-likelihood multiple choice: one score per choice, acc is the argmax
+    for sample in _samples(tmp_path, "arc_challenge"):
+        loglikelihoods = [float(r[0]) for r in sample["filtered_resps"]]
+        assert len(loglikelihoods) == len(sample["doc"]["choices"]["text"])
+        assert sample["acc"] == float(loglikelihoods.index(max(loglikelihoods)) == sample["target"])
+    # generate_until: the answer stops before any of TriviaQA's stop sequences
+    for sample in _samples(tmp_path, "triviaqa"):
+        until = sample["arguments"]["gen_args_0"]["arg_1"]["until"]
+        assert {"\n", ".", ","} <= set(until)
+        assert not any(stop in sample["resps"][0][0] for stop in until)
+    # BBH: the score is on the answer extracted after "the answer is", "[invalid]" when there is none
+    for sample in _samples(tmp_path, "bbh_cot_fewshot_navigate"):
+        found = re.findall(r"(?<=the answer is )(.*)(?=.)", sample["resps"][0][0])
+        assert sample["filtered_resps"][0] == (found[0] if found else "[invalid]")
+        assert sample["exact_match"] == float(sample["filtered_resps"][0] == sample["target"])
+    # DROP: F1 of each generated answer against the made-up item's gold answers
+    from lm_eval.tasks.drop.utils import process_results
+
+    for sample in _samples(tmp_path, "drop"):
+        assert sample["f1"] == process_results(sample["doc"], [sample["filtered_resps"][0]])["f1"]
+
+
+# --- ultramem-eval ----------------------------------------------------------------------------------------------
+
+
+def test_ultramem_eval_reports_missing_benchmarks_and_compares_checkpoints(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "eval"
+    shutil.copytree(FIXTURES, data)
+    shutil.rmtree(data / "drop")
+    dense = _save_checkpoint(tmp_path / "tiny-dense", "tiny-dense")
+    out = tmp_path / "out"
+    argv = ["--model", str(tiny_checkpoint), str(dense), "--tasks", "arc_challenge,boolq,drop",
+            "--data-dir", str(data), "--limit", "3", "--output", str(out)]  # fmt: skip
+    assert eval_main(argv) == 0
+    assert "benchmark drop not scored: missing local benchmark file" in capsys.readouterr().err
+
+    payload = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    models = {m["name"]: m for m in payload["models"]}
+    assert set(models) == {"tiny-ultramem", "tiny-dense"}
+    for model in models.values():
+        assert set(model["scores"]) == {"arc_challenge", "boolq"}
+        assert "drop_dataset_dev.json" in model["missing"]["drop"]
+        assert model["lm_eval"]["n-samples"]["boolq"]["effective"] == 3
+    assert models["tiny-ultramem"]["params_b"] > models["tiny-dense"]["params_b"]  # memory tables count
+
+    table = (out / "results.md").read_text(encoding="utf-8")
+    header, rule, *rows = table.splitlines()
+    assert header.split("|")[1:-1][3:] == [f" {b.title} " for b in BENCHMARKS] + [" Avg "]
+    row = dict(zip(header.split("|"), rows[0].split("|")))
+    assert row[" Model "].strip() == "tiny-ultramem" and row[" DROP "].strip() == "–"
+    scores = models["tiny-ultramem"]["scores"]
+    assert float(row[" Avg "]) == pytest.approx(round(sum(scores.values()) / 2, 2), abs=0.01)
+    assert "data not available: DROP" in table and "At most 3 documents per task" in table
+    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--tasks", "mmlu,nonesuch"], "unknown task 'nonesuch'; allowed: ultramem_paper"),
+        (["--limit", "0"], "--limit must be > 0"),
+        (["--data-dir", "/nonexistent/eval"], "--data-dir /nonexistent/eval: not a folder"),
+    ],
+)
+def test_ultramem_eval_rejects_bad_input(
+    tiny_checkpoint: Path, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        eval_main(["--model", str(tiny_checkpoint), *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_ultramem_eval_needs_a_checkpoint_folder_with_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(SystemExit) as exit_info:
+        eval_main(["--model", str(tmp_path), "--data-dir", str(FIXTURES)])
+    assert exit_info.value.code == 2
+    assert f"--model {tmp_path}: no config.json" in capsys.readouterr().err
