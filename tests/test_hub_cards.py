@@ -1,0 +1,194 @@
+"""Hub model cards and ultramem-push. The Hub is unreachable here: the tests stop at `HfApi.create_commit`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import CommitInfo, HfApi, ModelCard
+
+from ultramem.configuration_ultramem import UltraMemConfig
+from ultramem.eval.benchmarks import BENCHMARKS
+from ultramem.eval.report import ModelResult, write_results
+from ultramem.hub_cards import render_card
+from ultramem.hub_cards.push import main as push_main
+from ultramem.presets import build_model, count_parameters, get_config
+from ultramem.tokenization import load_tokenizer
+
+REPO = "alice/tiny-ultramem"
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # no stored login
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny UltraMem checkpoint as the Trainer leaves it: model, tokenizer, and files that must not be pushed."""
+    folder = tmp_path_factory.mktemp("push") / "tiny-ultramem"
+    torch.manual_seed(0)
+    build_model(get_config("tiny-ultramem")).save_pretrained(folder)
+    load_tokenizer().save_pretrained(folder)
+    (folder / "optimizer.pt").write_bytes(b"optimizer state")
+    (folder / "training_args.bin").write_bytes(b"pickle")
+    return folder
+
+
+@pytest.fixture
+def trained(tmp_path: Path, checkpoint: Path) -> Path:
+    """The config of `checkpoint` with a trainer_state.json (the card reads nothing else)."""
+    folder = tmp_path / "trained"
+    folder.mkdir()
+    shutil.copy(checkpoint / "config.json", folder)
+    state = {
+        "global_step": 200,
+        "max_steps": 200,
+        "train_batch_size": 8,
+        "log_history": [
+            {"step": 100, "loss": 7.5, "learning_rate": 6e-4},
+            {"step": 200, "loss": 5.25, "learning_rate": 1e-5},
+            {"step": 200, "eval_loss": 5.5},
+        ],
+    }
+    (folder / "trainer_state.json").write_text(json.dumps(state), encoding="utf-8")
+    return folder
+
+
+def _result(checkpoint: Path) -> ModelResult:
+    scores = {b.key: 10.0 + i for i, b in enumerate(BENCHMARKS) if b.key != "drop"}
+    return ModelResult("tiny-ultramem", str(checkpoint), 0.02, 0.0075, scores, {"drop": "no local copy"})
+
+
+def test_card_without_results_has_metadata_size_and_usage_but_no_scores(checkpoint: Path) -> None:
+    text = render_card(checkpoint, REPO)
+    card = ModelCard(text)
+    assert card.data.license == "apache-2.0"
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
+    assert {"ultramem", "custom_code"} <= set(card.data.tags)
+    assert card.data.eval_results is None and "model-index" not in text
+    counts = count_parameters(UltraMemConfig.from_pretrained(checkpoint))
+    assert f"({counts['total']:,})" in text and f"({counts['activated']:,})" in text
+    assert f"({counts['memory_slots']:,})" in text and "(0, 1), (2, 3)" in text
+    assert f'AutoModelForCausalLM.from_pretrained("{REPO}", trust_remote_code=True)' in text
+    assert "## Evaluation" not in text and "Optimizer steps" not in text  # no results, no trainer_state.json
+    assert "10x the base rate at the start, decaying linearly to 1x" in text
+
+
+def test_card_with_results_and_trainer_state(trained: Path) -> None:
+    text = render_card(trained, REPO, result=_result(trained), notes=["lm-eval 0.4.13 on local copies."], datasets=["gutenberg"])
+    card = ModelCard(text)
+    assert card.data.datasets == ["gutenberg"]
+    results = {r.dataset_name: r for r in card.data.eval_results}
+    assert set(results) == {b.title for b in BENCHMARKS if b.key != "drop"}  # unscored DROP is left out
+    assert results["ARC-C"].metric_value == 10.0 and results["ARC-C"].metric_name == "ARC-C (25-shot)"
+    assert results["MMLU"].dataset_type == "cais/mmlu" and results["BBH cot"].metric_type == "exact_match"
+    assert "Optimizer steps: 200 of 200" in text and "Last validation loss: 5.5000" in text
+    assert "Peak logged learning rate: 0.0006" in text and "Batch size per device: 8" in text
+    row = next(line for line in text.splitlines() if line.startswith("| tiny-ultramem |"))
+    assert row.split("|")[-3].strip() == "–"  # DROP
+    assert "data not available: DROP" in text and "lm-eval 0.4.13 on local copies." in text
+
+
+class _CommitRecorder:
+    """Stands in for the Hub at its boundary: records what `create_commit` would send."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def __call__(self, api: HfApi, repo_id: str, operations: list, **kwargs) -> CommitInfo:
+        self.calls.append({"repo_id": repo_id, "operations": list(operations), "token": api.token, **kwargs})
+        url = f"https://huggingface.co/{repo_id}/commit/{'0' * 40}"
+        return CommitInfo(commit_url=url, commit_message=kwargs["commit_message"], commit_description="", oid="0" * 40)
+
+
+@pytest.fixture
+def recorder(monkeypatch: pytest.MonkeyPatch) -> _CommitRecorder:
+    record = _CommitRecorder()
+
+    def create_commit(api: HfApi, repo_id: str, operations: list, **kwargs) -> CommitInfo:  # bound like the method
+        return record(api, repo_id, operations, **kwargs)
+
+    monkeypatch.setattr(HfApi, "create_commit", create_commit)
+    return record
+
+
+def test_push_sends_one_commit_with_weights_config_code_tokenizer_and_card(
+    checkpoint: Path, tmp_path: Path, recorder: _CommitRecorder, capsys: pytest.CaptureFixture[str]
+) -> None:
+    results_json = tmp_path / "results.json"
+    write_results(results_json, [_result(checkpoint)], {"limit": None}, ["lm-eval on the Hub datasets."])
+    argv = [str(checkpoint), "--repo-id", REPO, "--revision", "v1", "--results", str(results_json), "--token", "hf_test"]
+    assert push_main(argv) == 0
+    assert f"https://huggingface.co/{REPO}/commit/" in capsys.readouterr().out
+
+    (call,) = recorder.calls
+    assert call["repo_id"] == REPO and call["revision"] == "v1" and call["token"] == "hf_test"
+    operations = {op.path_in_repo: op for op in call["operations"]}
+    code = {p.name for p in checkpoint.glob("*.py")}
+    assert {"modeling_ultramem.py", "configuration_ultramem.py"} <= code
+    expected = {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "README.md"}
+    assert set(operations) == expected | code  # no optimizer.pt, no training_args.bin
+    for name, op in operations.items():
+        if name != "README.md":
+            local = (checkpoint / name).read_bytes()
+            assert op.upload_info.size == len(local)
+            assert op.upload_info.sha256.hex() == hashlib.sha256(local).hexdigest()
+    config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_ultramem.UltraMemForCausalLM"
+    card = operations["README.md"].path_or_fileobj.decode("utf-8")
+    assert card == render_card(checkpoint, REPO, result=_result(checkpoint), notes=["lm-eval on the Hub datasets."])
+    assert "model-index" in card
+
+
+def test_first_push_creates_the_repo_then_commits(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import httpx2
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    record = _CommitRecorder()
+    created: list[dict] = []
+
+    def commit(api: HfApi, repo_id: str, operations: list, **kwargs) -> CommitInfo:
+        if not created:
+            request = httpx2.Request("POST", f"https://huggingface.co/api/models/{repo_id}/commit/main")
+            raise RepositoryNotFoundError("not found", response=httpx2.Response(404, request=request))
+        return record(api, repo_id, operations, **kwargs)
+
+    monkeypatch.setattr(HfApi, "create_commit", commit)
+    monkeypatch.setattr(HfApi, "create_repo", lambda api, repo_id, **kw: created.append({"repo_id": repo_id, **kw}))
+    monkeypatch.setenv("HF_TOKEN", "hf_env")
+    assert push_main([str(checkpoint), "--repo-id", REPO, "--private"]) == 0
+    assert created == [{"repo_id": REPO, "private": True, "exist_ok": True, "repo_type": "model"}]
+    assert len(record.calls) == 1 and record.calls[0]["token"] == "hf_env"
+
+
+@pytest.mark.parametrize(
+    ("repo_id", "token", "message"),
+    [
+        (REPO, None, "no Hugging Face token"),
+        ("alice/bad name!", "hf_test", "--repo-id 'alice/bad name!' is not a valid Hub repo id"),
+        ("tiny-ultramem", "hf_test", "--repo-id 'tiny-ultramem': expected USER/NAME"),
+    ],
+)
+def test_push_refuses_before_uploading_anything(
+    checkpoint: Path, recorder: _CommitRecorder, repo_id: str, token: str | None, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [str(checkpoint), "--repo-id", repo_id] + (["--token", token] if token else [])
+    with pytest.raises(SystemExit) as exit_info:
+        push_main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert recorder.calls == []
+
+
+def test_push_refuses_a_folder_without_safetensors(tmp_path: Path, checkpoint: Path, recorder: _CommitRecorder, capsys: pytest.CaptureFixture[str]) -> None:
+    shutil.copy(checkpoint / "config.json", tmp_path)
+    with pytest.raises(SystemExit):
+        push_main([str(tmp_path), "--repo-id", REPO, "--token", "hf_test"])
+    assert "no *.safetensors weights" in capsys.readouterr().err and recorder.calls == []
