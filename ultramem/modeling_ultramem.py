@@ -407,6 +407,36 @@ class ProductKeyRetrieval(nn.Module):
         return rows * self.num_keys + cols, scores.unsqueeze(-1)
 
 
+def svd_2x2(matrices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Closed-form SVD of 2x2 matrices (..., 2, 2): singular values (..., 2) descending, leading u and t (..., 2).
+
+    matrices = R(phi) diag(q + r, q - r) R(-theta), with q and r the norms of the rotation and reflection
+    parts. The signs of u and t are arbitrary (callers normalize them).
+    """
+    a, b, c, d = matrices[..., 0, 0], matrices[..., 0, 1], matrices[..., 1, 0], matrices[..., 1, 1]
+    q = torch.hypot((a + d) / 2, (c - b) / 2)
+    r = torch.hypot((a - d) / 2, (c + b) / 2)
+    rotation, reflection = torch.atan2((c - b) / 2, (a + d) / 2), torch.atan2((c + b) / 2, (a - d) / 2)
+    phi, theta = (rotation + reflection) / 2, (rotation - reflection) / 2
+    u = torch.stack([phi.cos(), phi.sin()], dim=-1)
+    t = torch.stack([theta.cos(), -theta.sin()], dim=-1)
+    return torch.stack([q + r, (q - r).abs()], dim=-1), u, t
+
+
+def core_svd(cores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Singular values (..., r) descending, and the leading left/right singular vectors u, t (..., r) of cores.
+
+    On an accelerator with the paper's rank r = 2 this is `svd_2x2`: a few elementwise ops instead of
+    `torch.linalg.svd`, which synchronizes a CUDA device with the host at every call (twice per memory layer
+    per forward: retrieval and aux loss) and so stalls decoding and breaks CUDA graphs. On CPU, where there is
+    no device to wait for, LAPACK's 2x2 SVD costs less than the dozen small ops of the closed form.
+    """
+    if cores.shape[-1] == 2 and cores.device.type != "cpu":
+        return svd_2x2(cores)
+    left, singular_values, right_h = torch.linalg.svd(cores)
+    return singular_values, left[..., :, 0], right_h[..., 0, :]
+
+
 class TuckerQueryKeyRetrieval(nn.Module):
     """Tucker Decomposed Query-Key Retrieval (TDQKR) with multi-core scoring (MCS).
 
@@ -429,6 +459,7 @@ class TuckerQueryKeyRetrieval(nn.Module):
             torch.empty(config.memory_heads, config.mcs_cores, config.tucker_rank, config.tucker_rank)
         )
         self.key_norm = key_norm(config)
+        self.signed_candidates = config.tdqkr_signed_candidates
 
     def init_ultramem(self) -> None:
         init_keys(self)
@@ -443,13 +474,24 @@ class TuckerQueryKeyRetrieval(nn.Module):
 
     def grid_scores(self, row_scores: torch.Tensor, col_scores: torch.Tensor) -> torch.Tensor:
         """Exact Tucker score of every cell of the n x n grid, (..., n, n); for diagnostics only."""
-        return torch.einsum("...an,hab,...bk->...nk", row_scores, self.cores.sum(1), col_scores)
+        return torch.einsum("...an,...ab,...bk->...nk", row_scores, self.cores.sum(1), col_scores)
+
+    def candidates(self, projected: torch.Tensor) -> torch.Tensor:
+        """Indices of the candidate keys along one axis from its rank-1 projection (..., n) -> (..., m').
+
+        The paper keeps the top-m (m' = m). The rank-1 score a_i * b_j is also large where a_i and b_j
+        are both very negative, which that misses: with `tdqkr_signed_candidates` the m most negative
+        are kept too (m' = 2m), which makes the two-phase top-m exact for a rank-1 core.
+        """
+        top = projected.topk(self.topk, dim=-1).indices
+        if not self.signed_candidates:
+            return top
+        return torch.cat([top, projected.topk(self.topk, dim=-1, largest=False).indices], dim=-1)
 
     @torch.no_grad()
     def leading_singular_vectors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """u, t of the rank-1 SVD of each head's summed core: (H, r) each, sign-normalized."""
-        left, _, right_h = torch.linalg.svd(self.cores.sum(1).float())
-        u, t = left[..., :, 0], right_h[..., 0, :]
+        _, u, t = core_svd(self.cores.sum(1).float())
         sign = u.gather(-1, u.abs().argmax(-1, keepdim=True)).sign()
         return (u * sign).to(self.cores.dtype), (t * sign).to(self.cores.dtype)
 
@@ -458,7 +500,7 @@ class TuckerQueryKeyRetrieval(nn.Module):
         rank = self.cores.shape[-1]
         if rank == 1:
             return self.cores.new_zeros(())
-        singular_values = torch.linalg.svdvals(self.cores.sum(1).float())  # (H, r), descending
+        singular_values, _, _ = core_svd(self.cores.sum(1).float())  # (H, r), descending
         excess = F.relu(singular_values[:, 1:] - tau)
         return alpha / (rank - 1) * excess.pow(2).sum()
 
@@ -468,16 +510,16 @@ class TuckerQueryKeyRetrieval(nn.Module):
         """Virtual addresses (B, T, H, m) and per-core scores (B, T, H, m, h)."""
         row_scores, col_scores = self.axis_scores(row_query, col_query)  # (B, T, H, r, n)
         u, t = self.leading_singular_vectors()
-        row_index = torch.einsum("bthrn,hr->bthn", row_scores.detach(), u).topk(self.topk, dim=-1).indices
-        col_index = torch.einsum("bthrn,hr->bthn", col_scores.detach(), t).topk(self.topk, dim=-1).indices
-        rank = row_scores.shape[-2]
+        row_index = self.candidates(torch.einsum("bthrn,hr->bthn", row_scores.detach(), u))  # (B, T, H, m')
+        col_index = self.candidates(torch.einsum("bthrn,hr->bthn", col_scores.detach(), t))
+        rank, num_candidates = row_scores.shape[-2], row_index.shape[-1]
         row_candidates = row_scores.gather(-1, row_index.unsqueeze(-2).expand(-1, -1, -1, rank, -1))
         col_candidates = col_scores.gather(-1, col_index.unsqueeze(-2).expand(-1, -1, -1, rank, -1))
         flat_index, core_scores = ops.tucker_candidate_topk(
             row_candidates, col_candidates, self.cores, self.topk
         )  # (B, T, H, m), (B, T, H, m, h)
-        rows = row_index.gather(-1, flat_index // self.topk)
-        cols = col_index.gather(-1, flat_index % self.topk)
+        rows = row_index.gather(-1, flat_index // num_candidates)
+        cols = col_index.gather(-1, flat_index % num_candidates)
         return rows * self.num_keys + cols, core_scores
 
 
