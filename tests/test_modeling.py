@@ -12,8 +12,15 @@ from ultramem.diagnostics import retrieval_diagnostics
 
 
 def _model(config, seed: int = 0) -> UltraMemForCausalLM:
+    """A model whose query convs also look at past tokens (their init is the identity on the current one)."""
     torch.manual_seed(seed)
-    return UltraMemForCausalLM(config).eval()
+    model = UltraMemForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.memory_layers:
+            if layer.query.conv is not None:
+                layer.query.conv.weight.normal_(std=0.5)
+                layer.query.conv.bias.normal_(std=0.1)
+    return model
 
 
 def _left_padded_batch(vocab_size: int, lengths: list[int], seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -342,3 +349,25 @@ def test_improved_init_scales():
     stats = retrieval_diagnostics(model, input_ids)
     target = (1 / (2 * config.num_hidden_layers)) ** 0.5
     assert 0.5 * target < stats["memory_output_std"] < 2.0 * target
+
+
+def _make_cores_rank_one(model: UltraMemForCausalLM, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.memory_layers:
+            cores = layer.retrieval.cores  # (H, h, r, r)
+            heads, num_cores, rank, _ = cores.shape
+            u, t = torch.randn(heads, rank, generator=generator), torch.randn(heads, rank, generator=generator)
+            cores.copy_((torch.einsum("ha,hb->hab", u, t) / num_cores).unsqueeze(1).expand_as(cores))
+
+
+def test_signed_candidates_make_two_phase_top_m_exact_for_rank_one_cores():
+    """The paper's positive-only candidates miss the negative x negative quadrant of a rank-1 core."""
+    input_ids, attention_mask = _left_padded_batch(97, [16, 12, 9], seed=8)
+    recalls = {}
+    for signed in (False, True):
+        model = _model(small_config(tdqkr_signed_candidates=signed, memory_num_keys=24), seed=9)
+        _make_cores_rank_one(model, seed=10)
+        recalls[signed] = retrieval_diagnostics(model, input_ids, attention_mask)["tdqkr_recall"]
+    assert recalls[True] == pytest.approx(1.0)
+    assert recalls[False] < 0.8

@@ -38,7 +38,8 @@ class UltraMemConfig(PreTrainedConfig):
 
     Memory notation: H heads (`memory_heads`), m top-m per head (`memory_topk`), Dk key dim
     (`memory_key_dim`), n keys per axis (`memory_num_keys`, already including the sqrt(E) of IVE),
-    r Tucker rank (`tucker_rank`), h MCS cores (`mcs_cores`), E IVE expansion (`ive_expansion`),
+    r Tucker rank (`tucker_rank`; `tdqkr_signed_candidates` also keeps the most negative rank-1
+    projections as candidates, see `TuckerQueryKeyRetrieval.candidates`), h MCS cores (`mcs_cores`), E IVE expansion (`ive_expansion`),
     Dv value dim (`memory_value_dim`), N physical values per layer (`memory_num_values` = n^2 / E).
 
     Example:
@@ -86,6 +87,7 @@ class UltraMemConfig(PreTrainedConfig):
     retrieval_mode: str = "tucker"
     tucker_rank: int = 2
     mcs_cores: int = 2
+    tdqkr_signed_candidates: bool = False
     share_query: bool = True
     qk_layernorm: bool = True
     use_query_conv: bool = True
