@@ -1,0 +1,137 @@
+"""The README's first command: UltraMem vs a dense model of the same compute, trained on the embedded corpus.
+
+    python -m ultramem.training.main_job [--output_dir runs/main_job]
+
+Trains `tiny-ultramem` and `tiny-dense` with the same recipe, data and steps (about 2 minutes each on 2 CPU
+cores), prints their validation loss and perplexity side by side, writes `loss_curve.png`, keeps the
+UltraMem checkpoint (with tokenizer) and prints a sample generation from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ultramem import presets
+from ultramem.training.cli import run
+
+MODELS = ("tiny-ultramem", "tiny-dense")
+PROMPT = "It was a dark and stormy night, and"
+
+
+@dataclass
+class RunResult:
+    """What one training run left behind."""
+
+    preset: str
+    output_dir: str
+    eval_loss: float
+    seconds: float
+    log_history: list[dict]
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.eval_loss)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output_dir", default="runs/main_job", help="Where both runs and the plot go.")
+    parser.add_argument("--max_steps", type=int, default=120, help="Optimizer steps per model.")
+    parser.add_argument("--batch_size", type=int, default=4, help="Blocks per step.")
+    parser.add_argument("--block_size", type=int, default=128, help="Tokens per block.")
+    parser.add_argument("--learning_rate", type=float, default=2e-3, help="Peak LR (values start at 10x).")
+    parser.add_argument("--eval_blocks", type=int, default=48, help="Validation blocks for the evaluations.")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def train_one(preset: str, args: argparse.Namespace) -> RunResult:
+    output_dir = os.path.join(args.output_dir, preset)
+    argv = [
+        "--preset", preset, "--output_dir", output_dir,
+        "--max_steps", str(args.max_steps), "--per_device_train_batch_size", str(args.batch_size),
+        "--per_device_eval_batch_size", "16", "--block_size", str(args.block_size),
+        "--learning_rate", str(args.learning_rate), "--warmup_steps", "0.05", "--seed", str(args.seed),
+        "--max_eval_samples", str(args.eval_blocks), "--eval_strategy", "steps",
+        "--eval_steps", str(max(1, args.max_steps // 4)), "--logging_steps", str(max(1, args.max_steps // 12)),
+        "--save_strategy", "no", "--report_to", "none", "--diagnostics_batch_size", "2",
+    ]  # fmt: skip
+    start = time.perf_counter()
+    metrics = run(argv)
+    seconds = time.perf_counter() - start
+    with open(os.path.join(output_dir, "trainer_state.json"), encoding="utf-8") as handle:
+        history = json.load(handle)["log_history"]
+    return RunResult(preset, output_dir, float(metrics["eval_loss"]), seconds, history)
+
+
+def comparison_table(results: list[RunResult]) -> str:
+    """Validation loss and perplexity of every run, side by side, with parameter counts."""
+    lines = [f"{'model':<15}{'params':>10}{'activated':>11}{'val loss':>10}{'perplexity':>12}{'time (s)':>10}"]
+    for result in results:
+        counts = presets.count_parameters(presets.get_config(result.preset))
+        lines.append(
+            f"{result.preset:<15}{counts['total'] / 1e6:>9.2f}M{counts['activated'] / 1e6:>10.2f}M"
+            f"{result.eval_loss:>10.4f}{result.perplexity:>12.1f}{result.seconds:>10.0f}"
+        )
+    return "\n".join(lines)
+
+
+def plot_losses(results: list[RunResult], path: str) -> None:
+    """Training loss (lines) and validation loss (markers) against step for every run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for result in results:
+        train = [(entry["step"], entry["loss"]) for entry in result.log_history if "loss" in entry]
+        valid = [(entry["step"], entry["eval_loss"]) for entry in result.log_history if "eval_loss" in entry]
+        (line,) = axis.plot(*zip(*train), label=f"{result.preset} train")
+        axis.plot(*zip(*valid), "o--", color=line.get_color(), label=f"{result.preset} validation")
+    axis.set_xlabel("optimizer step")
+    axis.set_ylabel("cross-entropy loss (nats/token)")
+    axis.set_title("Embedded Gutenberg corpus, same recipe and data")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def sample(checkpoint: str, seed: int) -> str:
+    """A sampled continuation of `PROMPT` from the saved checkpoint, loaded the way users load it."""
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True)
+    inputs = tokenizer(PROMPT, return_tensors="pt")
+    torch.manual_seed(seed)
+    output = model.generate(**inputs, max_new_tokens=40, do_sample=True, top_k=40, temperature=0.8)
+    return tokenizer.decode(output[0], skip_special_tokens=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    os.makedirs(args.output_dir, exist_ok=True)
+    results = []
+    for index, preset in enumerate(MODELS, start=1):
+        print(f"\n[{index}/{len(MODELS)}] training {preset} for {args.max_steps} steps", flush=True)
+        results.append(train_one(preset, args))
+    plot_path = os.path.join(args.output_dir, "loss_curve.png")
+    plot_losses(results, plot_path)
+    checkpoint = results[0].output_dir
+    print("\n" + comparison_table(results))
+    print(f"\nloss curve: {plot_path}")
+    print(f"UltraMem checkpoint: {checkpoint}  (AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True))")
+    print(f"sample from {MODELS[0]}: {sample(checkpoint, args.seed)!r}")
+
+
+if __name__ == "__main__":
+    main()
