@@ -1,0 +1,179 @@
+"""Decoding latency of dense, UltraMem and MoE models of equal compute (paper Figure 1 b/c).
+
+One decoding step (sequence length 1) with a KV cache of 2048 tokens, random weights, for each batch size up
+to the largest that fits. The three models at a size are this project's dense backbone (`dense-*`), UltraMem
+(`ultramem-*-x12`) and Transformers' `MixtralForCausalLM` (`moe-*-2inN`, parameters and FLOPs matched, see
+SPEC.md) on its fastest expert path. All three use the same StaticCache, SDPA attention and execution mode
+(`--mode compile`: torch.compile(mode="reduce-overhead"), i.e. CUDA graphs; or `--mode eager`). Beside each
+time the paper's analytic memory access is printed (section "Why UltraMem instead of MoE").
+
+H100 / H200 (bf16, CUDA graphs; the 1.6B models at batch 64 need ~80 GB with the KV cache, i.e. an H200):
+
+    python benchmarks/bench_decode.py --device cuda --sizes 680m,1.6b
+
+CPU (tiny presets, float32, eager; a few minutes on 2 cores):
+
+    OMP_NUM_THREADS=2 python benchmarks/bench_decode.py --device cpu --sizes tiny --batch-sizes 1,4,16,64
+
+Writes benchmarks/results/decode_<device>.json and .png; the table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+import _common as common
+
+DEFAULT_NAME = "decode"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_common_arguments(parser, DEFAULT_NAME)
+    common.add_decode_arguments(parser)
+    parser.add_argument("--sizes", type=common.parse_sizes, default=None, help="680m,1.6b on CUDA; tiny on CPU")
+    parser.add_argument(
+        "--batch-sizes",
+        type=common.parse_int_list,
+        default=None,
+        help="1,2,...,1024 on CUDA (stops at the first out-of-memory); 1,4,16 on CPU",
+    )
+    args = parser.parse_args(argv)
+    common.resolve_common(args, DEFAULT_NAME)
+    common.resolve_decode(args)
+    cuda = args.device.type == "cuda"
+    args.sizes = args.sizes or (["680m", "1.6b"] if cuda else ["tiny"])
+    args.batch_sizes = args.batch_sizes or ([2**i for i in range(11)] if cuda else [1, 4, 16])
+    return args
+
+
+def bench_model(size: str, kind: str, args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Time one model at every batch size (stopping at out-of-memory); returns rows and a description."""
+    preset = common.PEERS[size][kind]
+    headroom = 2 + args.warmup + args.iters
+    model = common.build(preset, args.device, args.dtype, **common.decode_overrides(preset, args.context, headroom))
+    model.eval()
+    info: dict[str, Any] = {"size": size, "kind": kind, "preset": preset}
+    bytes_per_value = torch.finfo(args.dtype).bits // 8
+    rows = []
+    with torch.no_grad():
+        if kind == "moe":
+            probe_batch = args.batch_sizes[len(args.batch_sizes) // 2]
+            info["moe_implementation"], info["moe_probe_ms"] = common.choose_moe_implementation(
+                model, args.moe_impl, lambda: common.time_decode(model, probe_batch, args)
+            )
+            info["moe_probe_batch"] = probe_batch
+        for batch in args.batch_sizes:
+            access = common.decode_memory_access(model, batch, args.context, bytes_per_value)
+            row: dict[str, Any] = {"size": size, "kind": kind, "batch": batch, "access_gb": access.total / 1e9}
+            row.update(sparse_gb=access.sparse_weights / 1e9, kv_gb=access.kv_cache / 1e9)
+            try:
+                timing = common.time_decode(model, batch, args)
+            except RuntimeError as error:
+                if not common.is_out_of_memory(error):
+                    raise
+                rows.append({**row, "status": "out of memory"})
+                print(f"{preset} batch {batch}: out of memory, larger batches skipped")
+                break
+            row.update(timing, status="ok", gbps=access.total / 1e9 / (timing["median_ms"] / 1e3))
+            print(f"{preset:<20} batch {batch:>5}: {timing['median_ms']:8.3f} ms  {row['access_gb']:7.3f} GB analytic")
+            rows.append(row)
+            common.release(args.device)
+    del model
+    common.release(args.device)
+    return rows, info
+
+
+def ratio_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (size, batch): the three times, the issue's ratios, and the analytic-access ratios."""
+    by_key = {(r["size"], r["batch"], r["kind"]): r for r in rows}
+    table = []
+    for size, batch in sorted({(r["size"], r["batch"]) for r in rows}, key=lambda k: (list(common.PEERS).index(k[0]), k[1])):
+        get = {kind: by_key.get((size, batch, kind), {}) for kind in ("dense", "ultramem", "moe")}
+        ms = {kind: get[kind].get("median_ms") for kind in get}
+        gb = {kind: get[kind].get("access_gb") for kind in get}
+        table.append(
+            {
+                "size": size,
+                "batch": batch,
+                "dense_ms": ms["dense"],
+                "ultramem_ms": ms["ultramem"],
+                "moe_ms": ms["moe"],
+                "ultramem/dense": ms["ultramem"] / ms["dense"] if ms["ultramem"] and ms["dense"] else None,
+                "moe/ultramem": ms["moe"] / ms["ultramem"] if ms["moe"] and ms["ultramem"] else None,
+                "dense_gb": gb["dense"],
+                "ultramem_gb": gb["ultramem"],
+                "moe_gb": gb["moe"],
+                "analytic moe/ultramem": gb["moe"] / gb["ultramem"] if gb["moe"] and gb["ultramem"] else None,
+            }
+        )
+    return table
+
+
+TABLE_COLUMNS = [
+    ("size", "size"),
+    ("batch", "batch"),
+    ("dense_ms", "dense ms"),
+    ("ultramem_ms", "ultramem ms"),
+    ("moe_ms", "moe ms"),
+    ("ultramem/dense", "U/D"),
+    ("moe/ultramem", "M/U"),
+    ("dense_gb", "dense GB"),
+    ("ultramem_gb", "ultramem GB"),
+    ("moe_gb", "moe GB"),
+    ("analytic moe/ultramem", "M/U analytic"),
+]
+
+
+def plot(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    panels = []
+    for size in args.sizes:
+        for title, key, ylabel in (("decode time", "median_ms", "ms / step"), ("memory access", "access_gb", "GB / step")):
+            series = {}
+            for kind in ("dense", "ultramem", "moe"):
+                points = [r for r in rows if r["size"] == size and r["kind"] == kind and r["status"] == "ok"]
+                series[kind] = ([r["batch"] for r in points], [r[key] for r in points])
+            panels.append((f"{size}: {title}", ylabel, series))
+    common.plot_panels(args, panels, "batch size", f"decode step, KV cache {args.context}, {args.mode}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    rows, models = [], []
+    for size in args.sizes:
+        for kind in ("dense", "ultramem", "moe"):
+            model_rows, info = bench_model(size, kind, args)
+            rows += model_rows
+            models.append(info)
+    table = ratio_rows(rows)
+    payload = {
+        "settings": {
+            "sizes": args.sizes,
+            "batch_sizes": args.batch_sizes,
+            "context": args.context,
+            "mode": args.mode,
+            "cache": "StaticCache",
+            "attention": "sdpa",
+            "warmup": args.warmup,
+            "iters": args.iters,
+        },
+        "analytic_model": (
+            "bytes read per step: every dense weight once + B input-embedding rows + KV cache (2*B*context*L*D) + "
+            "MoE: min(2B, N_moe) experts per layer; UltraMem: min(B*H*m, N) value rows of Dv per memory layer"
+        ),
+        "models": models,
+        "rows": rows,
+        "ratios": table,
+    }
+    if not args.no_plot:
+        plot(args, rows)
+    common.finish(args, payload, common.format_table(table, TABLE_COLUMNS))
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""This project's memory layer against the `ultra-mem` package from PyPI (lucidrains), forward and backward.
+
+Both layers are built with the same hyperparameters: hidden size D, keys per axis n (`num_memories` = n^2
+virtual slots there), top-m per head, query/key dim, Tucker rank 2, 2 cores, IVE expansion 4, value dim
+D/2, causal query conv of kernel 5, query/key LayerNorm. Differences that remain (their design, not a
+setting): `ultra-mem` keeps one value table per core ("head") and runs one top-m per core, so its table
+is twice ours for the same rows read per token (2 x m each); it pools with `scatter` and reads
+`self.keys` without the key LayerNorm it computes. The ratio is `ultra-mem` time / ours, in training
+mode (their forward also counts its value-LR gradient scaling), float32.
+
+CPU (the only comparison this script makes; `pip install ultra-mem`, it pulls einx and einops):
+
+    OMP_NUM_THREADS=2 python benchmarks/bench_vs_ultra_mem.py
+
+Writes benchmarks/results/vs_ultra_mem_cpu.json; the table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ultramem import UltraMemConfig
+from ultramem.modeling_ultramem import UltraMemMemoryLayer
+
+import _common as common
+
+DEFAULT_NAME = "vs_ultra_mem"
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    name: str
+    hidden: int
+    num_keys: int  # keys per axis n; n^2 virtual slots, n^2 / 4 physical rows (ours)
+    topk: int
+    key_dim: int
+    batch: int
+    seq_len: int
+
+
+SHAPES = {
+    "tiny": LayerShape("tiny (tiny-ultramem layer)", 256, 512, 16, 64, 4, 128),
+    "small": LayerShape("small (151M width, 1M slots)", 1024, 1024, 16, 256, 2, 256),
+    "smoke": LayerShape("smoke", 64, 32, 4, 16, 2, 8),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_common_arguments(parser, DEFAULT_NAME)
+    parser.add_argument("--shapes", default="tiny,small", help=f"comma-separated, from {', '.join(SHAPES)}")
+    args = parser.parse_args(argv)
+    if args.device != "cpu":
+        raise SystemExit("--device: this comparison runs on CPU only (ultra-mem's CUDA path is not compared)")
+    common.resolve_common(args, DEFAULT_NAME)
+    args.shapes = [s for s in args.shapes.split(",") if s]
+    unknown = [s for s in args.shapes if s not in SHAPES]
+    if unknown or not args.shapes:
+        raise SystemExit(f"--shapes: unknown {unknown}; allowed: {', '.join(SHAPES)}")
+    return args
+
+
+def ours(shape: LayerShape) -> nn.Module:
+    config = UltraMemConfig(
+        vocab_size=8,
+        hidden_size=shape.hidden,
+        intermediate_size=4 * shape.hidden,
+        num_attention_heads=4,
+        num_hidden_layers=1,
+        memory_layers=[[0, 0]],
+        memory_heads=2,
+        memory_topk=shape.topk,
+        memory_key_dim=shape.key_dim,
+        memory_num_keys=shape.num_keys,
+        memory_value_dim=shape.hidden // 2,
+        ive_expansion=4,
+        tucker_rank=2,
+        mcs_cores=2,
+        query_conv_kernel_size=5,
+        memory_kernel="torch",
+    )
+    layer = UltraMemMemoryLayer(config, 0)
+    for module in layer.modules():
+        if hasattr(module, "init_ultramem"):
+            module.init_ultramem()
+    return layer
+
+
+def theirs(shape: LayerShape) -> nn.Module:
+    from ultra_mem import UltraMem
+
+    return UltraMem(
+        dim=shape.hidden,
+        dim_values=shape.hidden // 2,
+        num_memories=shape.num_keys**2,
+        topk=shape.topk,
+        dim_queries_keys=shape.key_dim,
+        core_rank=2,
+        core_heads=2,
+        value_expansion=4,
+        pre_query_causal_conv=True,
+        query_conv_kernel_size=5,
+        qk_layernorm=True,
+    )
+
+
+def losses(layer: nn.Module, x: torch.Tensor, is_ours: bool) -> torch.Tensor:
+    """Output summed plus the layer's aux loss, for both APIs."""
+    if is_ours:
+        return layer(x).sum() + layer.aux_loss()
+    out, _, aux = layer(x)
+    return out.sum() + aux
+
+
+def bench_shape(shape: LayerShape, args: argparse.Namespace) -> list[dict[str, Any]]:
+    torch.manual_seed(0)
+    x = torch.randn(shape.batch, shape.seq_len, shape.hidden)
+    rows = []
+    for label, build, is_ours in (("ultramem (this project)", ours, True), ("ultra-mem (PyPI)", theirs, False)):
+        layer = build(shape).train()
+
+        def forward() -> None:
+            losses(layer, x, is_ours)
+
+        def forward_backward() -> None:
+            losses(layer, x, is_ours).backward()
+            layer.zero_grad(set_to_none=True)
+
+        row = {"shape": shape.name, "impl": label, "params_m": sum(p.numel() for p in layer.parameters()) / 1e6}
+        row["forward_ms"] = common.measure(forward, args.device, args.warmup, args.iters)["median_ms"]
+        row["forward_backward_ms"] = common.measure(forward_backward, args.device, args.warmup, args.iters)["median_ms"]
+        rows.append(row)
+        print(f"{shape.name:<30} {label:<24} fwd {row['forward_ms']:8.2f} ms  fwd+bwd {row['forward_backward_ms']:8.2f} ms")
+    mine, other = rows
+    for phase in ("forward", "forward_backward"):
+        other[f"{phase}_vs_ours"] = other[f"{phase}_ms"] / mine[f"{phase}_ms"]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    import importlib.metadata
+
+    rows = [row for name in args.shapes for row in bench_shape(SHAPES[name], args)]
+    payload = {
+        "settings": {"shapes": [asdict(SHAPES[s]) for s in args.shapes], "warmup": args.warmup, "iters": args.iters},
+        "ultra_mem_version": importlib.metadata.version("ultra-mem"),
+        "rows": rows,
+    }
+    columns = [
+        ("shape", "shape"),
+        ("impl", "implementation"),
+        ("params_m", "params(M)"),
+        ("forward_ms", "fwd ms"),
+        ("forward_backward_ms", "fwd+bwd ms"),
+        ("forward_vs_ours", "fwd / ours"),
+        ("forward_backward_vs_ours", "fwd+bwd / ours"),
+    ]
+    common.finish(args, payload, common.format_table(rows, columns))
+    return payload
+
+
+if __name__ == "__main__":
+    main()
