@@ -1,6 +1,6 @@
 """Benchmark of the memory layer's operators: PyTorch path vs embedding_bag vs the Triton kernels.
 
-On an H100 / H200 (one command, ~5 minutes; writes benchmarks/results/bench_kernels_<gpu>.{json,png}):
+On an H100 / H200 (one command, a few minutes; writes benchmarks/results/bench_kernels_<gpu>.{json,png}):
 
     python benchmarks/bench_kernels.py --device cuda
 
@@ -35,11 +35,12 @@ from ultramem import kernels, memory_ops
 from ultramem.presets import get_config
 
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536]
-QUICK_TOKENS = [1, 16, 256, 1024]
+QUICK_TOKENS = [1, 64, 1024]
 SMOKE_TOKENS = [1, 8]
 PRESETS = {"151m": "ultramem-151m-x12", "680m": "ultramem-680m-x12", "1.6b": "ultramem-1.6b-x12"}
 QUICK_ROWS = 65_536  # physical rows on CPU: a table that fits in RAM next to the other benchmarks
 SMOKE_ROWS = 1_024
+COLORS = {"torch": "tab:blue", "embedding_bag": "tab:orange", "triton": "tab:green", "triton-deterministic": "tab:red"}
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,7 @@ def bench_lookup(shape: MemoryShape, groups: int, cores: int, dtype: torch.dtype
         for impl, fn in lookup_impls(groups, cores, device, interpreted).items():
             result = Result("lookup_reduce", shape.name, groups, cores, str(dtype).removeprefix("torch."), tokens, impl)
             args = (values, rows, group_ids, scores, groups)
+            out = None
             try:
                 with torch.no_grad():
                     result.forward_ms = time_ms(lambda: fn(*args), device, repeats)
@@ -168,7 +170,7 @@ def bench_lookup(shape: MemoryShape, groups: int, cores: int, dtype: torch.dtype
                 result.backward_ms = time_ms(
                     lambda: torch.autograd.grad(out, (values, scores), grad_out, retain_graph=True), device, repeats
                 )
-                del out
+                out = None
                 result.fwd_bwd_ms = time_ms(
                     lambda: torch.autograd.grad(fn(*args), (values, scores), grad_out), device, repeats
                 )
@@ -179,6 +181,7 @@ def bench_lookup(shape: MemoryShape, groups: int, cores: int, dtype: torch.dtype
             except (NotImplementedError, RuntimeError) as error:
                 result.status = f"unsupported: {str(error).splitlines()[0][:80]}"
             finally:
+                out = None  # free the graph before the next implementation runs
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             results.append(result)
@@ -237,15 +240,15 @@ def plot(results: list[Result], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     lookups = [r for r in results if r.op == "lookup_reduce" and r.status == "ok"]
-    panels = sorted({(r.config, r.groups, r.cores, r.dtype) for r in lookups})
+    panels = list(dict.fromkeys((r.config, r.groups, r.cores, r.dtype) for r in lookups))  # run order
     figure, axes = plt.subplots(2, max(1, len(panels)), figsize=(4.2 * max(1, len(panels)), 7), squeeze=False)
     for column, (config, groups, cores, dtype) in enumerate(panels):
         rows = [r for r in lookups if (r.config, r.groups, r.cores, r.dtype) == (config, groups, cores, dtype)]
-        for impl in sorted({r.impl for r in rows}):
+        for impl in [impl for impl in COLORS if any(r.impl == impl for r in rows)]:
             series = sorted((r.tokens, r.forward_pct_of_copy, r.fwd_bwd_ms) for r in rows if r.impl == impl)
             tokens = [s[0] for s in series]
-            axes[0][column].plot(tokens, [s[1] for s in series], marker="o", label=impl)
-            axes[1][column].plot(tokens, [s[2] for s in series], marker="o", label=impl)
+            axes[0][column].plot(tokens, [s[1] for s in series], marker="o", label=impl, color=COLORS[impl])
+            axes[1][column].plot(tokens, [s[2] for s in series], marker="o", label=impl, color=COLORS[impl])
         axes[0][column].set_title(f"{config} E={groups} h={cores} {dtype}", fontsize=9)
         axes[0][column].set_ylabel("forward, % of copy bandwidth")
         axes[1][column].set_ylabel("forward+backward ms")
@@ -301,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
     num_rows = SMOKE_ROWS if args.smoke else (QUICK_ROWS if quick else None)
     tokens_list = args.tokens or (SMOKE_TOKENS if args.smoke else QUICK_TOKENS if quick else TOKENS)
     dtypes = args.dtypes or (["bfloat16", "float32"] if device.type == "cuda" else ["float32"])
-    repeats = args.repeats or (1 if args.smoke else 5 if device.type == "cpu" else 20)
+    repeats = args.repeats or (1 if args.smoke else 3 if device.type == "cpu" else 20)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
 
     info = device_info(device)
