@@ -10,11 +10,14 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import Trainer
+from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.utils import logging
 
 from ultramem.training.schedule import VALUE_GROUP, value_lr_multiplier, with_value_multiplier
 
 STAGING_PREFIX = ".incomplete-"
+logger = logging.get_logger(__name__)
 
 
 def value_table_names(model: nn.Module) -> set[str]:
@@ -132,6 +135,11 @@ class UltraMemTrainer(Trainer):
 
     def _memory_diagnostics(self) -> dict[str, float]:
         if self.diagnostics_input_ids is None or self.args.diagnostics_batch_size <= 0:
+            return {}
+        if is_deepspeed_zero3_enabled():
+            # retrieval_diagnostics reads memory weights outside their modules' forward, where ZeRO-3 has them
+            # partitioned (and its hooks re-partition gathered ones): not available under ZeRO-3.
+            logger.warning_once("memory diagnostics are skipped under DeepSpeed ZeRO-3")
             return {}
         from ultramem.diagnostics import retrieval_diagnostics
 
