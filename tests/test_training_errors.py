@@ -1,0 +1,92 @@
+"""Bad input gives one clear error line naming the culprit, before any model is built or training starts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from test_training_support import REPO, base_args, child_env, python_module, write_config, write_corpus
+
+from ultramem import presets
+from ultramem.training.cli import main
+
+
+def run_and_get_error(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ultramem-train: error:")]
+    assert len(errors) == 1, errors
+    return errors[0]
+
+
+@pytest.fixture
+def files(tmp_path):
+    return write_config(tmp_path), write_corpus(tmp_path, characters=5_000)
+
+
+def test_empty_data_file(tmp_path, files, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    error = run_and_get_error(base_args(files[0], empty, tmp_path / "out"), capsys)
+    assert "--train_file" in error and "empty.txt" in error and "is empty" in error
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_data_file(tmp_path, files, capsys):
+    error = run_and_get_error(base_args(files[0], tmp_path / "nope.jsonl", tmp_path / "out"), capsys)
+    assert "--train_file" in error and "no such file" in error
+
+
+def test_unreadable_data_file(tmp_path, files, capsys):
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "fine"}\n{"text": unquoted}\n')
+    error = run_and_get_error(base_args(files[0], broken, tmp_path / "out"), capsys)
+    assert "--train_file" in error and "broken.jsonl" in error and "could not be read as json" in error
+    assert not (tmp_path / "out").exists()
+
+
+def test_text_column_that_does_not_exist(tmp_path, files, capsys):
+    data = tmp_path / "books.jsonl"
+    data.write_text(json.dumps({"body": "Some text."}) + "\n")
+    error = run_and_get_error(base_args(files[0], data, tmp_path / "out"), capsys)
+    assert "--text_column 'text'" in error and "columns: body" in error
+
+
+def test_block_size_larger_than_the_model_maximum(tmp_path, files, capsys):
+    argv = ["--preset", "tiny-ultramem", "--block_size", "100000", "--output_dir", str(tmp_path / "out")]
+    error = run_and_get_error(argv, capsys)
+    limit = presets.get_config("tiny-ultramem").max_position_embeddings
+    assert "--block_size 100000" in error and f"allowed range is 1..{limit}" in error
+    assert not (tmp_path / "out").exists()
+
+
+def test_config_file_that_contradicts_the_preset(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    hidden = presets.get_config("tiny-ultramem").hidden_size
+    config.write_text(json.dumps({"model_type": "ultramem", "hidden_size": 2 * hidden}))
+    argv = ["--preset", "tiny-ultramem", "--config_file", str(config), "--output_dir", str(tmp_path / "out")]
+    error = run_and_get_error(argv, capsys)
+    assert f"hidden_size={2 * hidden}" in error and f"contradicts --preset tiny-ultramem (hidden_size={hidden})" in error
+
+
+def test_unknown_override_field(tmp_path, capsys):
+    argv = ["--preset", "tiny-ultramem", "--config_overrides", "hiden_size=8", "--output_dir", str(tmp_path / "o")]
+    assert "hiden_size is not a field of UltraMemConfig" in run_and_get_error(argv, capsys)
+
+
+def test_deepspeed_batch_size_that_contradicts_the_trainer(tmp_path, files):
+    """In a child process: `--deepspeed` sets process-wide Accelerate/DeepSpeed state."""
+    ds_config = tmp_path / "ds.json"
+    ds_config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 2}}))
+    argv = base_args(*files, tmp_path / "out", deepspeed=ds_config, per_device_train_batch_size=2)
+    result = subprocess.run(
+        python_module("ultramem.training", *argv), cwd=REPO, env=child_env(DS_ACCELERATOR="cpu"),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ultramem-train: error:")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    assert "ds train_micro_batch_size_per_gpu=8 vs hf per_device_train_batch_size=2" in errors[0]
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,70 @@
+"""Fast checks of the training pieces: LR multiplier, schedule groups, packing, embedded corpus, recipe defaults."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import get_scheduler
+
+from ultramem.training.arguments import DataArguments
+from ultramem.training.cli import parse_args
+from ultramem.training.data import load_raw_datasets, pack_blocks
+from ultramem.training.schedule import VALUE_GROUP, value_lr_multiplier, with_value_multiplier
+
+
+def test_value_lr_multiplier_falls_linearly_from_start_to_one():
+    factors = [value_lr_multiplier(step, 10, 10.0, True) for step in range(10)]
+    assert factors[0] == 10.0 and factors[-1] == pytest.approx(1.0)
+    assert all(a - b == pytest.approx(1.0) for a, b in zip(factors, factors[1:]))
+
+
+def test_value_lr_multiplier_is_constant_without_decay():
+    assert {value_lr_multiplier(step, 10, 4.0, False) for step in range(10)} == {4.0}
+
+
+def test_only_the_value_group_gets_the_multiplier_on_top_of_the_cosine_schedule():
+    dense, values = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.AdamW(
+        [{"params": [dense], "ultramem_group": "decay"}, {"params": [values], "ultramem_group": VALUE_GROUP}], lr=1.0
+    )
+    total = 100
+    base = get_scheduler(
+        "cosine_with_min_lr", optimizer, num_warmup_steps=1, num_training_steps=total,
+        scheduler_specific_kwargs={"min_lr_rate": 0.1},
+    )  # fmt: skip
+    scheduler = with_value_multiplier(base, optimizer, total, 10.0, True)
+    dense_lrs, value_lrs = [], []
+    for _ in range(total):
+        dense_lrs.append(optimizer.param_groups[0]["lr"])
+        value_lrs.append(optimizer.param_groups[1]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert dense_lrs[0] == 0.0 and dense_lrs[1] == pytest.approx(1.0)  # one warmup step, then the peak
+    assert dense_lrs[-1] == pytest.approx(0.1, abs=2e-3)  # cosine down to 10%
+    for step in range(1, total):
+        assert value_lrs[step] / dense_lrs[step] == pytest.approx(10.0 - 9.0 * step / (total - 1))
+
+
+def test_pack_blocks_cuts_full_blocks_and_copies_labels():
+    packed = pack_blocks({"input_ids": [[1, 2, 3], [4, 5, 6, 7], [8]]}, block_size=3)
+    assert packed["input_ids"] == [[1, 2, 3], [4, 5, 6]]  # tokens 7 and 8 do not fill a block
+    assert packed["labels"] == packed["input_ids"]
+    assert packed["labels"][0] is not packed["input_ids"][0]
+
+
+def test_embedded_corpus_has_disjoint_train_and_validation_books():
+    raw = load_raw_datasets(DataArguments())
+    train_chars = sum(len(text) for text in raw["train"]["text"])
+    valid_chars = sum(len(text) for text in raw["validation"]["text"])
+    assert train_chars > 5_000_000 and valid_chars > 300_000
+    assert not set(raw["train"]["pg_id"]) & set(raw["validation"]["pg_id"])
+
+
+def test_defaults_are_the_paper_recipe(tmp_path):
+    _, data_args, args = parse_args(["--preset", "tiny-ultramem", "--output_dir", str(tmp_path)])
+    assert (args.adam_beta1, args.adam_beta2, args.weight_decay) == (0.9, 0.95, 0.1)
+    assert args.lr_scheduler_type == "cosine_with_min_lr" and args.lr_scheduler_kwargs == {"min_lr_rate": 0.1}
+    assert args.get_warmup_steps(1000) == 10 and math.isclose(args.warmup_steps, 0.01)
+    assert data_args.train_file is None  # the embedded corpus
