@@ -141,6 +141,20 @@ def test_deterministic_mode_gives_identical_bits(dtype):
 
 
 @in_process
+def test_mixed_dtypes_and_int32_indices():
+    """bf16 table with float32 scores (as under autocast) and int32 indices: each output keeps its dtype."""
+    values, rows, groups, scores, grad_out = _lookup_inputs(6, 10, 20, 9, 4, 2, torch.float32, seed=4)
+    values, grad_out = values.to(torch.bfloat16), grad_out.to(torch.bfloat16)
+    _, ref_grad_values, ref_grad_scores = _reference_grads(values, rows, groups, scores, 4, grad_out)
+    out, grad_values, grad_scores = _kernel_grads(values, rows.int(), groups.int(), scores, 4,
+                                                  grad_out, deterministic=True)
+    assert (out.dtype, grad_values.dtype, grad_scores.dtype) == (torch.bfloat16, torch.bfloat16, torch.float32)
+    torch.testing.assert_close(out, memory_ops.lookup_reduce(values, rows, groups, scores, 4), rtol=1e-2, atol=2e-2)
+    torch.testing.assert_close(grad_values.float(), ref_grad_values, **TOLERANCE[torch.bfloat16])
+    torch.testing.assert_close(grad_scores, ref_grad_scores, **TOLERANCE[torch.bfloat16])
+
+
+@in_process
 def test_empty_and_slotless_inputs():
     values = torch.randn(4, 6, requires_grad=True)
     for num_tokens, num_slots in ((0, 3), (2, 0)):

@@ -19,8 +19,9 @@ def check_ndim(name: str, tensor: torch.Tensor, ndim: int, layout: str) -> None:
 
 
 def check_range(name: str, tensor: torch.Tensor, upper: int) -> None:
-    """Every entry in [0, upper). One host synchronisation (a min/max reduction)."""
-    if tensor.numel() == 0:
+    """Every entry in [0, upper). One host synchronisation (a min/max reduction), skipped while a
+    CUDA graph is being captured (a sync is illegal there; the eager warm-up runs have checked)."""
+    if tensor.numel() == 0 or (tensor.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
     low, high = (int(v) for v in torch.aminmax(tensor))
     if low < 0 or high >= upper:

@@ -52,8 +52,10 @@ def candidate_index(row_scores: torch.Tensor, col_scores: torch.Tensor, core_sum
     out = torch.empty((num_items, topk), dtype=torch.int64, device=row_scores.device)
     if num_items == 0:
         return out
+    padded = triton.next_power_of_2(num_candidates)
     _candidate_index_kernel[(num_items,)](
         row_scores, col_scores, core_sum, out, num_candidates, topk,
-        RANK=rank, M_PAD=triton.next_power_of_2(num_candidates), K_PAD=triton.next_power_of_2(topk),
+        RANK=rank, M_PAD=padded, K_PAD=triton.next_power_of_2(topk),
+        num_warps=8 if padded * padded >= 4096 else 4,  # keep the sorted grid in registers
     )
     return out

@@ -44,7 +44,7 @@ def _forward_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         slot_mask = ks < num_slots
         slots = token * num_slots + ks
-        rows = tl.load(rows_ptr + slots, mask=slot_mask, other=0)
+        rows = tl.load(rows_ptr + slots, mask=slot_mask, other=0).to(tl.int64)  # N * Dv may exceed 2**31
         groups = tl.load(groups_ptr + slots, mask=slot_mask, other=0)
         scores = tl.load(scores_ptr + slots * num_cores + core, mask=slot_mask, other=0.0).to(tl.float32)
         tile = tl.load(
@@ -73,7 +73,7 @@ def _backward_kernel(
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     slot_mask = ks < num_slots
     slots = token * num_slots + ks
-    rows = tl.load(rows_ptr + slots, mask=slot_mask, other=0)
+    rows = tl.load(rows_ptr + slots, mask=slot_mask, other=0).to(tl.int64)
     groups = tl.load(groups_ptr + slots, mask=slot_mask, other=0)
     grad_rows = token * NUM_GROUPS + groups
     for core in range(num_cores):
