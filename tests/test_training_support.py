@@ -61,7 +61,7 @@ def base_args(config: Path, corpus: Path, output_dir: Path, **flags) -> list[str
         "block_size": 32,
         "per_device_train_batch_size": 4,
         "max_eval_samples": 8,
-        "learning_rate": 3e-3,
+        "learning_rate": 1e-2,
         "logging_steps": 1,
         "save_strategy": "no",
         "report_to": "none",

@@ -1,0 +1,54 @@
+"""A single-process run through the CLI: split losses, value-LR group, diagnostics, a checkpoint users can load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_training_support import base_args, training_logs, write_config, write_corpus
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ultramem.tokenization import load_tokenizer
+from ultramem.training.cli import parse_args, run
+from ultramem.training.data import load_raw_datasets, tokenize_and_pack
+
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("run")
+    argv = base_args(write_config(folder), write_corpus(folder), folder / "out", max_steps=STEPS)
+    return argv, folder / "out", run(argv)
+
+
+def test_logs_split_losses_value_lr_and_memory_diagnostics(finished_run):
+    _, output_dir, _ = finished_run
+    logs = training_logs(output_dir)
+    assert [entry["step"] for entry in logs] == list(range(1, STEPS + 1))
+    for entry in logs:
+        assert entry["loss"] == pytest.approx(entry["lm_loss"] + entry["aux_loss"], rel=1e-5)
+        assert 0 < entry["aux_loss"] < 0.01
+        assert 0 <= entry["memory/tdqkr_recall"] <= 1 and 0 < entry["memory/slot_usage"] <= 1
+        assert entry["memory/top1_score"] > 0 and entry["memory/memory_output_std"] > 0
+    multipliers = [entry["value_lr_multiplier"] for entry in logs]
+    assert multipliers == pytest.approx([10.0 - 9.0 * step / (STEPS - 1) for step in range(STEPS)])
+    for entry in logs[1:]:  # step 1 is the warmup step with LR 0
+        assert entry["value_learning_rate"] / entry["learning_rate"] == pytest.approx(entry["value_lr_multiplier"])
+    assert logs[-1]["lm_loss"] < logs[0]["lm_loss"] - 0.2
+
+
+def test_checkpoint_loads_with_auto_classes_and_reproduces_the_eval_loss(finished_run):
+    argv, output_dir, metrics = finished_run
+    assert not [path for path in output_dir.iterdir() if path.name.startswith(".incomplete")]
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    text = "Squire Trelawney, Dr. Livesey, and the rest of these gentlemen"
+    assert tokenizer(text)["input_ids"] == load_tokenizer()(text)["input_ids"]
+
+    model = AutoModelForCausalLM.from_pretrained(output_dir, trust_remote_code=True).eval()
+    _, data_args, training_args = parse_args(argv)
+    blocks = tokenize_and_pack(load_raw_datasets(data_args), tokenizer, data_args, training_args.main_process_first)
+    input_ids = torch.tensor(blocks["validation"]["input_ids"])
+    with torch.no_grad():
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+    assert loss.item() == pytest.approx(metrics["eval_loss"], rel=1e-5)
+    assert metrics["perplexity"] == pytest.approx(torch.exp(loss).item(), rel=1e-4)
