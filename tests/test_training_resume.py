@@ -1,0 +1,71 @@
+"""Resume is exact, and a run killed while writing a checkpoint resumes from the last complete one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_training_support import REPO, base_args, child_env, losses, python_module, run_command, weights
+from test_training_support import write_config, write_corpus
+
+STEPS, SAVE_EVERY, KILL_AT = 8, 3, 6
+
+# Runs the real CLI, but SIGKILLs the process in the middle of writing checkpoint KILL_AT: after the weights,
+# optimizer and scheduler are on disk, before the RNG and trainer state.
+KILL_DURING_SAVE = f"""
+import os, signal, sys
+from transformers import Trainer
+from ultramem.training.cli import main
+
+original = Trainer._save_rng_state
+
+def save_then_die(self, output_dir):
+    original(self, output_dir)
+    if self.state.global_step == {KILL_AT}:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+Trainer._save_rng_state = save_then_die
+main(sys.argv[1:])
+"""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("resume")
+    config, corpus = write_config(folder), write_corpus(folder)
+
+    def argv(name: str, **flags) -> list[str]:
+        return base_args(config, corpus, folder / name, max_steps=STEPS, save_strategy="steps", save_steps=SAVE_EVERY,
+                         diagnostics_batch_size=0, **flags)  # fmt: skip
+
+    run_command(python_module("ultramem.training", *argv("straight")))
+    killed = subprocess.run(
+        [sys.executable, "-c", KILL_DURING_SAVE, *argv("interrupted")], cwd=REPO, env=child_env(),
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    interrupted = folder / "interrupted"
+    left_after_kill = sorted(path.name for path in interrupted.iterdir())
+    run_command(python_module("ultramem.training", *argv("interrupted", resume_from_checkpoint="true")))
+    return folder / "straight", interrupted, left_after_kill
+
+
+def test_killed_save_leaves_only_complete_checkpoints(runs):
+    _, _, left_after_kill = runs
+    assert f"checkpoint-{SAVE_EVERY}" in left_after_kill
+    assert f"checkpoint-{KILL_AT}" not in left_after_kill  # only its staging folder exists
+    assert f".incomplete-checkpoint-{KILL_AT}" in left_after_kill
+
+
+def test_resumed_run_matches_the_uninterrupted_one(runs):
+    straight, resumed, _ = runs
+    expected, got = losses(straight), losses(resumed)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in range(SAVE_EVERY + 1, STEPS + 1):  # the steps trained after resuming from checkpoint-3
+        assert got[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-6), step
+    final_straight, final_resumed = weights(straight), weights(resumed)
+    for name, tensor in final_straight.items():
+        torch.testing.assert_close(final_resumed[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    assert not [path for path in resumed.iterdir() if path.name.startswith(".incomplete")]
