@@ -437,6 +437,19 @@ def core_svd(cores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return singular_values, left[..., :, 0], right_h[..., 0, :]
 
 
+def tucker_aux_loss(cores: torch.Tensor, alpha: float, tau: float) -> torch.Tensor:
+    """alpha/(r-1) * sum_{i>=2} max(0, lambda_i - tau)^2 of each head's summed core, summed over heads.
+
+    cores: (..., h, r, r), the MCS cores of one memory layer or of several stacked (one SVD call for all).
+    """
+    rank = cores.shape[-1]
+    if rank == 1:
+        return cores.new_zeros(())
+    singular_values, _, _ = core_svd(cores.sum(-3).float())  # (..., r), descending
+    excess = F.relu(singular_values[..., 1:] - tau)
+    return alpha / (rank - 1) * excess.pow(2).sum()
+
+
 class TuckerQueryKeyRetrieval(nn.Module):
     """Tucker Decomposed Query-Key Retrieval (TDQKR) with multi-core scoring (MCS).
 
@@ -496,13 +509,7 @@ class TuckerQueryKeyRetrieval(nn.Module):
         return (u * sign).to(self.cores.dtype), (t * sign).to(self.cores.dtype)
 
     def aux_loss(self, alpha: float, tau: float) -> torch.Tensor:
-        """alpha/(r-1) * sum_{i>=2} max(0, lambda_i - tau)^2 of each head's core, summed over heads."""
-        rank = self.cores.shape[-1]
-        if rank == 1:
-            return self.cores.new_zeros(())
-        singular_values, _, _ = core_svd(self.cores.sum(1).float())  # (H, r), descending
-        excess = F.relu(singular_values[:, 1:] - tau)
-        return alpha / (rank - 1) * excess.pow(2).sum()
+        return tucker_aux_loss(self.cores, alpha, tau)
 
     def forward(
         self, row_query: torch.Tensor, col_query: torch.Tensor, ops: ModuleType | SimpleNamespace
@@ -683,9 +690,15 @@ class UltraMemModel(UltraMemPreTrainedModel):
         self.embed_tokens = value
 
     def aux_loss(self) -> torch.Tensor:
-        """TDQKR aux loss summed over memory layers (zero without Tucker memory layers)."""
-        losses = [layer.aux_loss() for layer in self.memory_layers]
-        return torch.stack(losses).sum() if losses else self.embed_tokens.weight.new_zeros((), dtype=torch.float32)
+        """TDQKR aux loss summed over memory layers (zero without Tucker memory layers), in one batched SVD."""
+        cores = [
+            layer.retrieval.cores
+            for layer in self.memory_layers
+            if isinstance(layer.retrieval, TuckerQueryKeyRetrieval)
+        ]
+        if not cores:
+            return self.embed_tokens.weight.new_zeros((), dtype=torch.float32)
+        return tucker_aux_loss(torch.stack(cores), self.config.aux_loss_alpha, self.config.aux_loss_tau)
 
     @merge_with_config_defaults
     @capture_outputs
