@@ -1,0 +1,557 @@
+"""Quality at fixed compute: the paper's model comparison and ablation ladder, trained through `ultramem-train`.
+
+Every row is one config file in `benchmarks/quality/<scale>/` (regenerate with `--write-configs`; a test checks
+they equal `ultramem.presets`). All rows train on the same tokens, in the same order for a given seed, with the
+same schedule; rows with identical configs (the ladder's first and last rows are the PKM and UltraMem presets at
+"tiny") are trained once. The validation loss is the language-model cross entropy alone (no TDQKR aux loss, no
+Mixtral router loss), measured on fixed blocks of the corpora's valid splits along the way.
+
+CPU (what `benchmarks/results/quality_*` holds; see benchmarks/README.md for the exact command and reading):
+
+    OMP_NUM_THREADS=2 python benchmarks/bench_quality.py --scale tiny --bf16
+
+GPU (the paper's 151M rows, 100M tokens per model; not run yet, needs several device hours for every row):
+
+    python benchmarks/bench_quality.py --scale 151m --rows comparison --bf16 --batch-size 96 --block-size 1024 \
+        --max-steps 1018 --eval-points 10 --eval-blocks 256 --learning-rate 6e-4 --output-dir $OUT
+
+Results are rewritten after every run (`quality_<scale>.json`, `.md`, `_comparison.png`, `_ladder.png`), so an
+interrupted run still leaves a usable table; rerunning the same command skips the runs already recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import lzma
+import math
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, MixtralConfig, PreTrainedConfig, TrainerCallback
+
+from ultramem import presets
+from ultramem.tokenization import load_tokenizer
+from ultramem.training.cli import run as train_run
+from ultramem.training.data import pack_blocks
+
+ROOT = Path(__file__).resolve().parent
+CONFIG_DIR = ROOT / "quality"
+RESULTS_DIR = ROOT / "results"
+CORPUS_DIR = ROOT.parent.parent / "shared" / "data" / "corpus"
+CORPORA = ("wikipedia_en_chinapedia", "gutenberg")
+CHARS_PER_TOKEN = 5.0  # generous for English BPE, so the text subset never runs out before the token budget
+GUTENBERG_PIECE_CHARS = 8000  # books are cut into pieces so the subset samples every book, not the first one
+
+COMPARISON = {
+    "tiny": {"Dense": "tiny-dense", "PKM": "tiny-pkm", "MoE": "tiny-moe", "UltraMem": "tiny-ultramem"},
+    "151m": {"Dense": "dense-151m", "PKM": "pkm-151m-x12", "MoE": "moe-151m-2in32", "UltraMem": "ultramem-151m-x12"},
+}
+SEEDED_ROWS = ("Dense", "PKM", "MoE", "UltraMem")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of a table: its group ("comparison" or "ladder"), its name, and the config file it trains."""
+
+    group: str
+    name: str
+    config_file: Path
+    config: dict[str, Any]
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in text.lower().lstrip("+")).strip("-").replace("--", "-")
+
+
+def row_configs(scale: str) -> list[tuple[str, str, PreTrainedConfig]]:
+    """(group, name, config) for every row at `scale`: the four-model comparison, then the ladder in order."""
+    if scale not in COMPARISON:
+        raise ValueError(f"--scale {scale!r}: allowed values are {', '.join(COMPARISON)}")
+    rows = [("comparison", name, presets.get_config(preset)) for name, preset in COMPARISON[scale].items()]
+    # the ladder shares the presets' position limit, so its first and last rows are the PKM and UltraMem rows
+    positions = rows[-1][2].max_position_embeddings
+    rows += [("ladder", name, config) for name, config in presets.ablation_ladder(scale, max_position_embeddings=positions)]
+    return rows
+
+
+def config_path(scale: str, group: str, index: int, name: str) -> Path:
+    return CONFIG_DIR / scale / f"{group}-{index:02d}-{_slug(name)}.json"
+
+
+def config_dict(config: PreTrainedConfig) -> dict[str, Any]:
+    """The config as the file stores it: every field (JSON types), without the Transformers version that wrote it."""
+    values = json.loads(config.to_json_string(use_diff=False))
+    values.pop("transformers_version", None)
+    return values
+
+
+def built_config(values: dict[str, Any]) -> PreTrainedConfig:
+    """The config a row file gives `ultramem-train --config_file` (fields it lacks take their defaults)."""
+    return AutoConfig.for_model(**values)
+
+
+def write_configs(scale: str) -> list[Path]:
+    """Write one config JSON per row (what `--config_file` of `ultramem-train` reads)."""
+    paths = []
+    counters: dict[str, int] = {}
+    for group, name, config in row_configs(scale):
+        counters[group] = counters.get(group, 0) + 1
+        path = config_path(scale, group, counters[group], name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(config_dict(config), indent=2, sort_keys=True) + "\n")
+        paths.append(path)
+    return paths
+
+
+def load_rows(scale: str, selection: str) -> list[Row]:
+    """Rows whose config files exist, filtered by `--rows` (comparison, ladder, all, or comma-separated names)."""
+    counters: dict[str, int] = {}
+    rows = []
+    for group, name, _ in row_configs(scale):
+        counters[group] = counters.get(group, 0) + 1
+        path = config_path(scale, group, counters[group], name)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: run `python {Path(__file__).name} --write-configs --scale {scale}`")
+        rows.append(Row(group, name, path, json.loads(path.read_text())))
+    if selection == "all":
+        return rows
+    if selection in ("comparison", "ladder"):
+        return [row for row in rows if row.group == selection]
+    wanted = [name.strip() for name in selection.split(",")]
+    unknown = [name for name in wanted if name not in {row.name for row in rows}]
+    if unknown:
+        raise ValueError(f"--rows: unknown row(s) {unknown}; allowed: all, comparison, ladder or {[r.name for r in rows]}")
+    return [row for row in rows if row.name in wanted]
+
+
+def config_key(config: dict[str, Any]) -> str:
+    """Rows with the same key train the same model: their runs are shared."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ---- data ------------------------------------------------------------------------------------------------------
+def _documents(corpus: str, split: str) -> list[str]:
+    with lzma.open(CORPUS_DIR / corpus / f"{split}.jsonl.xz", "rt", encoding="utf-8") as handle:
+        texts = [json.loads(line)["text"] for line in handle]
+    if corpus == "gutenberg":
+        return [text[i : i + GUTENBERG_PIECE_CHARS] for text in texts for i in range(0, len(text), GUTENBERG_PIECE_CHARS)]
+    return texts
+
+
+def _spread_sample(documents: list[str], chars: int) -> list[str]:
+    """Evenly spaced documents (deterministic) until `chars` characters are collected."""
+    total = sum(map(len, documents))
+    stride = max(1, int(total / max(chars, 1)))
+    picked, size = [], 0
+    for start in range(stride):
+        for doc in documents[start::stride]:
+            picked.append(doc)
+            size += len(doc)
+            if size >= chars:
+                return picked
+    return picked
+
+
+def prepare_text(cache_dir: Path, split: str, tokens: int) -> Path:
+    """A JSONL text file with about `tokens` tokens, half Wikipedia and half Gutenberg, written once and reused."""
+    path = cache_dir / f"{split}-{tokens}.jsonl"
+    if not path.is_file():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        chars_per_corpus = int(tokens * CHARS_PER_TOKEN / len(CORPORA))
+        records = []
+        for corpus in CORPORA:
+            records += [{"text": text, "source": corpus} for text in _spread_sample(_documents(corpus, split), chars_per_corpus)]
+        staging = path.with_suffix(".tmp")
+        staging.write_text("".join(json.dumps(record) + "\n" for record in records))
+        staging.replace(path)
+    return path
+
+
+def validation_blocks(path: Path, block_size: int, count: int) -> torch.Tensor:
+    """The first `count` packed validation blocks, tokenized as `ultramem-train` does (document + end-of-text)."""
+    tokenizer = load_tokenizer()
+    texts = [json.loads(line)["text"] for line in path.read_text().splitlines()]
+    ids = [doc + [tokenizer.eos_token_id] for doc in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]]
+    by_source = [json.loads(line)["source"] for line in path.read_text().splitlines()]
+    # interleave the two corpora's blocks so any prefix of `count` blocks is half Wikipedia, half Gutenberg
+    per_corpus = [
+        pack_blocks({"input_ids": [doc for doc, source in zip(ids, by_source) if source == corpus]}, block_size)["input_ids"]
+        for corpus in CORPORA
+    ]
+    interleaved = [block for pair in zip(*per_corpus) for block in pair][:count]
+    if len(interleaved) < count:
+        raise ValueError(f"--eval-blocks {count}: the validation text gives only {len(interleaved)} blocks of {block_size}")
+    return torch.tensor(interleaved)
+
+
+# ---- training ---------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def lm_validation_loss(model: torch.nn.Module, blocks: torch.Tensor, batch_size: int, bf16: bool) -> float:
+    """Mean next-token cross entropy over `blocks`: the LM loss only, comparable across UltraMem and Mixtral."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for chunk in blocks.split(batch_size):
+        chunk = chunk.to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            logits = model(input_ids=chunk).logits
+        targets = chunk[:, 1:]
+        total += F.cross_entropy(logits[:, :-1].float().flatten(0, 1), targets.flatten(), reduction="sum").item()
+        count += targets.numel()
+    model.train(was_training)
+    return total / count
+
+
+class QualityRecorder(TrainerCallback):
+    """Validation LM loss at step 0 and at `eval_steps`, and the Trainer's training logs, for one run."""
+
+    def __init__(self, blocks: torch.Tensor, eval_steps: set[int], eval_batch_size: int, bf16: bool) -> None:
+        self.blocks, self.eval_steps, self.eval_batch_size, self.bf16 = blocks, eval_steps, eval_batch_size, bf16
+        self.curve: list[dict[str, float]] = []
+        self.train_logs: list[dict[str, float]] = []
+
+    def _evaluate(self, model: torch.nn.Module, step: int) -> None:
+        loss = lm_validation_loss(model, self.blocks, self.eval_batch_size, self.bf16)
+        self.curve.append({"step": step, "val_loss": loss})
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):  # noqa: ANN001, D102
+        self._evaluate(model, 0)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):  # noqa: ANN001, D102
+        if state.global_step in self.eval_steps:
+            self._evaluate(model, state.global_step)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001, D102
+        if logs and "loss" in logs:
+            self.train_logs.append({"step": state.global_step, **{k: float(v) for k, v in logs.items()}})
+
+
+def train_argv(row: Row, seed: int, settings: dict[str, Any], data: dict[str, Path], output_dir: Path) -> list[str]:
+    """The `ultramem-train` arguments of one run."""
+    argv = [
+        "--config_file", str(row.config_file),
+        "--train_file", str(data["train"]),
+        "--validation_file", str(data["valid"]),
+        "--block_size", str(settings["block_size"]),
+        "--per_device_train_batch_size", str(settings["batch_size"]),
+        "--per_device_eval_batch_size", str(settings["batch_size"]),
+        "--max_steps", str(settings["max_steps"]),
+        "--learning_rate", str(settings["learning_rate"]),
+        "--logging_steps", str(settings["logging_steps"]),
+        "--max_eval_samples", "2",  # the Trainer's own final evaluation; the curve uses the recorder's blocks
+        "--diagnostics_batch_size", "2",
+        "--seed", str(seed),
+        "--output_dir", str(output_dir),
+        "--save_strategy", "no",
+        "--report_to", "none",
+        "--disable_tqdm", "true",
+    ]
+    if settings["bf16"]:  # the Trainer refuses bf16 without an accelerator unless told to use the CPU
+        argv += ["--bf16", "true"] + ([] if torch.cuda.is_available() else ["--use_cpu", "true"])
+    return argv
+
+
+def counts(config: dict[str, Any]) -> dict[str, float]:
+    """Total/activated parameters, FLOPs per token (presets' meta-device count) and the sparse/dense split."""
+    built = built_config(config)
+    result = dict(presets.count_parameters(built))
+    if isinstance(built, MixtralConfig):  # total - activated = experts * (1 - k/E)
+        experts, k = built.num_local_experts, built.num_experts_per_tok
+        sparse = (result["total"] - result["activated"]) * experts / (experts - k)
+    else:
+        sparse = result["physical_values"] * built.memory_value_dim
+    result.update(sparse=sparse, dense=result["total"] - sparse)
+    return result
+
+
+def train_one(row: Row, seed: int, settings: dict[str, Any], data: dict[str, Path], blocks: torch.Tensor, work: Path) -> dict[str, Any]:
+    """Train one row with one seed; returns its record (curve, final losses, wall time, diagnostics)."""
+    steps = settings["max_steps"]
+    points = settings["eval_points"]
+    eval_steps = {max(1, round(steps * i / points)) for i in range(1, points + 1)}
+    recorder = QualityRecorder(blocks, eval_steps, settings["batch_size"], settings["bf16"])
+    output_dir = work / f"{config_key(row.config)}-seed{seed}"
+    argv = train_argv(row, seed, settings, data, output_dir)
+    start = time.perf_counter()
+    train_run(argv, callbacks=[recorder])
+    wall = time.perf_counter() - start
+    shutil.rmtree(output_dir)  # the benchmark keeps the curve, not the weights
+    tokens_per_step = settings["batch_size"] * settings["block_size"]
+    for point in recorder.curve:
+        point["tokens"] = point["step"] * tokens_per_step
+    tail = [log for log in recorder.train_logs if log["step"] > steps * 0.9] or recorder.train_logs[-1:]
+    loss_key = "lm_loss" if "lm_loss" in tail[-1] else "loss"
+    diagnostics = {k: v for k, v in recorder.train_logs[-1].items() if k.startswith("memory/")}
+    return {
+        "config_key": config_key(row.config),
+        "seed": seed,
+        "argv": ["ultramem-train", *argv],
+        "curve": recorder.curve,
+        "train_loss": statistics.fmean(log[loss_key] for log in tail),
+        "train_loss_includes_router_loss": loss_key == "loss" and row.config["model_type"] == "mixtral",
+        "val_loss": recorder.curve[-1]["val_loss"],
+        "tokens": steps * tokens_per_step,
+        "wall_s": wall,
+        "final_diagnostics": diagnostics,
+    }
+
+
+# ---- reporting --------------------------------------------------------------------------------------------------
+def machine() -> dict[str, Any]:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    info = {
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def summarize(rows: list[Row], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per row: mean and spread over its seeds, the difference to the reference row, parameter counts.
+
+    The reference is the previous row in the ladder (one change at a time) and the first row (Dense) in the comparison.
+    """
+    table = []
+    reference: dict[str, float] = {}
+    for row in rows:
+        key = config_key(row.config)
+        mine = [run for run in runs if run["config_key"] == key]
+        if not mine:
+            continue
+        vals = [run["val_loss"] for run in mine]
+        entry = {
+            "group": row.group,
+            "name": row.name,
+            "config_file": str(row.config_file.relative_to(ROOT.parent)),
+            "seeds": [run["seed"] for run in mine],
+            "train_loss": statistics.fmean(run["train_loss"] for run in mine),
+            "train_loss_includes_router_loss": any(run["train_loss_includes_router_loss"] for run in mine),
+            "val_loss": statistics.fmean(vals),
+            "val_loss_std": statistics.stdev(vals) if len(vals) > 1 else None,
+            "perplexity": math.exp(statistics.fmean(vals)),
+            "diff_to_reference": statistics.fmean(vals) - reference[row.group] if row.group in reference else None,
+            "counts": counts(row.config),
+            "wall_s": statistics.fmean(run["wall_s"] for run in mine),
+        }
+        if row.group == "ladder" or row.group not in reference:
+            reference[row.group] = entry["val_loss"]
+        table.append(entry)
+    return table
+
+
+def pooled_seed_std(table: list[dict[str, Any]]) -> float | None:
+    """Pooled standard deviation of the validation loss over the rows trained with several seeds."""
+    pairs = [(len(e["seeds"]) - 1, e["val_loss_std"]) for e in table if e["val_loss_std"] is not None]
+    dof = sum(d for d, _ in pairs)
+    return math.sqrt(sum(d * s * s for d, s in pairs) / dof) if dof else None
+
+
+def markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    spread = pooled_seed_std(table)
+    lines = [
+        f"# Quality at fixed compute ({meta['scale']})",
+        "",
+        f"Command: `{meta['command']}`  ",
+        f"Machine: {meta['machine']['cpu']}, {meta['machine']['cpu_count']} cores, torch {meta['machine']['torch']}"
+        + (f", {meta['machine']['gpu']}" if "gpu" in meta["machine"] else "")
+        + "  ",
+        f"Per run: {meta['settings']['max_steps']} steps x {meta['settings']['batch_size']} x {meta['settings']['block_size']} tokens "
+        f"= {meta['tokens_per_run']:,} training tokens; validation: {meta['settings']['eval_blocks']} blocks "
+        f"({meta['eval_tokens']:,} tokens, half Wikipedia, half Gutenberg valid splits); peak LR {meta['settings']['learning_rate']}; "
+        f"bf16 autocast: {meta['settings']['bf16']}.  ",
+        "Seed spread (pooled std of the validation loss over rows with several seeds): "
+        + (f"**{spread:.4f}**" if spread is not None else "not measured (one seed per row)"),
+        "",
+        "Validation loss = LM cross entropy only. Params exclude embeddings and head; Dense = all but the value tables "
+        "(memory) or experts (MoE), Sparse = value tables / experts; FLOPs = 2 x activated params per token.",
+        "",
+    ]
+    groups = (
+        ("comparison", "Model comparison", "Diff to Dense"),
+        ("ladder", "Ablation ladder (each row adds one change)", "Diff to previous"),
+    )
+    for group, title, diff_title in groups:
+        entries = [e for e in table if e["group"] == group]
+        if not entries:
+            continue
+        lines += [
+            f"## {title}",
+            "",
+            f"| Row | Seeds | Train loss | Valid loss | Valid std | {diff_title} | PPL | Dense params (M) | Sparse params (M) | Activated (M) | FLOPs/token (M) | Min/run |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for e in entries:
+            c = e["counts"]
+            std = f"{e['val_loss_std']:.4f}" if e["val_loss_std"] is not None else "-"
+            diff = f"{e['diff_to_reference']:+.4f}" if e["diff_to_reference"] is not None else "-"
+            train = f"{e['train_loss']:.4f}" + ("*" if e["train_loss_includes_router_loss"] else "")
+            lines.append(
+                f"| {e['name']} | {len(e['seeds'])} | {train} | {e['val_loss']:.4f} | {std} | {diff} | {e['perplexity']:.1f} | "
+                f"{c['dense'] / 1e6:.2f} | {c['sparse'] / 1e6:.2f} | {c['activated'] / 1e6:.2f} | {c['flops_per_token'] / 1e6:.2f} | "
+                f"{e['wall_s'] / 60:.1f} |"
+            )
+        lines.append("")
+    if any(e["train_loss_includes_router_loss"] for e in table):
+        lines.append("\\* Mixtral's logged training loss includes its router load-balancing term (0.01 x ~2); its validation loss does not.")
+    return "\n".join(lines) + "\n"
+
+
+def plot(table: list[dict[str, Any]], runs: list[dict[str, Any]], group: str, path: Path, title: str) -> None:
+    """Validation loss against training tokens: the seed mean per row, with the seeds' range shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    entries = [e for e in table if e["group"] == group]
+    if not entries:
+        return
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = plt.cm.viridis([i / max(1, len(entries) - 1) for i in range(len(entries))]) if group == "ladder" else [None] * len(entries)
+    for entry, color in zip(entries, colors):
+        key = config_key(json.loads((ROOT.parent / entry["config_file"]).read_text()))
+        curves = [run["curve"] for run in runs if run["config_key"] == key]
+        length = min(map(len, curves))
+        tokens = [curves[0][i]["tokens"] for i in range(length)]
+        values = [[curve[i]["val_loss"] for curve in curves] for i in range(length)]
+        line = ax.plot(tokens[1:], [statistics.fmean(v) for v in values[1:]], marker="o", ms=3, color=color,
+                       label=f"{entry['name']} ({entry['val_loss']:.3f})")[0]
+        if len(curves) > 1:
+            ax.fill_between(tokens[1:], [min(v) for v in values[1:]], [max(v) for v in values[1:]], color=line.get_color(), alpha=0.2)
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("validation loss (LM cross entropy)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_results(output_dir: Path, rows: list[Row], runs: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    """Rewrite the JSON, the Markdown table and both plots from all runs so far."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    stem = output_dir / f"quality_{meta['scale']}"
+    table = summarize(rows, runs)
+    payload = {"meta": meta, "table": table, "pooled_seed_std": pooled_seed_std(table), "runs": runs}
+    Path(f"{stem}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    Path(f"{stem}.md").write_text(markdown(table, meta))
+    plot(table, runs, "comparison", Path(f"{stem}_comparison.png"), f"Dense / PKM / MoE / UltraMem ({meta['scale']})")
+    plot(table, runs, "ladder", Path(f"{stem}_ladder.png"), f"Ablation ladder ({meta['scale']})")
+
+
+def planned_runs(rows: list[Row], seeds: int, seeded: set[str]) -> list[tuple[Row, int]]:
+    """Seed 0 of every distinct config first (in table order), then the extra seeds of the seeded rows."""
+    plan: list[tuple[Row, int]] = []
+    seen: set[tuple[str, int]] = set()
+    for seed in range(seeds):
+        for row in rows:
+            key = (config_key(row.config), seed)
+            if key not in seen and (seed == 0 or row.name in seeded):
+                seen.add(key)
+                plan.append((row, seed))
+    return plan
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scale", default="tiny", choices=sorted(COMPARISON))
+    parser.add_argument("--rows", default="all", help="all, comparison, ladder, or comma-separated row names")
+    parser.add_argument("--seeds", type=int, default=2, help="seeds of the --seeded-rows (others get seed 0 only)")
+    parser.add_argument("--seeded-rows", default=",".join(SEEDED_ROWS), help="comma-separated row names given --seeds seeds")
+    parser.add_argument("--max-steps", type=int, default=160)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--eval-points", type=int, default=8, help="validation evaluations along each run (plus step 0)")
+    parser.add_argument("--eval-blocks", type=int, default=48, help="validation blocks of --block-size tokens")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast for training and validation")
+    parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "ultramem" / "bench_quality")
+    parser.add_argument("--write-configs", action="store_true", help="write the per-row config JSONs and exit")
+    args = parser.parse_args(argv)
+    for flag in ("seeds", "max_steps", "batch_size", "block_size", "eval_points", "eval_blocks"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+    if args.eval_points > args.max_steps:
+        parser.error(f"--eval-points {args.eval_points}: allowed range is 1..--max-steps ({args.max_steps})")
+    if not args.learning_rate > 0:
+        parser.error(f"--learning-rate {args.learning_rate}: must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> Path:
+    """Train every planned run not yet in the results JSON and rewrite the results after each; returns the JSON path."""
+    args = parse_args(argv)
+    if args.write_configs:
+        for path in write_configs(args.scale):
+            print(path)
+        return CONFIG_DIR / args.scale
+    rows = load_rows(args.scale, args.rows)
+    settings = {
+        "max_steps": args.max_steps,
+        "batch_size": args.batch_size,
+        "block_size": args.block_size,
+        "learning_rate": args.learning_rate,
+        "eval_points": args.eval_points,
+        "eval_blocks": args.eval_blocks,
+        "logging_steps": max(1, args.max_steps // 10),
+        "bf16": args.bf16,
+    }
+    tokens_per_run = args.max_steps * args.batch_size * args.block_size
+    data = {
+        "train": prepare_text(args.cache_dir, "train", int(tokens_per_run * 1.2)),
+        "valid": prepare_text(args.cache_dir, "valid", int(args.eval_blocks * args.block_size * 1.5)),
+    }
+    blocks = validation_blocks(data["valid"], args.block_size, args.eval_blocks)
+    meta = {
+        "scale": args.scale,
+        "command": "python benchmarks/bench_quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": machine(),
+        "settings": settings,
+        "tokens_per_run": tokens_per_run,
+        "eval_tokens": blocks.numel(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    json_path = args.output_dir / f"quality_{args.scale}.json"
+    runs: list[dict[str, Any]] = []
+    if json_path.is_file():
+        previous = json.loads(json_path.read_text())
+        if previous["meta"]["settings"] == settings:
+            runs = previous["runs"]
+            meta["started"] = previous["meta"]["started"]
+    done = {(run["config_key"], run["seed"]) for run in runs}
+    seeded = {name.strip() for name in args.seeded_rows.split(",") if name.strip()}
+    for row, seed in planned_runs(rows, args.seeds, seeded):
+        if (config_key(row.config), seed) in done:
+            continue
+        print(f"[bench_quality] {row.group} / {row.name} / seed {seed}", flush=True)
+        runs.append(train_one(row, seed, settings, data, blocks, args.cache_dir / "runs"))
+        meta["updated"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        write_results(args.output_dir, rows, runs, meta)
+        print(f"[bench_quality] val_loss {runs[-1]['val_loss']:.4f} in {runs[-1]['wall_s']:.0f} s", flush=True)
+    write_results(args.output_dir, rows, runs, meta)
+    print(Path(f"{args.output_dir}/quality_{args.scale}.md").read_text())
+    return json_path
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Smoke test of benchmarks/bench_quality.py: two rows, a few real Trainer steps, and the committed row configs."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from ultramem import presets
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_quality.py"
+spec = importlib.util.spec_from_file_location("bench_quality", SCRIPT)
+bench_quality = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = bench_quality  # dataclasses look their module up there
+spec.loader.exec_module(bench_quality)
+
+SMOKE = ["--rows", "Dense,UltraMem", "--seeds", "1", "--max-steps", "3", "--batch-size", "2", "--block-size", "32",
+         "--eval-points", "1", "--eval-blocks", "4", "--learning-rate", "3e-3"]
+
+
+@pytest.mark.parametrize("scale", sorted(bench_quality.COMPARISON))
+def test_committed_configs_are_the_presets(scale):
+    """Each committed row config builds what ultramem.presets builds today (rerun --write-configs after changing them)."""
+    counters = {}
+    for group, name, config in bench_quality.row_configs(scale):
+        counters[group] = counters.get(group, 0) + 1
+        path = bench_quality.config_path(scale, group, counters[group], name)
+        committed = bench_quality.built_config(json.loads(path.read_text()))
+        assert bench_quality.config_dict(committed) == bench_quality.config_dict(config), f"{path} is stale"
+
+
+def test_tiny_ladder_ends_are_the_comparison_models():
+    """At "tiny" the ladder's first and last rows are the PKM and UltraMem presets, so their runs are shared."""
+    rows = {row.name: bench_quality.config_key(row.config) for row in bench_quality.load_rows("tiny", "all")}
+    assert rows["PKM x10"] == rows["PKM"]
+    assert rows["+query conv"] == rows["UltraMem"]
+    assert len(set(rows.values())) == len(presets.LADDER_ROWS) + 2  # + Dense and MoE
+
+
+def test_two_rows_train_and_report(tmp_path):
+    out, cache = tmp_path / "results", tmp_path / "cache"
+    argv = [*SMOKE, "--output-dir", str(out), "--cache-dir", str(cache)]
+    result = json.loads(bench_quality.main(argv).read_text())
+
+    table = {row["name"]: row for row in result["table"]}
+    assert set(table) == {"Dense", "UltraMem"}
+    assert table["Dense"]["counts"]["sparse"] == 0
+    ultramem = table["UltraMem"]["counts"]
+    assert ultramem["sparse"] == ultramem["physical_values"] * 128 and ultramem["dense"] == ultramem["total"] - ultramem["sparse"]
+    assert table["UltraMem"]["diff_to_reference"] == pytest.approx(table["UltraMem"]["val_loss"] - table["Dense"]["val_loss"])
+    for run in result["runs"]:
+        first, last = run["curve"][0], run["curve"][-1]
+        assert (first["step"], last["step"], last["tokens"]) == (0, 3, 3 * 2 * 32)
+        assert last["val_loss"] < first["val_loss"] - 0.01, run["curve"]  # three steps at 3e-3 must lower the loss
+    files = [run["argv"][run["argv"].index("--config_file") + 1] for run in result["runs"]]
+    assert files == [str(bench_quality.config_path("tiny", "comparison", i, name)) for i, name in ((1, "Dense"), (4, "UltraMem"))]
+    assert result["runs"][1]["final_diagnostics"]["memory/slot_usage"] > 0
+
+    markdown = (out / "quality_tiny.md").read_text()
+    assert "| Dense | 1 |" in markdown and "| UltraMem | 1 |" in markdown
+    assert (out / "quality_tiny_comparison.png").stat().st_size > 1000
+    assert not (out / "quality_tiny_ladder.png").exists()  # no ladder rows were run
+
+    # a second call with the same settings finds both runs recorded and trains nothing
+    again = json.loads(bench_quality.main(argv).read_text())
+    assert [run["wall_s"] for run in again["runs"]] == [run["wall_s"] for run in result["runs"]]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--eval-points", "9", "--max-steps", "3"], "--eval-points 9: allowed range is 1..--max-steps (3)"),
+        (["--batch-size", "0"], "--batch-size 0: must be at least 1"),
+        (["--learning-rate", "-1"], "--learning-rate -1.0: must be positive"),
+    ],
+)
+def test_bad_flags_name_the_flag(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        bench_quality.parse_args(flags)
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_row_lists_the_allowed_ones():
+    with pytest.raises(ValueError, match=r"--rows: unknown row\(s\) \['Nope'\]; allowed: all, comparison, ladder"):
+        bench_quality.load_rows("tiny", "Nope")
