@@ -6,6 +6,7 @@ import math
 import os
 import sys
 from importlib import resources
+from typing import Any
 
 import torch
 from transformers import HfArgumentParser, PretrainedConfig, TrainerCallback, default_data_collator, set_seed
@@ -34,30 +35,31 @@ def _resolve_deepspeed_shorthand(argv: list[str]) -> list[str]:
     return resolved
 
 
-def _prepare_cpu_distributed(argv: list[str]) -> bool:
-    """On machines without CUDA, multi-process runs need a gloo process group before the arguments are built.
+def _cpu_distributed_defaults(argv: list[str]) -> dict[str, Any]:
+    """Argument defaults that make a multi-process launch (torchrun, accelerate, deepspeed) work without CUDA.
 
-    DeepSpeed's batch-size check reads the world size while `TrainingArguments` is constructed; without this
-    state Accelerate reports a world size of 1 on CPU. Returns whether such a state was created.
+    Plain DDP needs `use_cpu` for Accelerate to set up multi-CPU (gloo) training; without it every process
+    trains alone. DeepSpeed's batch-size check reads the world size while `TrainingArguments` is built, so it
+    needs a gloo state created first and reused (`use_configured_state`).
     """
     if torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return False
+        return {}
     if "--deepspeed" in argv:
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return {"use_cpu": True}
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from accelerate import PartialState
 
     PartialState(backend="gloo")
-    return True
+    return {"accelerator_config": {"use_configured_state": True}}
 
 
 def parse_args(argv: list[str]) -> tuple[ModelArguments, DataArguments, UltraMemTrainingArguments]:
     """Parse flags (or one JSON file of them); invalid values become a `UsageError`."""
     argv = _resolve_deepspeed_shorthand(argv)
     parser = HfArgumentParser((ModelArguments, DataArguments, UltraMemTrainingArguments))
-    if _prepare_cpu_distributed(argv):
-        parser.set_defaults(accelerator_config={"use_configured_state": True})
+    parser.set_defaults(**_cpu_distributed_defaults(argv))
     try:
         if len(argv) == 1 and argv[0].endswith(".json"):
             model_args, data_args, training_args = parser.parse_json_file(argv[0])
