@@ -78,8 +78,8 @@ def bench_model(size: str, kind: str, args: argparse.Namespace) -> tuple[list[di
                 rows.append({**row, "status": "out of memory"})
                 print(f"{preset} batch {batch}: out of memory, larger batches skipped")
                 break
-            row.update(timing, status="ok", gbps=access.total / 1e9 / (timing["median_ms"] / 1e3))
-            print(f"{preset:<20} batch {batch:>5}: {timing['median_ms']:8.3f} ms  {row['access_gb']:7.3f} GB analytic")
+            row.update(timing, status="ok", gbps=access.total / 1e9 / (timing["ms"] / 1e3))
+            print(f"{preset:<20} batch {batch:>5}: {timing['ms']:8.3f} ms  {row['access_gb']:7.3f} GB analytic")
             rows.append(row)
             common.release(args.device)
     del model
@@ -93,7 +93,7 @@ def ratio_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     table = []
     for size, batch in sorted({(r["size"], r["batch"]) for r in rows}, key=lambda k: (list(common.PEERS).index(k[0]), k[1])):
         get = {kind: by_key.get((size, batch, kind), {}) for kind in ("dense", "ultramem", "moe")}
-        ms = {kind: get[kind].get("median_ms") for kind in get}
+        ms = {kind: get[kind].get("ms") for kind in get}
         gb = {kind: get[kind].get("access_gb") for kind in get}
         table.append(
             {
@@ -131,7 +131,7 @@ TABLE_COLUMNS = [
 def plot(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     panels = []
     for size in args.sizes:
-        for title, key, ylabel in (("decode time", "median_ms", "ms / step"), ("memory access", "access_gb", "GB / step")):
+        for title, key, ylabel in (("decode time", "ms", "ms / step"), ("memory access", "access_gb", "GB / step")):
             series = {}
             for kind in ("dense", "ultramem", "moe"):
                 points = [r for r in rows if r["size"] == size and r["kind"] == kind and r["status"] == "ok"]

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for kind, overrides in (("ultramem", ultramem), ("moe", moe)):
                 result = bench_point(kind, overrides, args)
                 point[kind] = result
-                print(f"slots {slots:>10} {kind:<8}: {result['median_ms']:8.3f} ms  {result['total_params_b']:.3f} B params")
+                print(f"slots {slots:>10} {kind:<8}: {result['ms']:8.3f} ms  {result['total_params_b']:.3f} B params")
         except RuntimeError as error:
             if not common.is_out_of_memory(error):
                 raise
@@ -122,18 +122,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     done = [p for p in points if p["status"] == "ok"]
     table = []
     for p in done:
-        base_u, base_m = done[0]["ultramem"]["median_ms"], done[0]["moe"]["median_ms"]
+        base_u, base_m = done[0]["ultramem"]["ms"], done[0]["moe"]["ms"]
         table.append(
             {
                 "slots": p["slots"],
                 "ultramem_params_b": p["ultramem"]["total_params_b"],
-                "ultramem_ms": p["ultramem"]["median_ms"],
-                "ultramem_vs_first": p["ultramem"]["median_ms"] / base_u,
+                "ultramem_ms": p["ultramem"]["ms"],
+                "ultramem_vs_first": p["ultramem"]["ms"] / base_u,
                 "experts": p["experts"],
                 "moe_params_b": p["moe"]["total_params_b"],
-                "moe_ms": p["moe"]["median_ms"],
-                "moe_vs_first": p["moe"]["median_ms"] / base_m,
-                "moe/ultramem": p["moe"]["median_ms"] / p["ultramem"]["median_ms"],
+                "moe_ms": p["moe"]["ms"],
+                "moe_vs_first": p["moe"]["ms"] / base_m,
+                "moe/ultramem": p["moe"]["ms"] / p["ultramem"]["ms"],
             }
         )
     spread = None
@@ -156,8 +156,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.no_plot and done:
         xs = [p["slots"] for p in done]
         series = {
-            "ultramem": (xs, [p["ultramem"]["median_ms"] for p in done]),
-            f"moe (2 in {done[0]['experts']}..{done[-1]['experts']})": (xs, [p["moe"]["median_ms"] for p in done]),
+            "ultramem": (xs, [p["ultramem"]["ms"] for p in done]),
+            f"moe (2 in {done[0]['experts']}..{done[-1]['experts']})": (xs, [p["moe"]["ms"] for p in done]),
         }
         common.plot_panels(
             args, [("decode time vs sparse size", "ms / step", series)], "UltraMem physical slots (MoE: same sparse params)",

@@ -100,13 +100,13 @@ def bench_model(size: str, kind: str, args: argparse.Namespace) -> dict[str, Any
     calls = training_callables(model, args)
     if kind == "moe":
         row["moe_implementation"], row["moe_probe_ms"] = common.choose_moe_implementation(
-            model, args.moe_impl, lambda: common.measure(calls["forward_backward"], args.device, 1, 2)
+            model, args.moe_impl, lambda: common.measure(calls["forward_backward"], args, 1, 2)
         )
     try:
         for phase in ("forward", "forward_backward"):
-            row[f"{phase}_ms"] = common.measure(calls[phase], args.device, args.warmup, args.iters)["median_ms"]
+            row[f"{phase}_ms"] = common.measure(calls[phase], args)["ms"]
         common.reset_peak_memory(args.device)
-        row.update(common.measure(calls["step"], args.device, args.warmup, args.iters))
+        row.update(common.measure(calls["step"], args))
         row["peak_mib"] = common.peak_memory_mib(args.device)
         row["status"] = "ok"
     except RuntimeError as error:
@@ -118,9 +118,9 @@ def bench_model(size: str, kind: str, args: argparse.Namespace) -> dict[str, Any
     del model, calls
     common.release(args.device)
     if row["status"] == "ok":
-        row["optimizer_ms"] = row["median_ms"] - row["forward_backward_ms"]
-        row["tokens_per_s"] = args.batch * args.seq_len / (row["median_ms"] / 1e3)
-        print(f"{preset:<20} step {row['median_ms']:9.2f} ms  peak {row['peak_mib']} MiB")
+        row["optimizer_ms"] = row["ms"] - row["forward_backward_ms"]
+        row["tokens_per_s"] = args.batch * args.seq_len / (row["ms"] / 1e3)
+        print(f"{preset:<20} step {row['ms']:9.2f} ms  peak {row['peak_mib']} MiB")
     return row
 
 
@@ -130,8 +130,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = [bench_model(size, kind, args) for size in args.sizes for kind in ("dense", "ultramem", "moe")]
     for row in rows:
         dense = next(r for r in rows if r["size"] == row["size"] and r["kind"] == "dense")
-        if row.get("median_ms") and dense.get("median_ms"):
-            row["step_vs_dense"] = row["median_ms"] / dense["median_ms"]
+        if row.get("ms") and dense.get("ms"):
+            row["step_vs_dense"] = row["ms"] / dense["ms"]
     payload = {
         "settings": {
             "sizes": args.sizes,
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ("forward_ms", "fwd ms"),
         ("forward_backward_ms", "fwd+bwd ms"),
         ("optimizer_ms", "optim ms"),
-        ("median_ms", "step ms"),
+        ("ms", "step ms"),
         ("step_vs_dense", "step/dense"),
         ("tokens_per_s", "tokens/s"),
         ("peak_mib", "peak MiB"),

@@ -132,8 +132,8 @@ def bench_shape(shape: LayerShape, args: argparse.Namespace) -> list[dict[str, A
             layer.zero_grad(set_to_none=True)
 
         row = {"shape": shape.name, "impl": label, "params_m": sum(p.numel() for p in layer.parameters()) / 1e6}
-        row["forward_ms"] = common.measure(forward, args.device, args.warmup, args.iters)["median_ms"]
-        row["forward_backward_ms"] = common.measure(forward_backward, args.device, args.warmup, args.iters)["median_ms"]
+        row["forward_ms"] = common.measure(forward, args)["ms"]
+        row["forward_backward_ms"] = common.measure(forward_backward, args)["ms"]
         rows.append(row)
         print(f"{shape.name:<30} {label:<24} fwd {row['forward_ms']:8.2f} ms  fwd+bwd {row['forward_backward_ms']:8.2f} ms")
     mine, other = rows
