@@ -98,40 +98,72 @@ def _backward_kernel(
 
 
 @triton.jit
+def _scaled_grad_rows(positions, mask, order_ptr, groups_ptr, scores_ptr, grad_out_ptr, num_slots, value_dim,
+                      num_cores, core, cols, col_mask, NUM_GROUPS: tl.constexpr):
+    """(len(positions), BLOCK_D) float32: scores[e, core] * grad_out[token(e), groups[e], cols] for the
+    (token, slot) entries e = order[positions], i.e. each entry's contribution to its row's gradient."""
+    entries = tl.load(order_ptr + positions, mask=mask, other=0)
+    groups = tl.load(groups_ptr + entries, mask=mask, other=0)
+    scores = tl.load(scores_ptr + entries * num_cores + core, mask=mask, other=0.0).to(tl.float32)
+    grad_rows = (entries // num_slots) * NUM_GROUPS + groups
+    grad = tl.load(grad_out_ptr + grad_rows[:, None] * value_dim + cols[None, :],
+                   mask=mask[:, None] & col_mask[None, :], other=0.0)
+    return grad.to(tl.float32) * scores[:, None]
+
+
+@triton.jit
+def _segmented_add(value_a, start_a, value_b, start_b):
+    """Combine of a segmented inclusive sum: restart the running sum where a segment starts."""
+    return tl.where(start_b != 0, value_b, value_a + value_b), start_a | start_b
+
+
+@triton.jit
 def _value_grad_segment_kernel(
     grad_out_ptr, sorted_rows_ptr, order_ptr, segment_end_ptr, groups_ptr, scores_ptr, grad_values_ptr,
     num_entries, num_slots, value_dim, chunk, num_cores,
-    NUM_GROUPS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_GROUPS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Deterministic value gradient: (token, slot) entries sorted by row; the program owning the
-    first entry of a row sums that row's entries in sorted order and writes the row once."""
+    """Deterministic value gradient over (token, slot) entries sorted by row.
+
+    Each program loads a tile of BLOCK_P consecutive sorted entries and reduces the row segments in it
+    with a segmented scan. A program owns the segments that start in its tile: it writes each of them
+    once, continuing past its tile for the last one when that segment runs on. Summation order is fixed
+    by the sort and the tile shape, so the bits are the same on every run; no atomics.
+    """
     core = tl.program_id(1)
     in_chunk = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_mask = in_chunk < chunk
     cols = core * chunk + in_chunk
     first = tl.program_id(0).to(tl.int64) * BLOCK_P
-    last = tl.minimum(first + BLOCK_P, num_entries)
-    for i in range(first, last):
-        row = tl.load(sorted_rows_ptr + i)
-        previous = tl.load(sorted_rows_ptr + i - 1, mask=i > 0, other=-1)
-        if row != previous:
-            end = tl.load(segment_end_ptr + i)
-            acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-            for j0 in range(i, end, BLOCK_J):
-                js = j0 + tl.arange(0, BLOCK_J)
-                entry_mask = js < end
-                entries = tl.load(order_ptr + js, mask=entry_mask, other=0)
-                groups = tl.load(groups_ptr + entries, mask=entry_mask, other=0)
-                scores = tl.load(scores_ptr + entries * num_cores + core, mask=entry_mask, other=0.0)
-                grad_rows = (entries // num_slots) * NUM_GROUPS + groups
-                grad = tl.load(
-                    grad_out_ptr + grad_rows[:, None] * value_dim + cols[None, :],
-                    mask=entry_mask[:, None] & col_mask[None, :],
-                    other=0.0,
-                )
-                acc += tl.sum(grad.to(tl.float32) * scores.to(tl.float32)[:, None], axis=0)
-            tl.store(grad_values_ptr + row.to(tl.int64) * value_dim + cols,
-                     acc.to(grad_values_ptr.dtype.element_ty), mask=col_mask)
+    lanes = tl.arange(0, BLOCK_P)
+    positions = first + lanes
+    valid = positions < num_entries
+    rows = tl.load(sorted_rows_ptr + positions, mask=valid, other=-1)
+    previous = tl.load(sorted_rows_ptr + positions - 1, mask=valid & (positions > 0), other=-1)
+    following = tl.load(sorted_rows_ptr + positions + 1, mask=positions + 1 < num_entries, other=-1)
+    starts = valid & (rows != previous)
+    ends = valid & (rows != following)
+    owned = tl.cumsum(starts.to(tl.int32), axis=0) > 0  # the segment started inside this tile
+    contributions = _scaled_grad_rows(positions, valid, order_ptr, groups_ptr, scores_ptr, grad_out_ptr, num_slots,
+                                      value_dim, num_cores, core, cols, col_mask, NUM_GROUPS)
+    start_flags = tl.broadcast_to(starts.to(tl.int32)[:, None], (BLOCK_P, BLOCK_D))
+    sums, _ = tl.associative_scan((contributions, start_flags), axis=0, combine_fn=_segmented_add)
+    out_dtype = grad_values_ptr.dtype.element_ty
+    row_offsets = rows.to(tl.int64)[:, None] * value_dim + cols[None, :]
+    tl.store(grad_values_ptr + row_offsets, sums.to(out_dtype), mask=(owned & ends)[:, None] & col_mask[None, :])
+
+    # The tile's last segment, if this program owns it and it runs past the tile: finish it here.
+    is_last_lane = lanes == BLOCK_P - 1
+    runs_on = tl.sum(tl.where(is_last_lane & owned & valid & (ends == 0), 1, 0), axis=0) > 0
+    if runs_on:
+        acc = tl.sum(tl.where(is_last_lane[:, None], sums, 0.0), axis=0)
+        row = tl.sum(tl.where(is_last_lane, rows, 0), axis=0).to(tl.int64)
+        segment_end = tl.load(segment_end_ptr + first + BLOCK_P - 1)
+        for j0 in range(first + BLOCK_P, segment_end, BLOCK_P):
+            js = j0 + lanes
+            acc += tl.sum(_scaled_grad_rows(js, js < segment_end, order_ptr, groups_ptr, scores_ptr, grad_out_ptr,
+                                            num_slots, value_dim, num_cores, core, cols, col_mask, NUM_GROUPS), axis=0)
+        tl.store(grad_values_ptr + row * value_dim + cols, acc.to(out_dtype), mask=col_mask)
 
 
 def forward(values: torch.Tensor, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor,
@@ -187,8 +219,8 @@ def backward(grad_out: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, g
 
 def _segment_value_grad(grad_out: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, groups: torch.Tensor,
                         scores: torch.Tensor, block_d: int) -> torch.Tensor:
-    """Value gradient without atomics: stable sort of the (token, slot) entries by row, then one
-    program per row segment (segment ends by binary search, so no host synchronisation)."""
+    """Value gradient without atomics: stable sort of the (token, slot) entries by row, then tiles of
+    sorted entries reduced by segmented scans (segment ends by binary search: no host synchronisation)."""
     num_slots = rows.shape[1]
     num_cores = scores.shape[-1]
     value_dim = values.shape[-1]
@@ -198,11 +230,11 @@ def _segment_value_grad(grad_out: torch.Tensor, values: torch.Tensor, rows: torc
     segment_end = torch.searchsorted(sorted_rows, sorted_rows, right=True)
     grad_values = torch.zeros_like(values)
     num_entries = sorted_rows.numel()
-    block_p = 64
+    block_p = min(128, max(16, _TILE_ELEMENTS // block_d))  # sorted entries per tile
     grid = (triton.cdiv(num_entries, block_p), num_cores, triton.cdiv(chunk, block_d))
     _value_grad_segment_kernel[grid](
         grad_out, sorted_rows, order, segment_end, groups, scores, grad_values,
         num_entries, num_slots, value_dim, chunk, num_cores,
-        NUM_GROUPS=grad_out.shape[1], BLOCK_P=block_p, BLOCK_J=8, BLOCK_D=block_d,
+        NUM_GROUPS=grad_out.shape[1], BLOCK_P=block_p, BLOCK_D=block_d,
     )
     return grad_values
