@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -59,13 +60,15 @@ def parse_args(argv: list[str]) -> tuple[ModelArguments, DataArguments, UltraMem
     """Parse flags (or one JSON file of them); invalid values become a `UsageError`."""
     argv = _resolve_deepspeed_shorthand(argv)
     parser = HfArgumentParser((ModelArguments, DataArguments, UltraMemTrainingArguments))
-    parser.set_defaults(**_cpu_distributed_defaults(argv))
+    defaults = _cpu_distributed_defaults(argv)
+    parser.set_defaults(**defaults)
     try:
         if len(argv) == 1 and argv[0].endswith(".json"):
-            model_args, data_args, training_args = parser.parse_json_file(argv[0])
+            with open(argv[0], encoding="utf-8") as handle:
+                model_args, data_args, training_args = parser.parse_dict({**defaults, **json.load(handle)})
         else:
             model_args, data_args, training_args = parser.parse_args_into_dataclasses(argv)
-    except ValueError as error:
+    except (OSError, ValueError) as error:  # includes json.JSONDecodeError
         raise UsageError(str(error).strip().splitlines()[0]) from error
     return model_args, data_args, training_args
 

@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch_size", type=int, default=4, help="Blocks per step.")
     parser.add_argument("--block_size", type=int, default=128, help="Tokens per block.")
     parser.add_argument("--learning_rate", type=float, default=2e-3, help="Peak LR (values start at 10x).")
-    parser.add_argument("--eval_blocks", type=int, default=48, help="Validation blocks for the evaluations.")
+    parser.add_argument("--eval_blocks", type=int, default=32, help="Validation blocks for the evaluations.")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
