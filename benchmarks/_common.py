@@ -224,9 +224,14 @@ def resolve_decode(args: argparse.Namespace) -> None:
         raise SystemExit("--mode compile needs --warmup >= 3 (compile, CUDA-graph record, first replay)")
 
 
-def decode_overrides(preset: str, context: int, headroom: int) -> dict[str, Any]:
-    """Config overrides for decoding benchmarks: room for the cache, no router-logit collection."""
-    overrides: dict[str, Any] = {"max_position_embeddings": context + headroom}
+def decode_cache_length(args: argparse.Namespace) -> int:
+    """Cache slots a decoding benchmark needs: the context, the 2-token prefill, every timed and profiled step."""
+    return args.context + 3 + args.warmup + args.iters
+
+
+def decode_overrides(preset: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Config overrides for decoding benchmarks: positions for the whole cache, no router-logit collection."""
+    overrides: dict[str, Any] = {"max_position_embeddings": decode_cache_length(args)}
     if preset.startswith(("moe", "tiny-moe")):
         overrides["output_router_logits"] = False
     return overrides
@@ -253,13 +258,13 @@ def filled_static_cache(model: PreTrainedModel, batch: int, context: int, max_le
 def time_decode(
     model: PreTrainedModel, batch: int, args: argparse.Namespace
 ) -> dict[str, float]:
-    """Median time of one decoding step (sequence length 1) for `batch` sequences with `args.context` cached tokens.
+    """Time of one decoding step (sequence length 1) for `batch` sequences with `args.context` cached tokens.
 
     Every model runs the same way: StaticCache, SDPA attention, and either eager or
-    torch.compile(mode="reduce-overhead") (CUDA graphs), recompiled per batch size.
+    torch.compile(mode="reduce-overhead") (CUDA graphs), recompiled per batch size. After timing, one more
+    step runs under the profiler to count what it launches (see `count_launches`).
     """
-    headroom = 2 + args.warmup + args.iters
-    cache = filled_static_cache(model, batch, args.context, args.context + headroom)
+    cache = filled_static_cache(model, batch, args.context, decode_cache_length(args))
     tokens = torch.randint(1, model.config.vocab_size, (batch, 1), device=model.device)
     forward = model.forward
     if args.mode == "compile":
@@ -269,7 +274,33 @@ def time_decode(
     def step() -> None:
         forward(input_ids=tokens, past_key_values=cache, use_cache=True)
 
-    return measure(step, args)
+    return {**measure(step, args), **count_launches(step, args.device)}
+
+
+def count_launches(fn: Callable[[], Any], device: torch.device) -> dict[str, int]:
+    """Operators one call of `fn` dispatches: top-level aten ops, and on CUDA the kernels and graph replays.
+
+    Top-level aten ops (those not called from inside another aten op) are what eager mode pays host
+    overhead for; a CUDA graph replay launches its kernels without host work, counted as one graph launch.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        synchronize(device)
+    events = prof.events()
+    counts = {
+        "aten_ops": sum(
+            1
+            for e in events
+            if e.name.startswith("aten::") and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+        )
+    }
+    if device.type == "cuda":
+        counts["cuda_kernels"] = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        counts["cuda_graph_launches"] = sum(1 for e in events if e.name == "cudaGraphLaunch")
+    return counts
 
 
 def choose_moe_implementation(

@@ -53,8 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def bench_model(size: str, kind: str, args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Time one model at every batch size (stopping at out-of-memory); returns rows and a description."""
     preset = common.PEERS[size][kind]
-    headroom = 2 + args.warmup + args.iters
-    model = common.build(preset, args.device, args.dtype, **common.decode_overrides(preset, args.context, headroom))
+    model = common.build(preset, args.device, args.dtype, **common.decode_overrides(preset, args))
     model.eval()
     info: dict[str, Any] = {"size": size, "kind": kind, "preset": preset}
     bytes_per_value = torch.finfo(args.dtype).bits // 8
@@ -79,7 +78,7 @@ def bench_model(size: str, kind: str, args: argparse.Namespace) -> tuple[list[di
                 print(f"{preset} batch {batch}: out of memory, larger batches skipped")
                 break
             row.update(timing, status="ok", gbps=access.total / 1e9 / (timing["ms"] / 1e3))
-            print(f"{preset:<20} batch {batch:>5}: {timing['ms']:8.3f} ms  {row['access_gb']:7.3f} GB analytic")
+            print(f"{preset:<20} batch {batch:>5}: {timing['ms']:8.3f} ms  {row['access_gb']:7.3f} GB analytic  {timing['aten_ops']} ops")
             rows.append(row)
             common.release(args.device)
     del model
@@ -95,6 +94,7 @@ def ratio_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         get = {kind: by_key.get((size, batch, kind), {}) for kind in ("dense", "ultramem", "moe")}
         ms = {kind: get[kind].get("ms") for kind in get}
         gb = {kind: get[kind].get("access_gb") for kind in get}
+        ops = {kind: get[kind].get("aten_ops") for kind in get}
         table.append(
             {
                 "size": size,
@@ -108,6 +108,9 @@ def ratio_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "ultramem_gb": gb["ultramem"],
                 "moe_gb": gb["moe"],
                 "analytic moe/ultramem": gb["moe"] / gb["ultramem"] if gb["moe"] and gb["ultramem"] else None,
+                "dense_ops": ops["dense"],
+                "ultramem_ops": ops["ultramem"],
+                "moe_ops": ops["moe"],
             }
         )
     return table
@@ -125,6 +128,9 @@ TABLE_COLUMNS = [
     ("ultramem_gb", "ultramem GB"),
     ("moe_gb", "moe GB"),
     ("analytic moe/ultramem", "M/U analytic"),
+    ("dense_ops", "D ops"),
+    ("ultramem_ops", "U ops"),
+    ("moe_ops", "M ops"),
 ]
 
 

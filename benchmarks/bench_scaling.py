@@ -60,17 +60,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def scaled_overrides(args: argparse.Namespace, slots: int) -> tuple[dict[str, Any], dict[str, Any], int]:
     """UltraMem and MoE overrides for about `slots` total physical values at `args.size`, and the exact count."""
     peers = common.PEERS[args.size]
-    headroom = 2 + args.warmup + args.iters
     ultramem_config = get_config(peers["ultramem"])
     layers = len(ultramem_config.memory_layers)
     knum = max(1, round(math.sqrt(slots / layers)))  # physical values per layer = knum^2
     expansion_side = math.isqrt(ultramem_config.ive_expansion)  # keys per axis = sqrt(E) * knum
-    ultramem = dict(memory_num_keys=expansion_side * knum, **common.decode_overrides(peers["ultramem"], args.context, headroom))
+    ultramem = dict(memory_num_keys=expansion_side * knum, **common.decode_overrides(peers["ultramem"], args))
     value_params = layers * knum**2 * ultramem_config.memory_value_dim
     moe_config = get_config(peers["moe"])
     expert_params = moe_config.num_hidden_layers * 3 * moe_config.hidden_size * moe_config.intermediate_size
     experts = max(moe_config.num_experts_per_tok, round(value_params / expert_params))
-    moe = dict(num_local_experts=experts, **common.decode_overrides(peers["moe"], args.context, headroom))
+    moe = dict(num_local_experts=experts, **common.decode_overrides(peers["moe"], args))
     return ultramem, moe, layers * knum**2
 
 
