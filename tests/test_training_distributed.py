@@ -46,7 +46,7 @@ run(sys.argv[1:], callbacks=[Probe()])
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     folder = tmp_path_factory.mktemp("distributed")
-    config, corpus = write_config(folder), write_corpus(folder)
+    config, corpus = write_config(folder, aux_loss_alpha=10.0), write_corpus(folder)  # aux visible in the loss
 
     def argv(name: str, batch: int) -> list[str]:
         return base_args(config, corpus, folder / name, max_steps=STEPS, per_device_train_batch_size=batch,

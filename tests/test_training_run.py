@@ -52,3 +52,19 @@ def test_checkpoint_loads_with_auto_classes_and_reproduces_the_eval_loss(finishe
         loss = model(input_ids=input_ids, labels=input_ids).loss
     assert loss.item() == pytest.approx(metrics["eval_loss"], rel=1e-5)
     assert metrics["perplexity"] == pytest.approx(torch.exp(loss).item(), rel=1e-4)
+
+
+def test_gradient_accumulation_matches_the_full_batch(tmp_path):
+    """The aux loss counts once per optimizer step, however the batch is split into micro-batches.
+
+    A large aux weight makes a double-counted aux loss visible in the step loss.
+    """
+    config, corpus = write_config(tmp_path, aux_loss_alpha=10.0), write_corpus(tmp_path, characters=20_000)
+    common = {"max_steps": 4, "diagnostics_batch_size": 0}
+    run(base_args(config, corpus, tmp_path / "full", per_device_train_batch_size=4, **common))
+    run(base_args(config, corpus, tmp_path / "accumulated", per_device_train_batch_size=2,
+                  gradient_accumulation_steps=2, **common))  # fmt: skip
+    full, accumulated = training_logs(tmp_path / "full"), training_logs(tmp_path / "accumulated")
+    for key in ("loss", "lm_loss", "aux_loss"):
+        assert [entry[key] for entry in accumulated] == pytest.approx([entry[key] for entry in full], rel=1e-5)
+    assert full[0]["aux_loss"] > 0.01
