@@ -282,9 +282,29 @@ def test_triton_available_under_interpreter():
 @pytest.mark.skipif(not _TRITON_IMPORTED_FIRST, reason="the cases ran in this process (triton was not imported first)")
 def test_in_fresh_process():
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not benchmark_script"],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+               "-k", "not benchmark_script and not compile_for_ampere"]  # those two run in subprocesses anyway
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+def test_kernels_compile_for_ampere_and_hopper():
+    """The interpreter cannot catch what only the GPU compiler rejects: compile every kernel for sm_80
+    and sm_90 ahead of time (Triton ships ptxas; no GPU needed) and check that none spills registers."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_DEFAULT_FP_FUSION="1")
+    env.pop("TRITON_INTERPRET")
+    result = subprocess.run([sys.executable, "-m", "ultramem.kernels.aot_check", "--configs", "151m"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert {(row["kernel"], row["arch"]) for row in report} == {
+        (kernel, arch)
+        for kernel in ("lookup_reduce.forward", "lookup_reduce.backward_atomic", "lookup_reduce.backward_scores",
+                       "lookup_reduce.value_grad_segments", "tucker_candidate_topk")
+        for arch in ("sm_80", "sm_90")
+    }
+    for row in report:
+        assert row["LOCAL"] == row["STACK"] == 0 and row["REG"] <= 128, row
 
 
 def test_benchmark_script_writes_results(tmp_path):

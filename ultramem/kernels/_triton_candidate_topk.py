@@ -45,6 +45,12 @@ def _candidate_index_kernel(
     tl.store(out_ptr + item * topk + ks, flat_index, mask=ks < topk)
 
 
+def candidate_tile(num_candidates: int, topk: int) -> tuple[int, int, int]:
+    """(M_PAD, K_PAD, num_warps): 8 warps from a 64 x 64 grid up keep the sorted keys in registers."""
+    padded = triton.next_power_of_2(num_candidates)
+    return padded, triton.next_power_of_2(topk), 8 if padded * padded >= 4096 else 4
+
+
 def candidate_index(row_scores: torch.Tensor, col_scores: torch.Tensor, core_sum: torch.Tensor,
                     topk: int) -> torch.Tensor:
     """(B, r, m), (B, r, m), (B, r, r) contiguous -> (B, topk) int64 flat indices, best first."""
@@ -52,10 +58,9 @@ def candidate_index(row_scores: torch.Tensor, col_scores: torch.Tensor, core_sum
     out = torch.empty((num_items, topk), dtype=torch.int64, device=row_scores.device)
     if num_items == 0:
         return out
-    padded = triton.next_power_of_2(num_candidates)
+    padded, topk_padded, warps = candidate_tile(num_candidates, topk)
     _candidate_index_kernel[(num_items,)](
         row_scores, col_scores, core_sum, out, num_candidates, topk,
-        RANK=rank, M_PAD=padded, K_PAD=triton.next_power_of_2(topk),
-        num_warps=8 if padded * padded >= 4096 else 4,  # keep the sorted grid in registers
+        RANK=rank, M_PAD=padded, K_PAD=topk_padded, num_warps=warps,
     )
     return out

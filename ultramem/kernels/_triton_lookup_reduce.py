@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-# Tile sizes: about 8 elements per thread, which keeps every kernel at <= ~140 registers per thread
-# and without spills on sm_80 and sm_90 (checked by compiling for both targets; see README.md).
+# Tile sizes: about 8 elements per thread, which keeps every kernel at <= ~110 registers per thread
+# and without spills on sm_80 and sm_90 (`python -m ultramem.kernels.aot_check` compiles and reports).
 FORWARD_TILE = (2048, 8)  # (elements per program, warps)
 BACKWARD_TILE = (1024, 4)
 SEGMENT_TILE = (1024, 4)
@@ -29,6 +29,23 @@ def _tile(num_rows: int, chunk: int, elements: int, max_cols: int = 128) -> tupl
     block_d = min(max_cols, triton.next_power_of_2(chunk))
     block_rows = max(1, min(triton.next_power_of_2(max(num_rows, 1)), elements // block_d))
     return block_rows, block_d
+
+
+def forward_tile(num_slots: int, chunk: int) -> tuple[int, int, int]:
+    """(BLOCK_K, BLOCK_D, num_warps) of the forward kernel."""
+    return (*_tile(num_slots, chunk, FORWARD_TILE[0]), FORWARD_TILE[1])
+
+
+def backward_tile(num_slots: int, chunk: int) -> tuple[int, int, int]:
+    """(BLOCK_K, BLOCK_D, num_warps) of the score-gradient (and atomic value-gradient) kernel."""
+    return (*_tile(num_slots, chunk, BACKWARD_TILE[0]), BACKWARD_TILE[1])
+
+
+def segment_tile(num_entries: int, chunk: int) -> tuple[int, int, int]:
+    """(BLOCK_P, BLOCK_D, num_warps) of the deterministic value-gradient kernel; 16 to 128 sorted
+    entries per tile (shorter tiles would make most segments run past their tile)."""
+    block_p, block_d = _tile(num_entries, chunk, SEGMENT_TILE[0], max_cols=64)
+    return min(128, max(16, block_p)), block_d, SEGMENT_TILE[1]
 
 
 @triton.jit
@@ -181,8 +198,7 @@ def forward(values: torch.Tensor, rows: torch.Tensor, groups: torch.Tensor, scor
     out = torch.empty((num_tokens, num_groups, value_dim), dtype=values.dtype, device=values.device)
     if num_tokens == 0:
         return out
-    elements, warps = FORWARD_TILE
-    block_k, block_d = _tile(num_slots, chunk, elements)
+    block_k, block_d, warps = forward_tile(num_slots, chunk)
     grid = (num_tokens, num_cores, triton.cdiv(chunk, block_d))
     _forward_kernel[grid](
         values, rows, groups, scores, out, num_slots, value_dim, chunk, num_cores,
@@ -208,8 +224,7 @@ def backward(grad_out: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, g
     grad_scores = torch.empty_like(scores)
     if num_tokens == 0 or num_slots == 0:
         return torch.zeros_like(values), grad_scores.zero_()
-    elements, warps = BACKWARD_TILE
-    block_k, block_d = _tile(num_slots, chunk, elements)
+    block_k, block_d, warps = backward_tile(num_slots, chunk)
     atomic = not deterministic
     if atomic:
         value_acc = torch.zeros(values.shape, dtype=torch.float32, device=values.device)
@@ -238,9 +253,7 @@ def _segment_value_grad(grad_out: torch.Tensor, values: torch.Tensor, rows: torc
     segment_end = torch.searchsorted(sorted_rows, sorted_rows, right=True)
     grad_values = torch.zeros_like(values)
     num_entries = sorted_rows.numel()
-    elements, warps = SEGMENT_TILE
-    block_p, block_d = _tile(num_entries, chunk, elements, max_cols=64)
-    block_p = min(128, max(16, block_p))  # shorter tiles would make most segments run past their tile
+    block_p, block_d, warps = segment_tile(num_entries, chunk)
     grid = (triton.cdiv(num_entries, block_p), num_cores, triton.cdiv(chunk, block_d))
     _value_grad_segment_kernel[grid](
         grad_out, sorted_rows, order, segment_end, groups, scores, grad_values,

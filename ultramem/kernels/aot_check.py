@@ -1,0 +1,105 @@
+"""Compile every Triton kernel for Ampere (sm_80) and Hopper (sm_90) without a GPU, and report
+registers and spills per kernel, at the launch parameters of the paper's UltraMem-x12 configurations.
+
+    python -m ultramem.kernels.aot_check [--arch 80 90] [--dtype bfloat16] [--configs 1.6b]
+
+Triton ships ptxas and cuobjdump, so this runs on a CPU-only machine: CI checks that the kernels
+build for the GPUs they target, which the CPU interpreter cannot. Run it without TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ultramem.kernels import _triton_candidate_topk as candidates
+from ultramem.kernels import _triton_lookup_reduce as lookup
+
+PRESETS = {"151m": "ultramem-151m-x12", "680m": "ultramem-680m-x12", "1.6b": "ultramem-1.6b-x12"}
+TRITON_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def resource_usage(fn, arguments: dict[str, str], constants: dict[str, int], arch: int, num_warps: int) -> dict:
+    """Compile `fn` for sm_<arch> and read its registers, stack and local memory from the cubin."""
+    signature = {**arguments, **{name: "constexpr" for name in constants}}
+    kernel = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", arch, 32),
+                            options={"num_warps": num_warps})
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        listing = subprocess.run([str(cuobjdump), "--dump-resource-usage", cubin.name], capture_output=True,
+                                 text=True, check=True).stdout
+    return {key: int(value) for key, value in re.findall(r"(REG|STACK|LOCAL):(\d+)", listing)}
+
+
+def kernel_launches(config_name: str, dtype: str) -> dict[str, tuple]:
+    """(kernel, argument types, constexprs, warps) of every launch at one configuration, by name."""
+    from ultramem.presets import get_config
+
+    config = get_config(PRESETS[config_name])
+    slots = config.memory_heads * config.memory_topk
+    chunk = config.memory_value_dim // config.mcs_cores
+    groups = config.ive_expansion
+    t = TRITON_DTYPES[dtype]
+    sizes = dict(num_slots="i32", value_dim="i32", chunk="i32", num_cores="i32")
+    block_k, block_d, warps = lookup.forward_tile(slots, chunk)
+    launches = {
+        "lookup_reduce.forward": (
+            lookup._forward_kernel,
+            dict(values_ptr=f"*{t}", rows_ptr="*i64", groups_ptr="*i64", scores_ptr=f"*{t}", out_ptr=f"*{t}", **sizes),
+            dict(NUM_GROUPS=groups, GROUPS_PAD=triton.next_power_of_2(groups), BLOCK_K=block_k, BLOCK_D=block_d),
+            warps,
+        )
+    }
+    block_k, block_d, warps = lookup.backward_tile(slots, chunk)
+    backward_arguments = dict(grad_out_ptr=f"*{t}", values_ptr=f"*{t}", rows_ptr="*i64", groups_ptr="*i64",
+                              scores_ptr=f"*{t}", grad_scores_ptr=f"*{t}", grad_values_ptr="*fp32", **sizes)
+    for mode, atomic in (("atomic", True), ("scores", False)):
+        launches[f"lookup_reduce.backward_{mode}"] = (
+            lookup._backward_kernel, backward_arguments,
+            dict(NUM_GROUPS=groups, ACCUMULATE_VALUES=atomic, BLOCK_K=block_k, BLOCK_D=block_d), warps,
+        )
+    block_p, block_d, warps = lookup.segment_tile(2**20, chunk)
+    launches["lookup_reduce.value_grad_segments"] = (
+        lookup._value_grad_segment_kernel,
+        dict(grad_out_ptr=f"*{t}", sorted_rows_ptr="*i32", order_ptr="*i64", segment_end_ptr="*i64",
+             groups_ptr="*i64", scores_ptr=f"*{t}", grad_values_ptr=f"*{t}", num_entries="i32", **sizes),
+        dict(NUM_GROUPS=groups, BLOCK_P=block_p, BLOCK_D=block_d), warps,
+    )
+    padded, topk_padded, warps = candidates.candidate_tile(config.memory_topk, config.memory_topk)
+    launches["tucker_candidate_topk"] = (
+        candidates._candidate_index_kernel,
+        dict(row_ptr=f"*{t}", col_ptr=f"*{t}", core_ptr=f"*{t}", out_ptr="*i64", num_candidates="i32", topk="i32"),
+        dict(RANK=config.tucker_rank, M_PAD=padded, K_PAD=topk_padded), warps,
+    )
+    return launches
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", nargs="+", type=int, default=[80, 90])
+    parser.add_argument("--dtype", default="bfloat16", choices=list(TRITON_DTYPES))
+    parser.add_argument("--configs", nargs="+", default=["1.6b"], choices=list(PRESETS))
+    args = parser.parse_args(argv)
+    report = []
+    for config_name in args.configs:
+        for name, (fn, arguments, constants, warps) in kernel_launches(config_name, args.dtype).items():
+            for arch in args.arch:
+                usage = resource_usage(fn, arguments, constants, arch, warps)
+                report.append(dict(kernel=name, config=config_name, arch=f"sm_{arch}", dtype=args.dtype,
+                                   constants=constants, num_warps=warps, **usage))
+                print(f"{name:36s} {config_name:5s} sm_{arch} warps={warps} {usage}", flush=True)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
