@@ -145,7 +145,29 @@ def lookup_impls(groups: int, cores: int, device: torch.device, interpreted: boo
 def lookup_bytes(shape: MemoryShape, tokens: int, groups: int, cores: int, element: int) -> int:
     """Bytes a lookup-reduce must move: gathered rows, rows + groups (int64), scores, output."""
     slots = tokens * shape.slots
-    return slots * shape.value_dim * element + slots * (16 + cores * element) + tokens * groups * shape.value_dim * element
+    pooled = tokens * groups * shape.value_dim
+    return slots * shape.value_dim * element + slots * (16 + cores * element) + pooled * element
+
+
+def time_lookup(fn, args: tuple, grad_out: torch.Tensor, device: torch.device, repeats: int) -> tuple[float, ...]:
+    """(forward, backward, forward+backward) ms of one implementation; gradients w.r.t. values and scores."""
+    values, scores = args[0], args[3]
+    with torch.no_grad():
+        forward = time_ms(lambda: fn(*args), device, repeats)
+    out = fn(*args)
+    backward = time_ms(lambda: torch.autograd.grad(out, (values, scores), grad_out, retain_graph=True), device, repeats)
+    out = None  # free the graph before the next measurement
+    both = time_ms(lambda: torch.autograd.grad(fn(*args), (values, scores), grad_out), device, repeats)
+    return forward, backward, both
+
+
+def time_candidates(fn, row: torch.Tensor, col: torch.Tensor, cores: torch.Tensor, topk: int,
+                    device: torch.device, repeats: int) -> tuple[float, float]:
+    """(forward, forward+backward) ms; the backward flows from the winners' per-core scores."""
+    with torch.no_grad():
+        forward = time_ms(lambda: fn(row, col, cores, topk), device, repeats)
+    both = time_ms(lambda: torch.autograd.grad(fn(row, col, cores, topk)[1].sum(), (row, col, cores)), device, repeats)
+    return forward, both
 
 
 def bench_lookup(shape: MemoryShape, groups: int, cores: int, dtype: torch.dtype, tokens_list: list[int],
@@ -161,18 +183,9 @@ def bench_lookup(shape: MemoryShape, groups: int, cores: int, dtype: torch.dtype
         num_bytes = lookup_bytes(shape, tokens, groups, cores, values.element_size())
         for impl, fn in lookup_impls(groups, cores, device, interpreted).items():
             result = Result("lookup_reduce", shape.name, groups, cores, str(dtype).removeprefix("torch."), tokens, impl)
-            args = (values, rows, group_ids, scores, groups)
-            out = None
             try:
-                with torch.no_grad():
-                    result.forward_ms = time_ms(lambda: fn(*args), device, repeats)
-                out = fn(*args)
-                result.backward_ms = time_ms(
-                    lambda: torch.autograd.grad(out, (values, scores), grad_out, retain_graph=True), device, repeats
-                )
-                out = None
-                result.fwd_bwd_ms = time_ms(
-                    lambda: torch.autograd.grad(fn(*args), (values, scores), grad_out), device, repeats
+                result.forward_ms, result.backward_ms, result.fwd_bwd_ms = time_lookup(
+                    fn, (values, rows, group_ids, scores, groups), grad_out, device, repeats
                 )
                 result.forward_gbps = num_bytes / result.forward_ms / 1e6
                 result.forward_pct_of_copy = 100 * result.forward_gbps / copy_gbps
@@ -181,7 +194,6 @@ def bench_lookup(shape: MemoryShape, groups: int, cores: int, dtype: torch.dtype
             except (NotImplementedError, RuntimeError) as error:
                 result.status = f"unsupported: {str(error).splitlines()[0][:80]}"
             finally:
-                out = None  # free the graph before the next implementation runs
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             results.append(result)
@@ -204,12 +216,7 @@ def bench_candidates(shape: MemoryShape, dtype: torch.dtype, tokens_list: list[i
             result = Result("tucker_candidate_topk", shape.name, shape.groups, shape.cores,
                             str(dtype).removeprefix("torch."), tokens, impl)
             try:
-                with torch.no_grad():
-                    result.forward_ms = time_ms(lambda: fn(row, col, cores, shape.topk), device, repeats)
-                result.fwd_bwd_ms = time_ms(
-                    lambda: torch.autograd.grad(fn(row, col, cores, shape.topk)[1].sum(), (row, col, cores)),
-                    device, repeats,
-                )
+                result.forward_ms, result.fwd_bwd_ms = time_candidates(fn, row, col, cores, shape.topk, device, repeats)
             except torch.OutOfMemoryError:
                 result.status = "out of memory"
             results.append(result)
