@@ -9,7 +9,6 @@ Benchmarks whose data cannot be read are reported by name and left out of the ru
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -25,7 +24,6 @@ from ultramem.eval.checkpoint import load_config, parameter_counts, require_chec
 from ultramem.eval.local_data import LocalDataMissing
 from ultramem.eval.report import ModelResult, bar_chart, markdown_table, scores_from_lm_eval, write_results
 
-logger = logging.getLogger(__name__)
 LOCAL_LOADER = "ultramem.eval.local_data.load_local"
 
 
