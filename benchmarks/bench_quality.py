@@ -85,8 +85,14 @@ def row_configs(scale: str) -> list[tuple[str, str, PreTrainedConfig]]:
     return rows
 
 
-def config_path(scale: str, group: str, index: int, name: str) -> Path:
-    return CONFIG_DIR / scale / f"{group}-{index:02d}-{_slug(name)}.json"
+def row_files(scale: str) -> list[tuple[str, str, PreTrainedConfig, Path]]:
+    """`row_configs` with the file each row's config is stored in (`<group>-<index in group>-<name>.json`)."""
+    counters: dict[str, int] = {}
+    files = []
+    for group, name, config in row_configs(scale):
+        counters[group] = counters.get(group, 0) + 1
+        files.append((group, name, config, CONFIG_DIR / scale / f"{group}-{counters[group]:02d}-{_slug(name)}.json"))
+    return files
 
 
 def config_dict(config: PreTrainedConfig) -> dict[str, Any]:
@@ -104,10 +110,7 @@ def built_config(values: dict[str, Any]) -> PreTrainedConfig:
 def write_configs(scale: str) -> list[Path]:
     """Write one config JSON per row (what `--config_file` of `ultramem-train` reads)."""
     paths = []
-    counters: dict[str, int] = {}
-    for group, name, config in row_configs(scale):
-        counters[group] = counters.get(group, 0) + 1
-        path = config_path(scale, group, counters[group], name)
+    for _, _, config, path in row_files(scale):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(config_dict(config), indent=2, sort_keys=True) + "\n")
         paths.append(path)
@@ -116,11 +119,8 @@ def write_configs(scale: str) -> list[Path]:
 
 def load_rows(scale: str, selection: str) -> list[Row]:
     """Rows whose config files exist, filtered by `--rows` (comparison, ladder, all, or comma-separated names)."""
-    counters: dict[str, int] = {}
     rows = []
-    for group, name, _ in row_configs(scale):
-        counters[group] = counters.get(group, 0) + 1
-        path = config_path(scale, group, counters[group], name)
+    for group, name, _, path in row_files(scale):
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing: run `python {Path(__file__).name} --write-configs --scale {scale}`")
         rows.append(Row(group, name, path, json.loads(path.read_text())))
@@ -181,12 +181,12 @@ def prepare_text(cache_dir: Path, split: str, tokens: int) -> Path:
 def validation_blocks(path: Path, block_size: int, count: int) -> torch.Tensor:
     """The first `count` packed validation blocks, tokenized as `ultramem-train` does (document + end-of-text)."""
     tokenizer = load_tokenizer()
-    texts = [json.loads(line)["text"] for line in path.read_text().splitlines()]
-    ids = [doc + [tokenizer.eos_token_id] for doc in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]]
-    by_source = [json.loads(line)["source"] for line in path.read_text().splitlines()]
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    encoded = tokenizer([record["text"] for record in records], add_special_tokens=False, verbose=False)["input_ids"]
+    ids = [doc + [tokenizer.eos_token_id] for doc in encoded]
     # interleave the two corpora's blocks so any prefix of `count` blocks is half Wikipedia, half Gutenberg
     per_corpus = [
-        pack_blocks({"input_ids": [doc for doc, source in zip(ids, by_source) if source == corpus]}, block_size)["input_ids"]
+        pack_blocks({"input_ids": [doc for doc, record in zip(ids, records) if record["source"] == corpus]}, block_size)["input_ids"]
         for corpus in CORPORA
     ]
     interleaved = [block for pair in zip(*per_corpus) for block in pair][:count]
@@ -310,11 +310,14 @@ def train_one(row: Row, seed: int, settings: dict[str, Any], data: dict[str, Pat
 
 # ---- reporting --------------------------------------------------------------------------------------------------
 def machine() -> dict[str, Any]:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    """Where the numbers were measured; the load average says how contended the CPU was."""
+    cpuinfo = Path("/proc/cpuinfo")
+    models = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")] if cpuinfo.exists() else []
     info = {
         "platform": platform.platform(),
-        "cpu": cpu,
+        "cpu": models[0] if models else platform.processor(),
         "cpu_count": os.cpu_count(),
+        "load_average_1min_at_start": os.getloadavg()[0],
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,

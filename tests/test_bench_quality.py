@@ -22,10 +22,7 @@ SMOKE = ["--rows", "Dense,UltraMem", "--seeds", "1", "--max-steps", "3", "--batc
 @pytest.mark.parametrize("scale", sorted(bench_quality.COMPARISON))
 def test_committed_configs_are_the_presets(scale):
     """Each committed row config builds what ultramem.presets builds today (rerun --write-configs after changing them)."""
-    counters = {}
-    for group, name, config in bench_quality.row_configs(scale):
-        counters[group] = counters.get(group, 0) + 1
-        path = bench_quality.config_path(scale, group, counters[group], name)
+    for _, _, config, path in bench_quality.row_files(scale):
         committed = bench_quality.built_config(json.loads(path.read_text()))
         assert bench_quality.config_dict(committed) == bench_quality.config_dict(config), f"{path} is stale"
 
@@ -53,8 +50,8 @@ def test_two_rows_train_and_report(tmp_path):
         first, last = run["curve"][0], run["curve"][-1]
         assert (first["step"], last["step"], last["tokens"]) == (0, 3, 3 * 2 * 32)
         assert last["val_loss"] < first["val_loss"] - 0.01, run["curve"]  # three steps at 3e-3 must lower the loss
-    files = [run["argv"][run["argv"].index("--config_file") + 1] for run in result["runs"]]
-    assert files == [str(bench_quality.config_path("tiny", "comparison", i, name)) for i, name in ((1, "Dense"), (4, "UltraMem"))]
+    files = {name: str(path) for _, name, _, path in bench_quality.row_files("tiny")}
+    assert [run["argv"][run["argv"].index("--config_file") + 1] for run in result["runs"]] == [files["Dense"], files["UltraMem"]]
     assert result["runs"][1]["final_diagnostics"]["memory/slot_usage"] > 0
 
     markdown = (out / "quality_tiny.md").read_text()
