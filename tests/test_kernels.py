@@ -117,6 +117,25 @@ def test_lookup_reduce_matches_reference(shape, dtype, poison):
 
 
 @in_process
+@pytest.mark.parametrize("draw", range(6))
+def test_lookup_reduce_random_shapes(draw):
+    """Seeded random (T, K, Dv, N, E, h): Dv = h x (1..7), so mostly not a power of two."""
+    rng = torch.Generator().manual_seed(100 + draw)
+
+    def pick(low: int, high: int) -> int:
+        return int(torch.randint(low, high + 1, (), generator=rng))
+
+    num_groups, num_cores = (1, 4, 9)[pick(0, 2)], (1, 2, 4)[pick(0, 2)]
+    shape = (pick(1, 9), pick(1, 20), num_cores * pick(1, 7), pick(1, 30), num_groups, num_cores)
+    values, rows, groups, scores, grad_out = _lookup_inputs(*shape, dtype=torch.float32, seed=draw)
+    reference = _reference_grads(values, rows, groups, scores, num_groups, grad_out)
+    for deterministic in (True, False):
+        got = _kernel_grads(values, rows, groups, scores, num_groups, grad_out, deterministic)
+        for tensor, expected in zip(got, reference):
+            torch.testing.assert_close(tensor, expected, **TOLERANCE[torch.float32], msg=lambda m: f"{shape}: {m}")
+
+
+@in_process
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic"])
 def test_value_gradient_with_heavy_duplicates(deterministic):
     """24 tokens x 16 slots all reading 3 rows (many tokens and heads on one row; segments span several
