@@ -131,6 +131,13 @@ def evaluate(checkpoints: list[Path], benchmarks: list[Benchmark], args: argpars
     return results
 
 
+def _require_lm_eval() -> None:
+    from importlib.util import find_spec
+
+    if find_spec("lm_eval") is None:
+        raise ValueError("ultramem-eval needs lm-eval-harness: pip install 'ultramem[eval]'")
+
+
 def _run_notes(args: argparse.Namespace) -> list[str]:
     """What a reader of the table must know to compare it with the paper: data source and any caps."""
     from importlib.metadata import version
@@ -149,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         _check_args(args)
+        _require_lm_eval()
         benchmarks = select(args.tasks)
         checkpoints = [require_checkpoint(path) for path in args.model]
     except ValueError as err:  # includes CheckpointError
