@@ -218,7 +218,7 @@ def test_ultramem_eval_reports_missing_benchmarks_and_compares_checkpoints(
     table = (out / "results.md").read_text(encoding="utf-8")
     header, rule, *rows = table.splitlines()
     assert header.split("|")[1:-1][3:] == [f" {b.title} " for b in BENCHMARKS] + [" Avg "]
-    row = dict(zip(header.split("|"), rows[0].split("|")))
+    row = dict(zip(header.split("|"), rows[0].split("|"), strict=True))
     assert row[" Model "].strip() == "tiny-ultramem" and row[" DROP "].strip() == "–"
     scores = models["tiny-ultramem"]["scores"]
     assert float(row[" Avg "]) == pytest.approx(round(sum(scores.values()) / 2, 2), abs=0.01)
@@ -243,7 +243,9 @@ def test_ultramem_eval_rejects_bad_input(
     assert message in capsys.readouterr().err
 
 
-def test_ultramem_eval_needs_a_checkpoint_folder_with_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_ultramem_eval_needs_a_checkpoint_folder_with_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(SystemExit) as exit_info:
         eval_main(["--model", str(tmp_path), "--data-dir", str(FIXTURES)])

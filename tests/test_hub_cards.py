@@ -82,7 +82,9 @@ def test_card_without_results_has_metadata_size_and_usage_but_no_scores(checkpoi
 
 
 def test_card_with_results_and_trainer_state(trained: Path) -> None:
-    text = render_card(trained, REPO, result=_result(trained), notes=["lm-eval 0.4.13 on local copies."], datasets=["gutenberg"])
+    text = render_card(
+        trained, REPO, result=_result(trained), notes=["lm-eval 0.4.13 on local copies."], datasets=["gutenberg"]
+    )
     card = ModelCard(text)
     assert card.data.datasets == ["gutenberg"]
     results = {r.dataset_name: r for r in card.data.eval_results}
@@ -124,7 +126,17 @@ def test_push_sends_one_commit_with_weights_config_code_tokenizer_and_card(
 ) -> None:
     results_json = tmp_path / "results.json"
     write_results(results_json, [_result(checkpoint)], {"limit": None}, ["lm-eval on the Hub datasets."])
-    argv = [str(checkpoint), "--repo-id", REPO, "--revision", "v1", "--results", str(results_json), "--token", "hf_test"]
+    argv = [
+        str(checkpoint),
+        "--repo-id",
+        REPO,
+        "--revision",
+        "v1",
+        "--results",
+        str(results_json),
+        "--token",
+        "hf_test",
+    ]
     assert push_main(argv) == 0
     assert f"https://huggingface.co/{REPO}/commit/" in capsys.readouterr().out
 
@@ -133,7 +145,14 @@ def test_push_sends_one_commit_with_weights_config_code_tokenizer_and_card(
     operations = {op.path_in_repo: op for op in call["operations"]}
     code = {p.name for p in checkpoint.glob("*.py")}
     assert {"modeling_ultramem.py", "configuration_ultramem.py"} <= code
-    expected = {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "README.md"}
+    expected = {
+        "model.safetensors",
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "README.md",
+    }
     assert set(operations) == expected | code  # no optimizer.pt, no training_args.bin
     for name, op in operations.items():
         if name != "README.md":
@@ -177,7 +196,12 @@ def test_first_push_creates_the_repo_then_commits(checkpoint: Path, monkeypatch:
     ],
 )
 def test_push_refuses_before_uploading_anything(
-    checkpoint: Path, recorder: _CommitRecorder, repo_id: str, token: str | None, message: str, capsys: pytest.CaptureFixture[str]
+    checkpoint: Path,
+    recorder: _CommitRecorder,
+    repo_id: str,
+    token: str | None,
+    message: str,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     argv = [str(checkpoint), "--repo-id", repo_id] + (["--token", token] if token else [])
     with pytest.raises(SystemExit) as exit_info:
@@ -187,7 +211,9 @@ def test_push_refuses_before_uploading_anything(
     assert recorder.calls == []
 
 
-def test_push_refuses_a_folder_without_safetensors(tmp_path: Path, checkpoint: Path, recorder: _CommitRecorder, capsys: pytest.CaptureFixture[str]) -> None:
+def test_push_refuses_a_folder_without_safetensors(
+    tmp_path: Path, checkpoint: Path, recorder: _CommitRecorder, capsys: pytest.CaptureFixture[str]
+) -> None:
     shutil.copy(checkpoint / "config.json", tmp_path)
     with pytest.raises(SystemExit):
         push_main([str(tmp_path), "--repo-id", REPO, "--token", "hf_test"])

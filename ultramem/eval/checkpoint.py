@@ -19,9 +19,13 @@ class CheckpointError(ValueError):
 def require_checkpoint(path: str | Path, option: str = "--model") -> Path:
     folder = Path(path)
     if not folder.is_dir():
-        raise CheckpointError(f"{option} {folder}: not a folder; expected a checkpoint folder written by save_pretrained")
+        raise CheckpointError(
+            f"{option} {folder}: not a folder; expected a checkpoint folder written by save_pretrained"
+        )
     if not (folder / "config.json").is_file():
-        raise CheckpointError(f"{option} {folder}: no config.json; expected a checkpoint folder written by save_pretrained")
+        raise CheckpointError(
+            f"{option} {folder}: no config.json; expected a checkpoint folder written by save_pretrained"
+        )
     return folder
 
 

@@ -29,9 +29,15 @@ LOCAL_LOADER = "ultramem.eval.local_data.load_local"
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ultramem-eval", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", nargs="+", required=True, type=Path, help="checkpoint folder(s) from save_pretrained")
-    parser.add_argument("--tasks", default="ultramem_paper", help="ultramem_paper, or a comma-separated subset of its benchmarks")
-    parser.add_argument("--data-dir", type=Path, help="local benchmark copies (layout: ultramem/eval/local_data.py); default: the Hub")
+    parser.add_argument(
+        "--model", nargs="+", required=True, type=Path, help="checkpoint folder(s) from save_pretrained"
+    )
+    parser.add_argument(
+        "--tasks", default="ultramem_paper", help="ultramem_paper, or a comma-separated subset of its benchmarks"
+    )
+    parser.add_argument(
+        "--data-dir", type=Path, help="local benchmark copies (layout: ultramem/eval/local_data.py); default: the Hub"
+    )
     parser.add_argument("--output", type=Path, default=Path("eval_results"), help="folder for results.json/.md/.png")
     parser.add_argument("--limit", type=float, help="documents per task: a count (>= 1) or a fraction in (0, 1)")
     parser.add_argument("--max-gen-toks", type=int, help="cap on generated tokens per answer (BBH CoT allows 1024)")
@@ -167,7 +173,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, f"ultramem-eval: error: {err}\n")
     notes = _run_notes(args)
     args.output.mkdir(parents=True, exist_ok=True)
-    settings = {"tasks": args.tasks, "data_dir": str(args.data_dir) if args.data_dir else "hub", "limit": args.limit, "max_gen_toks": args.max_gen_toks}
+    settings = {
+        "tasks": args.tasks,
+        "data_dir": str(args.data_dir) if args.data_dir else "hub",
+        "limit": args.limit,
+        "max_gen_toks": args.max_gen_toks,
+    }
     write_results(args.output / "results.json", results, settings, notes)
     table = markdown_table(results, notes)
     (args.output / "results.md").write_text(table, encoding="utf-8")

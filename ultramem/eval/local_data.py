@@ -132,14 +132,24 @@ def _hellaswag_text(path: Path) -> Rows:
     for i in range(0, len(lines) - len(lines) % 6, 6):
         activity_label, _, ctx = lines[i].partition(": ")
         rows.append(
-            {"activity_label": activity_label, "ctx_a": ctx, "ctx_b": "", "label": lines[i + 1], "endings": lines[i + 2 : i + 6]}
+            {
+                "activity_label": activity_label,
+                "ctx_a": ctx,
+                "ctx_b": "",
+                "label": lines[i + 1],
+                "endings": lines[i + 2 : i + 6],
+            }
         )
     return rows
 
 
 def _hellaswag(data_dir: Path, name: str | None) -> dict[str, Rows]:
     original = data_dir / "hellaswag" / "hellaswag_val.jsonl"
-    rows = _read_jsonl(original) if original.is_file() else _hellaswag_text(data_dir / "hellaswag" / "hellaswag_val_full.txt.bz2")
+    rows = (
+        _read_jsonl(original)
+        if original.is_file()
+        else _hellaswag_text(data_dir / "hellaswag" / "hellaswag_val_full.txt.bz2")
+    )
     splits = {"validation": [{**row, "label": str(row["label"])} for row in rows]}
     _stand_in(splits, "train", "validation", "HellaSwag")
     return splits
@@ -204,8 +214,9 @@ def _agieval_row(row: dict[str, Any]) -> dict[str, Any]:
     options = row["options"]
     last_letter = "ABCDEFG"[len(options) - 1]
     labels = row["label"] if isinstance(row["label"], list) else [row["label"]]
+    question = f"{passage}Q: {row['question']} Answer Choices: {' '.join(options)}"
     return {
-        "query": f"{passage}Q: {row['question']} Answer Choices: {' '.join(options)}\nA: Among A through {last_letter}, the answer is",
+        "query": f"{question}\nA: Among A through {last_letter}, the answer is",
         "choices": options,
         "gold": ["ABCDEFG".index(label) for label in labels],
     }
@@ -240,7 +251,9 @@ def read_local(data_dir: str | Path, dataset_path: str, dataset_name: str | None
     elif dataset_path in READERS:
         splits = READERS[dataset_path](root, dataset_name)
     else:
-        raise ValueError(f"no local reader for dataset {dataset_path!r}; known: {sorted(READERS)} and {AGIEVAL_PREFIX}*")
+        raise ValueError(
+            f"no local reader for dataset {dataset_path!r}; known: {sorted(READERS)} and {AGIEVAL_PREFIX}*"
+        )
     return DatasetDict({split: Dataset.from_list(rows) for split, rows in splits.items()})
 
 
@@ -253,7 +266,9 @@ def load_local(data_dir: str | None = None, config_source: str | None = None, **
     from lm_eval.tasks._yaml_loader import load_yaml
 
     if not data_dir:
-        raise ValueError('offline ultramem tasks need the benchmark folder: --metadata \'{"data_dir": "/path/to/eval"}\'')
+        raise ValueError(
+            'offline ultramem tasks need the benchmark folder: --metadata \'{"data_dir": "/path/to/eval"}\''
+        )
     if not config_source or not Path(config_source).is_file():
         raise ValueError(f"offline loader got no task YAML (config_source={config_source!r})")
     config = load_yaml(config_source, resolve_func=False)

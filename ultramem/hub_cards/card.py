@@ -55,11 +55,19 @@ def _size_section(config: PreTrainedConfig) -> str | None:
     rows = [
         ("Total parameters (embeddings and LM head excluded)", f"{_human(counts['total'])} ({counts['total']:,})"),
         ("Activated parameters per token", f"{_human(counts['activated'])} ({counts['activated']:,})"),
-        ("Forward FLOPs per token (2 x activated, attention over the context excluded)", _human(counts["flops_per_token"])),
+        (
+            "Forward FLOPs per token (2 x activated, attention over the context excluded)",
+            _human(counts["flops_per_token"]),
+        ),
         ("Transformer blocks / hidden size", f"{config.num_hidden_layers} / {config.hidden_size}"),
     ]
     if counts["memory_slots"]:
-        rows.append(("Memory slots (virtual, all memory layers)", f"{_human(counts['memory_slots'])} ({counts['memory_slots']:,})"))
+        rows.append(
+            (
+                "Memory slots (virtual, all memory layers)",
+                f"{_human(counts['memory_slots'])} ({counts['memory_slots']:,})",
+            )
+        )
         rows.append(("Physical value rows (all memory layers)", f"{counts['physical_values']:,}"))
     return "## Size\n\n| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n"
 
@@ -71,7 +79,10 @@ def _memory_section(config: PreTrainedConfig) -> str | None:
     rows = [
         ("Placement (a, b), 0-based blocks: reads the input of block a, adds after block b", placement),
         ("Retrieval", f"{config.retrieval_mode}, Tucker rank r={config.tucker_rank}, MCS cores h={config.mcs_cores}"),
-        ("Heads H / top-m per head / key dim", f"{config.memory_heads} / {config.memory_topk} / {config.memory_key_dim}"),
+        (
+            "Heads H / top-m per head / key dim",
+            f"{config.memory_heads} / {config.memory_topk} / {config.memory_key_dim}",
+        ),
         ("Keys per axis n / IVE expansion E", f"{config.memory_num_keys} / {config.ive_expansion}"),
         ("Physical values N per layer / value dim", f"{config.memory_num_values:,} / {config.memory_value_dim}"),
     ]
@@ -87,14 +98,21 @@ def _training_section(config: PreTrainedConfig, state: dict[str, Any] | None) ->
     lines = []
     if isinstance(config, UltraMemConfig) and config.memory_layers:
         decay = "decaying linearly to 1x by the end of training" if config.value_lr_decay else "constant"
-        lines.append(f"- Value-table learning rate: {config.value_lr_multiplier:g}x the base rate at the start, {decay}.")
         lines.append(
-            f"- Auxiliary loss on the Tucker cores' non-leading singular values: alpha={config.aux_loss_alpha:g}, tau={config.aux_loss_tau:g}."
+            f"- Value-table learning rate: {config.value_lr_multiplier:g}x the base rate at the start, {decay}."
+        )
+        lines.append(
+            "- Auxiliary loss on the Tucker cores' non-leading singular values: "
+            f"alpha={config.aux_loss_alpha:g}, tau={config.aux_loss_tau:g}."
         )
     if state:
         steps = state.get("global_step")
         if steps:
-            lines.append(f"- Optimizer steps: {steps:,}" + (f" of {state['max_steps']:,}" if state.get("max_steps") else "") + ".")
+            lines.append(
+                f"- Optimizer steps: {steps:,}"
+                + (f" of {state['max_steps']:,}" if state.get("max_steps") else "")
+                + "."
+            )
         if state.get("train_batch_size"):
             lines.append(f"- Batch size per device: {state['train_batch_size']}.")
         history = state.get("log_history", [])
@@ -170,7 +188,8 @@ def render_card(
         license=license,
         library_name="transformers",
         pipeline_tag="text-generation",
-        tags=["ultramem", "memory-layer", config.model_type] + (["custom_code"] if getattr(config, "auto_map", None) else []),
+        tags=["ultramem", "memory-layer", config.model_type]
+        + (["custom_code"] if getattr(config, "auto_map", None) else []),
         datasets=list(datasets) or None,
         base_model=base_model,
         model_name=name if scored else None,

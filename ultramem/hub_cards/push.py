@@ -68,7 +68,9 @@ def files_to_push(folder: Path) -> list[Path]:
 
 
 def build_operations(folder: Path, card: str) -> list[CommitOperationAdd]:
-    operations = [CommitOperationAdd(path_in_repo=path.name, path_or_fileobj=str(path)) for path in files_to_push(folder)]
+    operations = [
+        CommitOperationAdd(path_in_repo=path.name, path_or_fileobj=str(path)) for path in files_to_push(folder)
+    ]
     operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card.encode("utf-8")))
     return operations
 
