@@ -2,10 +2,11 @@
 
 Kernels run in Triton's interpreter (TRITON_INTERPRET=1). Triton reads that variable when a
 function is decorated, including its own standard library, so it must be set before anything in
-the process imports triton. This module sets it at collection; if triton was imported earlier
-(another test module pulled in DeepSpeed, say), the cases cannot run in this process, and one test
-re-runs this file in a fresh interpreter instead while the in-process cases are skipped with that
-reason.
+the process imports triton. This module sets it at collection when it can; if triton was imported
+earlier (importing Transformers' model classes does, and conftest imports them), the cases cannot
+run in this process: one test re-runs this file in a fresh process with the variable set, and the
+in-process copies are skipped with that reason. Setting TRITON_INTERPRET=1 before pytest starts
+runs them in-process.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pathlib import Path
 
 _INTERPRETER_WAS_SET = os.environ.get("TRITON_INTERPRET") == "1"
 _TRITON_IMPORTED_FIRST = "triton" in sys.modules and not _INTERPRETER_WAS_SET
-os.environ["TRITON_INTERPRET"] = "1"
+if not _TRITON_IMPORTED_FIRST:
+    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (see the module docstring)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
@@ -294,6 +296,7 @@ def test_torch_compile_traces_the_kernels_without_graph_breaks():
         torch.testing.assert_close(got, ref)
 
 
+@in_process
 def test_triton_available_under_interpreter():
     assert kernels.triton_available()
 
@@ -311,7 +314,7 @@ def test_kernels_compile_for_ampere_and_hopper():
     """The interpreter cannot catch what only the GPU compiler rejects: compile every kernel for sm_80
     and sm_90 ahead of time (Triton ships ptxas; no GPU needed) and check that none spills registers."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_DEFAULT_FP_FUSION="1")
-    env.pop("TRITON_INTERPRET")
+    env.pop("TRITON_INTERPRET", None)
     result = subprocess.run([sys.executable, "-m", "ultramem.kernels.aot_check", "--configs", "151m"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
@@ -329,7 +332,7 @@ def test_kernels_compile_for_ampere_and_hopper():
 def test_benchmark_script_writes_results(tmp_path):
     """CPU smoke run of benchmarks/bench_kernels.py at toy sizes: JSON, PNG and a table, no timings checked."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("TRITON_INTERPRET")
+    env.pop("TRITON_INTERPRET", None)
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "bench_kernels.py"), "--device", "cpu", "--smoke",
          "--out-dir", str(tmp_path)],
