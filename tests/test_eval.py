@@ -217,9 +217,10 @@ def test_ultramem_eval_reports_missing_benchmarks_and_compares_checkpoints(
 
     table = (out / "results.md").read_text(encoding="utf-8")
     header, rule, *rows = table.splitlines()
-    assert header.split("|")[1:-1][3:] == [f" {b.title} " for b in BENCHMARKS] + [" Avg "]
+    assert header.split("|")[1:-1][3:] == [" Val. loss "] + [f" {b.title} " for b in BENCHMARKS] + [" Avg "]
     row = dict(zip(header.split("|"), rows[0].split("|"), strict=True))
     assert row[" Model "].strip() == "tiny-ultramem" and row[" DROP "].strip() == "–"
+    assert row[" Val. loss "].strip() == "–"  # the untrained checkpoint has no eval_results.json
     scores = models["tiny-ultramem"]["scores"]
     assert float(row[" Avg "]) == pytest.approx(round(sum(scores.values()) / 2, 2), abs=0.01)
     assert "data not available: DROP" in table and "At most 3 documents per task" in table

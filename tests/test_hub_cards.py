@@ -91,7 +91,10 @@ def test_card_with_results_and_trainer_state(trained: Path) -> None:
     assert set(results) == {b.title for b in BENCHMARKS if b.key != "drop"}  # unscored DROP is left out
     assert results["ARC-C"].metric_value == 10.0 and results["ARC-C"].metric_name == "ARC-C (25-shot)"
     assert results["MMLU"].dataset_type == "cais/mmlu" and results["BBH cot"].metric_type == "exact_match"
-    assert "Optimizer steps: 200 of 200" in text and "Last validation loss: 5.5000" in text
+    assert (
+        "Optimizer steps: 200 of 200" in text
+        and "Validation loss of the checkpoint (its own validation split): 5.5000" in text
+    )
     assert "Peak logged learning rate: 0.0006" in text and "Batch size per device: 8" in text
     row = next(line for line in text.splitlines() if line.startswith("| tiny-ultramem |"))
     assert row.split("|")[-3].strip() == "–"  # DROP

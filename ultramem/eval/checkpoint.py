@@ -42,3 +42,22 @@ def load_config(folder: Path) -> PreTrainedConfig:
 def parameter_counts(config: PreTrainedConfig) -> dict[str, Any] | None:
     """`ultramem.presets.count_parameters` for the architectures it knows (UltraMem/PKM/dense, Mixtral), else None."""
     return count_parameters(config) if isinstance(config, (UltraMemConfig, MixtralConfig)) else None
+
+
+def trainer_state(folder: Path) -> dict[str, Any] | None:
+    """The Trainer's `trainer_state.json` of the checkpoint, if it has one."""
+    path = folder / "trainer_state.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def validation_loss(folder: Path) -> float | None:
+    """The checkpoint's own validation loss: the final `eval_results.json`, else the last one the Trainer logged."""
+    final = folder / "eval_results.json"
+    if final.is_file():
+        loss = json.loads(final.read_text(encoding="utf-8")).get("eval_loss")
+        if loss is not None:
+            return float(loss)
+    logged = [
+        entry["eval_loss"] for entry in (trainer_state(folder) or {}).get("log_history", []) if "eval_loss" in entry
+    ]
+    return float(logged[-1]) if logged else None

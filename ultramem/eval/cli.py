@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from ultramem.eval import tasks_path
 from ultramem.eval.benchmarks import Benchmark, group_entries, select
-from ultramem.eval.checkpoint import load_config, parameter_counts, require_checkpoint
+from ultramem.eval.checkpoint import load_config, parameter_counts, require_checkpoint, validation_loss
 from ultramem.eval.local_data import LocalDataMissing
 from ultramem.eval.report import ModelResult, bar_chart, markdown_table, scores_from_lm_eval, write_results
 
@@ -132,6 +132,7 @@ def evaluate(checkpoints: list[Path], benchmarks: list[Benchmark], args: argpars
                     scores=scores_from_lm_eval(output, [b for b in benchmarks if b.key in ready]),
                     missing=dict(missing),
                     lm_eval=lm_eval_part,
+                    val_loss=validation_loss(checkpoint),
                 )
             )
     return results

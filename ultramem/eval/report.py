@@ -22,6 +22,7 @@ class ModelResult:
     scores: dict[str, float] = field(default_factory=dict)  # benchmark key -> percent
     missing: dict[str, str] = field(default_factory=dict)  # benchmark key -> why it was not scored
     lm_eval: dict[str, Any] = field(default_factory=dict)  # lm-eval's results, groups, n-shot, n-samples
+    val_loss: float | None = None  # the checkpoint's own validation loss (the paper's "Val. loss" column)
 
 
 def scores_from_lm_eval(output: dict[str, Any], benchmarks: list[Benchmark]) -> dict[str, float]:
@@ -49,13 +50,14 @@ def markdown_table(
     """The layout of the paper's Table "Performance metrics of various models": one row per model, then Avg.
 
     Scores are percentages; a benchmark that was not scored shows "–" and Avg is then over fewer benchmarks,
-    which a note under the table says.
+    which a note under the table says. Val. loss is each checkpoint's own validation loss, not the paper's set.
     """
-    header = ["Model", "Param (B)", "FLOPs (G)", *(b.title for b in benchmarks), "Avg"]
+    header = ["Model", "Param (B)", "FLOPs (G)", "Val. loss", *(b.title for b in benchmarks), "Avg"]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
     notes = list(notes)
     for r in results:
-        row = [r.name, _fmt_size(r.params_b), _fmt_size(r.flops_g), *(_fmt(r.scores.get(b.key)) for b in benchmarks)]
+        sizes = [_fmt_size(r.params_b), _fmt_size(r.flops_g), _fmt(r.val_loss)]
+        row = [r.name, *sizes, *(_fmt(r.scores.get(b.key)) for b in benchmarks)]
         lines.append("| " + " | ".join([*row, _fmt(average(r))]) + " |")
         if len(r.scores) < len(benchmarks):
             note = f"{r.name}: Avg over the {len(r.scores)} of {len(benchmarks)} benchmarks scored"

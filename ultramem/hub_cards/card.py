@@ -7,7 +7,6 @@ with empty numbers.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -18,7 +17,13 @@ from transformers import MixtralConfig, PreTrainedConfig
 
 from ultramem.configuration_ultramem import UltraMemConfig
 from ultramem.eval.benchmarks import BENCHMARKS, group_entries
-from ultramem.eval.checkpoint import load_config, parameter_counts, require_checkpoint
+from ultramem.eval.checkpoint import (
+    load_config,
+    parameter_counts,
+    require_checkpoint,
+    trainer_state,
+    validation_loss,
+)
 from ultramem.eval.report import ModelResult, markdown_table
 
 PAPER = "https://arxiv.org/abs/2411.12364"
@@ -89,12 +94,7 @@ def _memory_section(config: PreTrainedConfig) -> str | None:
     return "## Memory layers\n\n| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n"
 
 
-def _trainer_state(folder: Path) -> dict[str, Any] | None:
-    path = folder / "trainer_state.json"
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-
-
-def _training_section(config: PreTrainedConfig, state: dict[str, Any] | None) -> str | None:
+def _training_section(config: PreTrainedConfig, folder: Path) -> str | None:
     lines = []
     if isinstance(config, UltraMemConfig) and config.memory_layers:
         decay = "decaying linearly to 1x by the end of training" if config.value_lr_decay else "constant"
@@ -105,6 +105,7 @@ def _training_section(config: PreTrainedConfig, state: dict[str, Any] | None) ->
             "- Auxiliary loss on the Tucker cores' non-leading singular values: "
             f"alpha={config.aux_loss_alpha:g}, tau={config.aux_loss_tau:g}."
         )
+    state = trainer_state(folder)
     if state:
         steps = state.get("global_step")
         if steps:
@@ -122,9 +123,9 @@ def _training_section(config: PreTrainedConfig, state: dict[str, Any] | None) ->
         train_losses = [entry["loss"] for entry in history if "loss" in entry]
         if train_losses:
             lines.append(f"- Last logged training loss: {train_losses[-1]:.4f}.")
-        eval_losses = [entry["eval_loss"] for entry in history if "eval_loss" in entry]
-        if eval_losses:
-            lines.append(f"- Last validation loss: {eval_losses[-1]:.4f}.")
+    loss = validation_loss(folder)
+    if loss is not None:
+        lines.append(f"- Validation loss of the checkpoint (its own validation split): {loss:.4f}.")
     return "## Training recipe\n\n" + "\n".join(lines) + "\n" if lines else None
 
 
@@ -200,7 +201,7 @@ def render_card(
         f"implementation of [Ultra-Sparse Memory Network]({PAPER}) (ICLR 2025) for Transformers.\n",
         _size_section(config),
         _memory_section(config),
-        _training_section(config, _trainer_state(folder)),
+        _training_section(config, folder),
         _usage_section(repo_id),
         _eval_section(replace(result, name=name), notes) if scored else None,
         f"## Citation\n\n```bibtex\n{CITATION}\n```\n",
