@@ -40,7 +40,11 @@ def add_common_arguments(parser: argparse.ArgumentParser, default_name: str) -> 
     parser.add_argument("--iters", type=int, default=10, help="timed iterations (the median is reported)")
     parser.add_argument("--name", default=None, help=f"output stem in benchmarks/results (default {default_name}_<device>)")
     parser.add_argument(
-        "--statistic", choices=("median", "min"), default=None, help="reported time per call: median on CUDA, min on CPU"
+        "--statistic",
+        choices=("median", "min", "cpu"),
+        default=None,
+        help="reported time per call: wall-clock median (default on CUDA) or min, or the median process CPU time "
+        "(default on CPU: a shared machine's waiting time excluded; run with OMP_NUM_THREADS=1)",
     )
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the JSON and PNG go")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -52,7 +56,9 @@ def resolve_common(args: argparse.Namespace, default_name: str) -> None:
     if args.device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is visible; use --device cpu")
     args.dtype = DTYPES[args.dtype or ("bfloat16" if args.device.type == "cuda" else "float32")]
-    args.statistic = args.statistic or ("median" if args.device.type == "cuda" else "min")
+    args.statistic = args.statistic or ("median" if args.device.type == "cuda" else "cpu")
+    if args.statistic == "cpu" and args.device.type == "cuda":
+        raise SystemExit("--statistic cpu measures host CPU time and is meaningless on CUDA; use median or min")
     for flag in ("warmup", "iters"):
         if getattr(args, flag) < (0 if flag == "warmup" else 1):
             raise SystemExit(f"--{flag} must be >= {0 if flag == 'warmup' else 1}, got {getattr(args, flag)}")
@@ -134,20 +140,27 @@ def measure(
 ) -> dict[str, float]:
     """Milliseconds of `fn` per call, each call bracketed by device synchronization.
 
-    Returns median, min and max, and `ms`: the statistic chosen by `--statistic` (median on CUDA; min on CPU,
-    where other processes sharing the cores inflate some calls and the fastest call is the model's own cost).
+    Returns wall-clock median, min and max, the median process CPU time (`cpu_ms`), and `ms`: the statistic
+    chosen by `--statistic`. On a CPU shared with other jobs the wall clock also counts the time this process
+    waits for a core; its own CPU time does not (with one thread it is the single-core cost of the call).
     """
     warmup = args.warmup if warmup is None else warmup
     for _ in range(warmup):
         fn()
     synchronize(args.device)
-    times = []
+    wall, cpu = [], []
     for _ in range(args.iters if iters is None else iters):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         fn()
         synchronize(args.device)
-        times.append((time.perf_counter() - start) * 1e3)
-    summary = {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
+        wall.append((time.perf_counter() - start) * 1e3)
+        cpu.append((time.process_time() - start_cpu) * 1e3)
+    summary = {
+        "median_ms": statistics.median(wall),
+        "min_ms": min(wall),
+        "max_ms": max(wall),
+        "cpu_ms": statistics.median(cpu),
+    }
     return {"ms": summary[f"{args.statistic}_ms"], **summary}
 
 
