@@ -296,6 +296,16 @@ def test_torch_compile_traces_the_kernels_without_graph_breaks():
         torch.testing.assert_close(got, ref)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised where no GPU is present")
+def test_cpu_tensors_without_interpreter_raise_a_clear_error(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    values, rows, groups, scores, _ = _lookup_inputs(2, 3, 4, 5, 1, 1, torch.float32, seed=0)
+    with pytest.raises(RuntimeError, match="need triton and CUDA tensors .*memory_kernel='torch'"):
+        kernels.lookup_reduce(values, rows, groups, scores, 1)
+    with pytest.raises(RuntimeError, match="need triton and CUDA tensors"):
+        kernels.tucker_candidate_topk(*_candidate_inputs((2,), 1, 1, 2, 3, torch.float32, seed=0), 3)
+
+
 @in_process
 def test_triton_available_under_interpreter():
     assert kernels.triton_available()
