@@ -270,6 +270,7 @@ def test_tucker_candidate_topk_falls_back_above_128_candidates():
         (((2, 2, 5), (2, 2, 4), (1, 2, 2)), 3, "row_scores and col_scores must both be"),
         (((2, 2, 5), (2, 2, 5), (1, 3, 3)), 3, r"cores must be \(..., h, r, r\) with r = 2"),
         (((2, 2, 5), (2, 2, 5), (1, 2, 2)), 26, r"topk must be an int in \[1, 25\]"),
+        (((3, 2, 5), (3, 2, 5), (2, 1, 2, 2)), 4, r"leading dims of row_scores \(3,\).* must broadcast"),
     ],
 )
 def test_tucker_candidate_topk_rejects_bad_input(shapes, topk, message):

@@ -42,6 +42,13 @@ def _check_inputs(row_scores: torch.Tensor, col_scores: torch.Tensor, cores: tor
         raise ValueError(f"cores must be (..., h, r, r) with r = {rank}, got {tuple(cores.shape)}")
     if not isinstance(topk, int) or not 1 <= topk <= num_candidates**2:
         raise ValueError(f"topk must be an int in [1, {num_candidates**2}] (m * m), got {topk!r}")
+    try:
+        torch.broadcast_shapes(row_scores.shape[:-2], col_scores.shape[:-2], cores.shape[:-3])
+    except RuntimeError as error:
+        raise ValueError(
+            f"the leading dims of row_scores {tuple(row_scores.shape[:-2])}, col_scores "
+            f"{tuple(col_scores.shape[:-2])} and cores {tuple(cores.shape[:-3])} must broadcast"
+        ) from error
 
 
 def tucker_candidate_topk(
