@@ -41,6 +41,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="1,2,...,1024 on CUDA (stops at the first out-of-memory); 1,4,16 on CPU",
     )
+    parser.add_argument(
+        "--analytic-sizes",
+        type=common.parse_sizes,
+        default=["680m", "1.6b"],
+        help="sizes whose analytic memory access is tabulated (meta device, nothing timed)",
+    )
     args = parser.parse_args(argv)
     common.resolve_common(args, DEFAULT_NAME)
     common.resolve_decode(args)
@@ -84,6 +90,47 @@ def bench_model(size: str, kind: str, args: argparse.Namespace) -> tuple[list[di
     del model
     common.release(args.device)
     return rows, info
+
+
+def analytic_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The paper's memory-access model at `args.analytic_sizes` for every batch size, from meta-device models."""
+    bytes_per_value = torch.finfo(args.dtype).bits // 8
+    rows = []
+    for size in args.analytic_sizes:
+        access = {}
+        for kind, preset in common.PEERS[size].items():
+            model = common.build(preset, torch.device("meta"), args.dtype)
+            access[kind] = {b: common.decode_memory_access(model, b, args.context, bytes_per_value) for b in args.batch_sizes}
+        for batch in args.batch_sizes:
+            dense, ultramem, moe = (access[kind][batch] for kind in ("dense", "ultramem", "moe"))
+            weights = {kind: access[kind][batch].total - access[kind][batch].kv_cache for kind in access}
+            rows.append(
+                {
+                    "size": size,
+                    "batch": batch,
+                    "kv_gb": dense.kv_cache / 1e9,
+                    "dense_gb": dense.total / 1e9,
+                    "ultramem_gb": ultramem.total / 1e9,
+                    "moe_gb": moe.total / 1e9,
+                    "ultramem/dense": ultramem.total / dense.total,
+                    "moe/ultramem": moe.total / ultramem.total,
+                    "weights moe/ultramem": weights["moe"] / weights["ultramem"],
+                }
+            )
+    return rows
+
+
+ANALYTIC_COLUMNS = [
+    ("size", "size"),
+    ("batch", "batch"),
+    ("kv_gb", "KV GB"),
+    ("dense_gb", "dense GB"),
+    ("ultramem_gb", "ultramem GB"),
+    ("moe_gb", "moe GB"),
+    ("ultramem/dense", "U/D"),
+    ("moe/ultramem", "M/U"),
+    ("weights moe/ultramem", "M/U weights only"),
+]
 
 
 def ratio_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -156,6 +203,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rows += model_rows
             models.append(info)
     table = ratio_rows(rows)
+    analytic = analytic_rows(args)
+    print(f"\nAnalytic memory access per decode step ({args.dtype}, KV cache {args.context}):")
+    print(common.format_table(analytic, ANALYTIC_COLUMNS) + "\n")
     payload = {
         "settings": {
             "sizes": args.sizes,
@@ -171,6 +221,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "bytes read per step: every dense weight once + B input-embedding rows + KV cache (2*B*context*L*D) + "
             "MoE: min(2B, N_moe) experts per layer; UltraMem: min(B*H*m, N) value rows of Dv per memory layer"
         ),
+        "analytic": analytic,
         "models": models,
         "rows": rows,
         "ratios": table,
