@@ -2,12 +2,15 @@
 
 import os
 
+import torch
+
+if not torch.cuda.is_available():  # Triton kernels run in its interpreter; set before anything imports triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from ultramem import UltraMemConfig  # noqa: E402
 
