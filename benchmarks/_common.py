@@ -38,7 +38,9 @@ def add_common_arguments(parser: argparse.ArgumentParser, default_name: str) -> 
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--warmup", type=int, default=3, help="untimed iterations before timing")
     parser.add_argument("--iters", type=int, default=10, help="timed iterations (the median is reported)")
-    parser.add_argument("--name", default=None, help=f"output stem in benchmarks/results (default {default_name}_<device>)")
+    parser.add_argument(
+        "--name", default=None, help=f"output stem in benchmarks/results (default {default_name}_<device>)"
+    )
     parser.add_argument(
         "--statistic",
         choices=("median", "min", "cpu"),
@@ -93,7 +95,9 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "command": " ".join(["python", *sys.argv]),
         "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()})",
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"CPU ({platform.processor() or platform.machine()})",
         "cpu_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -268,21 +272,31 @@ def filled_static_cache(model: PreTrainedModel, batch: int, context: int, max_le
     return cache
 
 
+def decode_forward(model: PreTrainedModel, args: argparse.Namespace) -> Callable[..., Any]:
+    """The model's forward as every model runs it: eager, or torch.compile(mode="reduce-overhead").
+
+    Compiled with static shapes (dynamic batch shapes made CPU decode steps 10x slower in a trial), so Dynamo
+    recompiles once per batch size; the recompile limit is raised and made fatal, so that no batch size
+    silently falls back to eager. CUDA-graph trees record one graph per batch size.
+    """
+    if args.mode == "eager":
+        return model.forward
+    torch._dynamo.reset()  # drop the previous model's graphs and recompile budget
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    return torch.compile(model.forward, mode="reduce-overhead", dynamic=False)
+
+
 def time_decode(
-    model: PreTrainedModel, batch: int, args: argparse.Namespace
+    forward: Callable[..., Any], model: PreTrainedModel, batch: int, args: argparse.Namespace
 ) -> dict[str, float]:
     """Time of one decoding step (sequence length 1) for `batch` sequences with `args.context` cached tokens.
 
-    Every model runs the same way: StaticCache, SDPA attention, and either eager or
-    torch.compile(mode="reduce-overhead") (CUDA graphs), recompiled per batch size. After timing, one more
-    step runs under the profiler to count what it launches (see `count_launches`).
+    Every model runs the same way: StaticCache, SDPA attention, `forward` from `decode_forward`. After
+    timing, one more step runs under the profiler to count what it launches (see `count_launches`).
     """
     cache = filled_static_cache(model, batch, args.context, decode_cache_length(args))
     tokens = torch.randint(1, model.config.vocab_size, (batch, 1), device=model.device)
-    forward = model.forward
-    if args.mode == "compile":
-        torch._dynamo.reset()
-        forward = torch.compile(model.forward, mode="reduce-overhead", dynamic=False)
 
     def step() -> None:
         forward(input_ids=tokens, past_key_values=cache, use_cache=True)
@@ -317,9 +331,9 @@ def count_launches(fn: Callable[[], Any], device: torch.device) -> dict[str, int
 
 
 def choose_moe_implementation(
-    model: PreTrainedModel, requested: str, probe: Callable[[], dict[str, float]]
+    model: PreTrainedModel, requested: str, probe: Callable[[PreTrainedModel], dict[str, float]]
 ) -> tuple[str, dict[str, Any]]:
-    """The Mixtral expert path to benchmark: `requested`, or with 'auto' the fastest under `probe`.
+    """The Mixtral expert path to benchmark: `requested`, or with 'auto' the fastest under `probe(model)`.
 
     Returns the choice and the probe times (or errors) of every candidate, for the JSON.
     """
@@ -328,7 +342,7 @@ def choose_moe_implementation(
     for implementation in candidates:
         model.set_experts_implementation(implementation)
         try:
-            probes[implementation] = probe()["ms"] if requested == "auto" else None
+            probes[implementation] = probe(model)["ms"] if requested == "auto" else None
         except (RuntimeError, NotImplementedError, ValueError) as error:
             if requested != "auto":
                 raise
@@ -402,9 +416,9 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, st
 
     cells = [[cell(row.get(key)) for key, _ in columns] for row in rows]
     widths = [max([len(header)] + [len(r[i]) for r in cells]) for i, (_, header) in enumerate(columns)]
-    lines = ["  ".join(h.rjust(w) for (_, h), w in zip(columns, widths))]
+    lines = ["  ".join(h.rjust(w) for (_, h), w in zip(columns, widths, strict=True))]
     lines.append("-" * len(lines[0]))
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
     return "\n".join(lines)
 
 
@@ -428,11 +442,11 @@ def plot_panels(
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
-    for axis, (title, ylabel, series) in zip(axes[0], panels):
+    for axis, (title, ylabel, series) in zip(axes[0], panels, strict=True):
         for label, (xs, ys) in series.items():
-            points = [(x, y) for x, y in zip(xs, ys) if y is not None and math.isfinite(y)]
+            points = [(x, y) for x, y in zip(xs, ys, strict=True) if y is not None and math.isfinite(y)]
             if points:
-                axis.plot(*zip(*points), marker="o", label=label)
+                axis.plot(*zip(*points, strict=True), marker="o", label=label)
         axis.set_xscale("log", base=2)
         axis.set_xlabel(xlabel)
         axis.set_ylabel(ylabel)
@@ -453,5 +467,3 @@ def finish(args: argparse.Namespace, payload: dict[str, Any], table: str) -> Non
     path = write_json(args.results_dir, args.name, {"environment": environment(args), **payload})
     print(f"wrote {path}")
     print(table)
-
-

@@ -68,15 +68,18 @@ def bench_model(size: str, kind: str, args: argparse.Namespace) -> tuple[list[di
         if kind == "moe":
             probe_batch = args.batch_sizes[len(args.batch_sizes) // 2]
             info["moe_implementation"], info["moe_probe_ms"] = common.choose_moe_implementation(
-                model, args.moe_impl, lambda: common.time_decode(model, probe_batch, args)
+                model,
+                args.moe_impl,
+                lambda m: common.time_decode(common.decode_forward(m, args), m, probe_batch, args),
             )
             info["moe_probe_batch"] = probe_batch
+        forward = common.decode_forward(model, args)
         for batch in args.batch_sizes:
             access = common.decode_memory_access(model, batch, args.context, bytes_per_value)
             row: dict[str, Any] = {"size": size, "kind": kind, "batch": batch, "access_gb": access.total / 1e9}
             row.update(sparse_gb=access.sparse_weights / 1e9, kv_gb=access.kv_cache / 1e9)
             try:
-                timing = common.time_decode(model, batch, args)
+                timing = common.time_decode(forward, model, batch, args)
             except RuntimeError as error:
                 if not common.is_out_of_memory(error):
                     raise
@@ -84,7 +87,7 @@ def bench_model(size: str, kind: str, args: argparse.Namespace) -> tuple[list[di
                 print(f"{preset} batch {batch}: out of memory, larger batches skipped")
                 break
             row.update(timing, status="ok", gbps=access.total / 1e9 / (timing["ms"] / 1e3))
-            print(f"{preset:<20} batch {batch:>5}: {timing['ms']:8.3f} ms  {row['access_gb']:7.3f} GB analytic  {timing['aten_ops']} ops")
+            print(f"{preset:<20} batch {batch:>5}: {timing['ms']:8.3f} ms  {row['access_gb']:7.3f} GB analytic")
             rows.append(row)
             common.release(args.device)
     del model
@@ -100,7 +103,9 @@ def analytic_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         access = {}
         for kind, preset in common.PEERS[size].items():
             model = common.build(preset, torch.device("meta"), args.dtype)
-            access[kind] = {b: common.decode_memory_access(model, b, args.context, bytes_per_value) for b in args.batch_sizes}
+            access[kind] = {
+                b: common.decode_memory_access(model, b, args.context, bytes_per_value) for b in args.batch_sizes
+            }
         for batch in args.batch_sizes:
             dense, ultramem, moe = (access[kind][batch] for kind in ("dense", "ultramem", "moe"))
             weights = {kind: access[kind][batch].total - access[kind][batch].kv_cache for kind in access}
@@ -137,7 +142,9 @@ def ratio_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (size, batch): the three times, the issue's ratios, and the analytic-access ratios."""
     by_key = {(r["size"], r["batch"], r["kind"]): r for r in rows}
     table = []
-    for size, batch in sorted({(r["size"], r["batch"]) for r in rows}, key=lambda k: (list(common.PEERS).index(k[0]), k[1])):
+    for size, batch in sorted(
+        {(r["size"], r["batch"]) for r in rows}, key=lambda k: (list(common.PEERS).index(k[0]), k[1])
+    ):
         get = {kind: by_key.get((size, batch, kind), {}) for kind in ("dense", "ultramem", "moe")}
         ms = {kind: get[kind].get("ms") for kind in get}
         gb = {kind: get[kind].get("access_gb") for kind in get}

@@ -37,7 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_common_arguments(parser, DEFAULT_NAME)
     common.add_decode_arguments(parser)
-    parser.add_argument("--size", choices=sorted(common.PEERS), default=None, help="backbone: 1.6b on CUDA, tiny on CPU")
+    parser.add_argument(
+        "--size", choices=sorted(common.PEERS), default=None, help="backbone: 1.6b on CUDA, tiny on CPU"
+    )
     parser.add_argument("--batch", type=int, default=None, help="decoding batch size (64 on CUDA, 4 on CPU)")
     parser.add_argument(
         "--slots",
@@ -78,13 +80,17 @@ def bench_point(kind: str, overrides: dict[str, Any], args: argparse.Namespace) 
     model = common.build(preset, args.device, args.dtype, **overrides).eval()
     counts = count_parameters(model.config)
     row: dict[str, Any] = {"kind": kind, "total_params_b": counts["total"] / 1e9}
-    row["access_gb"] = common.decode_memory_access(model, args.batch, args.context, torch.finfo(args.dtype).bits // 8).total / 1e9
+    row["access_gb"] = (
+        common.decode_memory_access(model, args.batch, args.context, torch.finfo(args.dtype).bits // 8).total / 1e9
+    )
     with torch.no_grad():
         if kind == "moe":
             row["moe_implementation"], row["moe_probe_ms"] = common.choose_moe_implementation(
-                model, args.moe_impl, lambda: common.time_decode(model, args.batch, args)
+                model,
+                args.moe_impl,
+                lambda m: common.time_decode(common.decode_forward(m, args), m, args.batch, args),
             )
-        row.update(common.time_decode(model, args.batch, args))
+        row.update(common.time_decode(common.decode_forward(model, args), model, args.batch, args))
     del model
     common.release(args.device)
     return row
@@ -159,7 +165,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"moe (2 in {done[0]['experts']}..{done[-1]['experts']})": (xs, [p["moe"]["ms"] for p in done]),
         }
         common.plot_panels(
-            args, [("decode time vs sparse size", "ms / step", series)], "UltraMem physical slots (MoE: same sparse params)",
+            args,
+            [("decode time vs sparse size", "ms / step", series)],
+            "UltraMem physical slots (MoE: same sparse params)",
             f"{args.size} backbone, batch {args.batch}, KV cache {args.context}, {args.mode}",
         )
     columns = [
@@ -173,7 +181,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ("moe_vs_first", "M/M0"),
         ("moe/ultramem", "M/U"),
     ]
-    summary = "" if spread is None else f"\nUltraMem latency spread over {payload['settings']['range']:.0f}x slots: {100 * spread:.1f}%"
+    summary = (
+        ""
+        if spread is None
+        else f"\nUltraMem latency spread over {payload['settings']['range']:.0f}x slots: {100 * spread:.1f}%"
+    )
     common.finish(args, payload, common.format_table(table, columns) + summary)
     return payload
 

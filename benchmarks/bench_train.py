@@ -68,9 +68,7 @@ def training_callables(model: PreTrainedModel, args: argparse.Namespace) -> dict
     """Forward, forward+backward and the full optimizer step, on one fixed random batch."""
     optimizer = make_optimizer(model, fused=args.device.type == "cuda")
     input_ids = torch.randint(1, model.config.vocab_size, (args.batch, args.seq_len), device=args.device)
-    autocast = (
-        torch.autocast(args.device.type, dtype=args.dtype) if args.dtype != torch.float32 else nullcontext()
-    )
+    autocast = torch.autocast(args.device.type, dtype=args.dtype) if args.dtype != torch.float32 else nullcontext()
 
     def loss() -> torch.Tensor:
         with autocast:
@@ -100,7 +98,7 @@ def bench_model(size: str, kind: str, args: argparse.Namespace) -> dict[str, Any
     calls = training_callables(model, args)
     if kind == "moe":
         row["moe_implementation"], row["moe_probe_ms"] = common.choose_moe_implementation(
-            model, args.moe_impl, lambda: common.measure(calls["forward_backward"], args, 1, 2)
+            model, args.moe_impl, lambda m: common.measure(training_callables(m, args)["forward_backward"], args, 1, 2)
         )
     try:
         for phase in ("forward", "forward_backward"):

@@ -117,25 +117,34 @@ def losses(layer: nn.Module, x: torch.Tensor, is_ours: bool) -> torch.Tensor:
     return out.sum() + aux
 
 
+def time_layer(layer: nn.Module, x: torch.Tensor, is_ours: bool, args: argparse.Namespace) -> dict[str, float]:
+    """Forward, and forward+backward (gradients dropped after each), of one layer on `x`."""
+
+    def forward() -> None:
+        losses(layer, x, is_ours)
+
+    def forward_backward() -> None:
+        losses(layer, x, is_ours).backward()
+        layer.zero_grad(set_to_none=True)
+
+    return {
+        "forward_ms": common.measure(forward, args)["ms"],
+        "forward_backward_ms": common.measure(forward_backward, args)["ms"],
+    }
+
+
 def bench_shape(shape: LayerShape, args: argparse.Namespace) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     x = torch.randn(shape.batch, shape.seq_len, shape.hidden)
     rows = []
     for label, build, is_ours in (("ultramem (this project)", ours, True), ("ultra-mem (PyPI)", theirs, False)):
         layer = build(shape).train()
-
-        def forward() -> None:
-            losses(layer, x, is_ours)
-
-        def forward_backward() -> None:
-            losses(layer, x, is_ours).backward()
-            layer.zero_grad(set_to_none=True)
-
         row = {"shape": shape.name, "impl": label, "params_m": sum(p.numel() for p in layer.parameters()) / 1e6}
-        row["forward_ms"] = common.measure(forward, args)["ms"]
-        row["forward_backward_ms"] = common.measure(forward_backward, args)["ms"]
+        row.update(time_layer(layer, x, is_ours, args))
         rows.append(row)
-        print(f"{shape.name:<30} {label:<24} fwd {row['forward_ms']:8.2f} ms  fwd+bwd {row['forward_backward_ms']:8.2f} ms")
+        print(
+            f"{shape.name:<30} {label:<24} fwd {row['forward_ms']:8.2f} ms  fwd+bwd {row['forward_backward_ms']:8.2f}"
+        )
     mine, other = rows
     for phase in ("forward", "forward_backward"):
         other[f"{phase}_vs_ours"] = other[f"{phase}_ms"] / mine[f"{phase}_ms"]

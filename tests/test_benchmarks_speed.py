@@ -138,5 +138,5 @@ def test_model_is_unchanged_with_the_closed_form_svd(monkeypatch):
     lapack = run()
     monkeypatch.setattr(modeling_ultramem, "core_svd", svd_2x2)
     closed_form = run()
-    for reference, value in zip(lapack, closed_form):
+    for reference, value in zip(lapack, closed_form, strict=True):
         torch.testing.assert_close(value, reference, rtol=1e-5, atol=1e-6)
