@@ -184,9 +184,13 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def release(device: torch.device) -> None:
-    """Give freed blocks back between models, so the next model's peak is its own."""
+    """Give freed blocks back between models, so the next model's peak is its own.
+
+    Compiled graphs (and their CUDA graphs) keep the model's weights and the cache alive: drop them first.
+    """
     import gc
 
+    torch._dynamo.reset()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -275,28 +279,24 @@ def filled_static_cache(model: PreTrainedModel, batch: int, context: int, max_le
 def decode_forward(model: PreTrainedModel, args: argparse.Namespace) -> Callable[..., Any]:
     """The model's forward as every model runs it: eager, or torch.compile(mode="reduce-overhead").
 
-    Compiled with static shapes (dynamic batch shapes made CPU decode steps 10x slower in a trial), so Dynamo
-    recompiles once per batch size; the recompile limit is raised and made fatal, so that no batch size
-    silently falls back to eager. CUDA-graph trees record one graph per batch size.
+    Static shapes (dynamic batch shapes made CPU decode steps 10x slower in a trial), compiled afresh for each
+    batch size: the reset also releases the previous size's CUDA graphs, which hold their cache's memory.
     """
     if args.mode == "eager":
         return model.forward
-    torch._dynamo.reset()  # drop the previous model's graphs and recompile budget
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    torch._dynamo.reset()
     return torch.compile(model.forward, mode="reduce-overhead", dynamic=False)
 
 
-def time_decode(
-    forward: Callable[..., Any], model: PreTrainedModel, batch: int, args: argparse.Namespace
-) -> dict[str, float]:
+def time_decode(model: PreTrainedModel, batch: int, args: argparse.Namespace) -> dict[str, float]:
     """Time of one decoding step (sequence length 1) for `batch` sequences with `args.context` cached tokens.
 
-    Every model runs the same way: StaticCache, SDPA attention, `forward` from `decode_forward`. After
-    timing, one more step runs under the profiler to count what it launches (see `count_launches`).
+    Every model runs the same way: StaticCache, SDPA attention, `decode_forward`. After timing, one more
+    step runs under the profiler to count what it launches (see `count_launches`).
     """
     cache = filled_static_cache(model, batch, args.context, decode_cache_length(args))
     tokens = torch.randint(1, model.config.vocab_size, (batch, 1), device=model.device)
+    forward = decode_forward(model, args)
 
     def step() -> None:
         forward(input_ids=tokens, past_key_values=cache, use_cache=True)

@@ -70,16 +70,15 @@ def bench_model(size: str, kind: str, args: argparse.Namespace) -> tuple[list[di
             info["moe_implementation"], info["moe_probe_ms"] = common.choose_moe_implementation(
                 model,
                 args.moe_impl,
-                lambda m: common.time_decode(common.decode_forward(m, args), m, probe_batch, args),
+                lambda m: common.time_decode(m, probe_batch, args),
             )
             info["moe_probe_batch"] = probe_batch
-        forward = common.decode_forward(model, args)
         for batch in args.batch_sizes:
             access = common.decode_memory_access(model, batch, args.context, bytes_per_value)
             row: dict[str, Any] = {"size": size, "kind": kind, "batch": batch, "access_gb": access.total / 1e9}
             row.update(sparse_gb=access.sparse_weights / 1e9, kv_gb=access.kv_cache / 1e9)
             try:
-                timing = common.time_decode(forward, model, batch, args)
+                timing = common.time_decode(model, batch, args)
             except RuntimeError as error:
                 if not common.is_out_of_memory(error):
                     raise

@@ -88,9 +88,9 @@ def bench_point(kind: str, overrides: dict[str, Any], args: argparse.Namespace) 
             row["moe_implementation"], row["moe_probe_ms"] = common.choose_moe_implementation(
                 model,
                 args.moe_impl,
-                lambda m: common.time_decode(common.decode_forward(m, args), m, args.batch, args),
+                lambda m: common.time_decode(m, args.batch, args),
             )
-        row.update(common.time_decode(common.decode_forward(model, args), model, args.batch, args))
+        row.update(common.time_decode(model, args.batch, args))
     del model
     common.release(args.device)
     return row
