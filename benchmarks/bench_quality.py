@@ -353,6 +353,10 @@ def summarize(rows: list[Row], runs: list[dict[str, Any]]) -> list[dict[str, Any
             "diff_to_reference": statistics.fmean(vals) - reference[row.group] if row.group in reference else None,
             "counts": counts(row.config),
             "wall_s": statistics.fmean(run["wall_s"] for run in mine),
+            "final_diagnostics": {
+                name: statistics.fmean(run["final_diagnostics"][name] for run in mine)
+                for name in mine[0]["final_diagnostics"]
+            },
         }
         if row.group == "ladder" or row.group not in reference:
             reference[row.group] = entry["val_loss"]
@@ -384,7 +388,9 @@ def markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         + (f"**{spread:.4f}**" if spread is not None else "not measured (one seed per row)"),
         "",
         "Validation loss = LM cross entropy only. Params exclude embeddings and head; Dense = all but the value tables "
-        "(memory) or experts (MoE), Sparse = value tables / experts; FLOPs = 2 x activated params per token.",
+        "(memory) or experts (MoE), Sparse = value tables / experts; FLOPs = 2 x activated params per token. "
+        "Slot usage and output std: `retrieval_diagnostics` at the last training log (share of memory slots selected "
+        "on 2 validation blocks, std of the memory layers' output).",
         "",
     ]
     groups = (
@@ -398,18 +404,19 @@ def markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         lines += [
             f"## {title}",
             "",
-            f"| Row | Seeds | Train loss | Valid loss | Valid std | {diff_title} | PPL | Dense params (M) | Sparse params (M) | Activated (M) | FLOPs/token (M) | Min/run |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            f"| Row | Seeds | Train loss | Valid loss | Valid std | {diff_title} | PPL | Dense params (M) | Sparse params (M) | Activated (M) | FLOPs/token (M) | Slot usage | Output std | Min/run |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for e in entries:
             c = e["counts"]
             std = f"{e['val_loss_std']:.4f}" if e["val_loss_std"] is not None else "-"
             diff = f"{e['diff_to_reference']:+.4f}" if e["diff_to_reference"] is not None else "-"
             train = f"{e['train_loss']:.4f}" + ("*" if e["train_loss_includes_router_loss"] else "")
+            usage, output_std = (e["final_diagnostics"].get(f"memory/{name}") for name in ("slot_usage", "memory_output_std"))
             lines.append(
                 f"| {e['name']} | {len(e['seeds'])} | {train} | {e['val_loss']:.4f} | {std} | {diff} | {e['perplexity']:.1f} | "
                 f"{c['dense'] / 1e6:.2f} | {c['sparse'] / 1e6:.2f} | {c['activated'] / 1e6:.2f} | {c['flops_per_token'] / 1e6:.2f} | "
-                f"{e['wall_s'] / 60:.1f} |"
+                f"{'-' if usage is None else f'{usage:.3f}'} | {'-' if output_std is None else f'{output_std:.2f}'} | {e['wall_s'] / 60:.1f} |"
             )
         lines.append("")
     if any(e["train_loss_includes_router_loss"] for e in table):
@@ -479,7 +486,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--scale", default="tiny", choices=sorted(COMPARISON))
     parser.add_argument("--rows", default="all", help="all, comparison, ladder, or comma-separated row names")
     parser.add_argument("--seeds", type=int, default=2, help="seeds of the --seeded-rows (others get seed 0 only)")
-    parser.add_argument("--seeded-rows", default=",".join(SEEDED_ROWS), help="comma-separated row names given --seeds seeds")
+    parser.add_argument("--seeded-rows", default=",".join(SEEDED_ROWS), help="comma-separated row names given --seeds seeds, or all")
     parser.add_argument("--max-steps", type=int, default=160)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=128)
@@ -509,6 +516,10 @@ def main(argv: list[str] | None = None) -> Path:
             print(path)
         return CONFIG_DIR / args.scale
     rows = load_rows(args.scale, args.rows)
+    seeded = {row.name for row in rows} if args.seeded_rows == "all" else {name.strip() for name in args.seeded_rows.split(",")}
+    known = [name for _, name, _ in row_configs(args.scale)]
+    if seeded - set(known):
+        raise ValueError(f"--seeded-rows: unknown row(s) {sorted(seeded - set(known))}; allowed: all or {known}")
     settings = {
         "max_steps": args.max_steps,
         "batch_size": args.batch_size,
@@ -538,11 +549,14 @@ def main(argv: list[str] | None = None) -> Path:
     runs: list[dict[str, Any]] = []
     if json_path.is_file():
         previous = json.loads(json_path.read_text())
-        if previous["meta"]["settings"] == settings:
-            runs = previous["runs"]
-            meta["started"] = previous["meta"]["started"]
+        if previous["meta"]["settings"] != settings:
+            raise ValueError(
+                f"{json_path} holds runs made with other settings ({previous['meta']['settings']}); "
+                "give another --output-dir, or delete it to start over"
+            )
+        runs = previous["runs"]
+        meta["started"] = previous["meta"]["started"]
     done = {(run["config_key"], run["seed"]) for run in runs}
-    seeded = {name.strip() for name in args.seeded_rows.split(",") if name.strip()}
     for row, seed in planned_runs(rows, args.seeds, seeded):
         if (config_key(row.config), seed) in done:
             continue

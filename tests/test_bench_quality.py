@@ -62,6 +62,9 @@ def test_two_rows_train_and_report(tmp_path):
     # a second call with the same settings finds both runs recorded and trains nothing
     again = json.loads(bench_quality.main(argv).read_text())
     assert [run["wall_s"] for run in again["runs"]] == [run["wall_s"] for run in result["runs"]]
+    # other settings never overwrite recorded runs
+    with pytest.raises(ValueError, match="holds runs made with other settings"):
+        bench_quality.main([*argv, "--max-steps", "4"])
 
 
 @pytest.mark.parametrize(
@@ -81,3 +84,9 @@ def test_bad_flags_name_the_flag(flags, message, capsys):
 def test_unknown_row_lists_the_allowed_ones():
     with pytest.raises(ValueError, match=r"--rows: unknown row\(s\) \['Nope'\]; allowed: all, comparison, ladder"):
         bench_quality.load_rows("tiny", "Nope")
+
+
+def test_unknown_seeded_row_is_refused(tmp_path):
+    argv = [*SMOKE, "--seeded-rows", "Dense,Ultramem", "--output-dir", str(tmp_path), "--cache-dir", str(tmp_path)]
+    with pytest.raises(ValueError, match=r"--seeded-rows: unknown row\(s\) \['Ultramem'\]; allowed: all or"):
+        bench_quality.main(argv)
