@@ -74,7 +74,7 @@ def test_bench_train_times_every_phase(bench, tmp_path):
     assert [r["kind"] for r in rows] == ["dense", "ultramem", "moe"]
     for row in rows:
         assert row["status"] == "ok"
-        assert 0 < row["forward_ms"] and 0 < row["forward_backward_ms"] and 0 < row["ms"]
+        assert 0 < row["forward_ms"] and 0 < row["forward_backward_ms"] and 0 < row["ms"] and 0 < row["optimizer_ms"]
     assert rows[0]["step_vs_dense"] == 1.0
 
 
