@@ -46,8 +46,12 @@ def _load_file(path: str, flag: str) -> Dataset:
     try:
         return load_dataset(builder, data_files={"train": path}, split="train")
     except Exception as error:  # datasets raises many types for malformed files; report the first line
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UsageError(f"{flag} {path}: could not be read as {builder}: {reason}") from error
+        raise UsageError(f"{flag} {path}: could not be read as {builder}: {_first_line(error)}") from error
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _check_text(dataset: Dataset, column: str, source: str) -> None:
@@ -62,7 +66,10 @@ def _check_text(dataset: Dataset, column: str, source: str) -> None:
 def load_raw_datasets(args: DataArguments) -> DatasetDict:
     """Raw text splits `train` and, when one is given or shipped, `validation`; errors name the bad flag or file."""
     if args.dataset_name is not None:
-        loaded = load_dataset(args.dataset_name, args.dataset_config_name)
+        try:
+            loaded = load_dataset(args.dataset_name, args.dataset_config_name)
+        except Exception as error:  # unreachable Hub, unknown name, bad config: report the first line
+            raise UsageError(f"--dataset_name {args.dataset_name}: could not be loaded: {_first_line(error)}") from error
         raw = DatasetDict({name: loaded[name] for name in ("train", "validation") if name in loaded})
         if "train" not in raw:
             raise UsageError(f"--dataset_name {args.dataset_name}: has no 'train' split (splits: {', '.join(loaded)})")
