@@ -561,7 +561,9 @@ class ImplicitValueExpansion(nn.Module):
         """The fixed bijection over virtual addresses, from a seeded CPU generator (stored, not re-derived)."""
         if self.virtual_to_physical is not None:
             generator = torch.Generator().manual_seed(self.seed)
-            init.copy_(self.virtual_to_physical, torch.randperm(self.virtual_to_physical.numel(), generator=generator))
+            # device="cpu": under a `torch.device("cuda")` context randperm would otherwise reject the CPU generator
+            permutation = torch.randperm(self.virtual_to_physical.numel(), generator=generator, device="cpu")
+            init.copy_(self.virtual_to_physical, permutation)
 
     def forward(
         self, values: torch.Tensor, virtual_index: torch.Tensor, scores: torch.Tensor, ops: ModuleType | SimpleNamespace
