@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import MixtralConfig, PreTrainedConfig, PreTrainedModel, StaticCache
+from transformers import PreTrainedModel, StaticCache
 
 from ultramem.presets import build_model, get_config
 
@@ -37,7 +37,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, default_name: str) -> 
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--warmup", type=int, default=3, help="untimed iterations before timing")
-    parser.add_argument("--iters", type=int, default=10, help="timed iterations (the median is reported)")
+    parser.add_argument("--iters", type=int, default=10, help="timed iterations (summarized by --statistic)")
     parser.add_argument(
         "--name", default=None, help=f"output stem in benchmarks/results (default {default_name}_<device>)"
     )
@@ -116,22 +116,11 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def build(
-    preset: str, device: torch.device, dtype: torch.dtype, moe_implementation: str | None = None, **overrides: Any
-) -> PreTrainedModel:
+def build(preset: str, device: torch.device, dtype: torch.dtype, **overrides: Any) -> PreTrainedModel:
     """A randomly initialised preset model, created directly on `device` in `dtype` (no host copy of big tables)."""
     config = get_config(preset, **overrides)
-    return build_from_config(config, device, dtype, moe_implementation)
-
-
-def build_from_config(
-    config: PreTrainedConfig, device: torch.device, dtype: torch.dtype, moe_implementation: str | None = None
-) -> PreTrainedModel:
-    if isinstance(config, MixtralConfig) and moe_implementation is not None:
-        config._experts_implementation = moe_implementation
     with torch.device(device), default_dtype(dtype):
-        model = build_model(config)
-    return model
+        return build_model(config)
 
 
 def synchronize(device: torch.device) -> None:
@@ -209,7 +198,7 @@ def parse_sizes(text: str) -> list[str]:
     sizes = [s for s in text.split(",") if s]
     unknown = [s for s in sizes if s not in PEERS]
     if unknown or not sizes:
-        raise argparse.ArgumentTypeError(f"--sizes: unknown {unknown}; allowed: {', '.join(PEERS)}")
+        raise argparse.ArgumentTypeError(f"unknown size(s) {unknown}; allowed: {', '.join(PEERS)}")
     return sizes
 
 
