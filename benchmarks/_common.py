@@ -32,6 +32,15 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 MOE_IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")
 
 
+def make_parser(description: str, default_name: str, decode: bool = False) -> argparse.ArgumentParser:
+    """A script's argument parser with the shared flags (and the decoding flags when `decode`)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_arguments(parser, default_name)
+    if decode:
+        add_decode_arguments(parser)
+    return parser
+
+
 def add_common_arguments(parser: argparse.ArgumentParser, default_name: str) -> None:
     """Flags every speed script shares: device, dtype, timing repeats, output name."""
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")

@@ -31,9 +31,7 @@ DEFAULT_NAME = "decode"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_arguments(parser, DEFAULT_NAME)
-    common.add_decode_arguments(parser)
+    parser = common.make_parser(__doc__, DEFAULT_NAME, decode=True)
     parser.add_argument("--sizes", type=common.parse_sizes, default=None, help="680m,1.6b on CUDA; tiny on CPU")
     parser.add_argument(
         "--batch-sizes",

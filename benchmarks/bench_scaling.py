@@ -34,9 +34,7 @@ DEFAULT_NAME = "scaling"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_arguments(parser, DEFAULT_NAME)
-    common.add_decode_arguments(parser)
+    parser = common.make_parser(__doc__, DEFAULT_NAME, decode=True)
     parser.add_argument(
         "--size", choices=sorted(common.PEERS), default=None, help="backbone: 1.6b on CUDA, tiny on CPU"
     )

@@ -32,8 +32,7 @@ DEFAULT_NAME = "train"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_arguments(parser, DEFAULT_NAME)
+    parser = common.make_parser(__doc__, DEFAULT_NAME)
     parser.add_argument("--sizes", type=common.parse_sizes, default=None, help="151m on CUDA; tiny on CPU")
     parser.add_argument("--batch", type=int, default=None, help="sequences per step (16 on CUDA, 4 on CPU)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (2048 on CUDA, 128 on CPU)")

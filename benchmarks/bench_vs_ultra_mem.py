@@ -51,8 +51,7 @@ SHAPES = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_arguments(parser, DEFAULT_NAME)
+    parser = common.make_parser(__doc__, DEFAULT_NAME)
     parser.add_argument("--shapes", default="tiny,small", help=f"comma-separated, from {', '.join(SHAPES)}")
     args = parser.parse_args(argv)
     if args.device != "cpu":
