@@ -530,6 +530,15 @@ class TuckerQueryKeyRetrieval(nn.Module):
         return rows * self.num_keys + cols, core_scores
 
 
+def ive_shuffle(size: int, seed: int) -> torch.Tensor:
+    """The fixed bijection over virtual addresses: a seeded CPU `randperm`, stored in checkpoints, not re-derived.
+
+    device="cpu": under a `torch.device("cuda")` context randperm would otherwise reject the CPU generator.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randperm(size, generator=generator, device="cpu")
+
+
 class ImplicitValueExpansion(nn.Module):
     """Implicit Value Expansion (IVE): E virtual blocks V W_p computed on demand.
 
@@ -543,10 +552,15 @@ class ImplicitValueExpansion(nn.Module):
         self.num_groups = config.ive_expansion
         self.num_values = config.memory_num_values
         self.seed = config.ive_shuffle_seed
+        shuffle = None
         if self.num_groups > 1:
-            self.virtual_to_physical = nn.Buffer(torch.empty(config.memory_num_keys**2, dtype=torch.int64))
-        else:
-            self.virtual_to_physical = None
+            # Filled here too (not only in `_init_weights`) so every rank of a ZeRO-3 run, where weights are
+            # initialised on one rank and only parameters are broadcast, holds the same bijection.
+            size = config.memory_num_keys**2
+            device = torch.empty(0).device  # the default device, e.g. meta inside `from_pretrained`
+            shuffle = torch.empty(size, dtype=torch.int64) if device.type == "meta" else ive_shuffle(size, self.seed)
+            shuffle = shuffle.to(device)
+        self.register_buffer("virtual_to_physical", shuffle)
         self.projector = (
             ValueProjector(
                 self.num_groups * config.memory_value_dim,
@@ -558,12 +572,8 @@ class ImplicitValueExpansion(nn.Module):
         )
 
     def init_ultramem(self) -> None:
-        """The fixed bijection over virtual addresses, from a seeded CPU generator (stored, not re-derived)."""
         if self.virtual_to_physical is not None:
-            generator = torch.Generator().manual_seed(self.seed)
-            # device="cpu": under a `torch.device("cuda")` context randperm would otherwise reject the CPU generator
-            permutation = torch.randperm(self.virtual_to_physical.numel(), generator=generator, device="cpu")
-            init.copy_(self.virtual_to_physical, permutation)
+            init.copy_(self.virtual_to_physical, ive_shuffle(self.virtual_to_physical.numel(), self.seed))
 
     def forward(
         self, values: torch.Tensor, virtual_index: torch.Tensor, scores: torch.Tensor, ops: ModuleType | SimpleNamespace
