@@ -333,13 +333,15 @@ def summarize(rows: list[Row], runs: list[dict[str, Any]]) -> list[dict[str, Any
     The reference is the previous row in the ladder (one change at a time) and the first row (Dense) in the comparison.
     """
     table = []
-    reference: dict[str, float] = {}
+    reference: dict[str, dict[int, float]] = {}  # group -> seed -> validation loss of the reference row
     for row in rows:
         key = config_key(row.config)
         mine = [run for run in runs if run["config_key"] == key]
         if not mine:
             continue
         vals = [run["val_loss"] for run in mine]
+        by_seed = {run["seed"]: run["val_loss"] for run in mine}
+        diff, diff_se = _paired_difference(by_seed, reference.get(row.group))
         entry = {
             "group": row.group,
             "name": row.name,
@@ -350,7 +352,8 @@ def summarize(rows: list[Row], runs: list[dict[str, Any]]) -> list[dict[str, Any
             "val_loss": statistics.fmean(vals),
             "val_loss_std": statistics.stdev(vals) if len(vals) > 1 else None,
             "perplexity": math.exp(statistics.fmean(vals)),
-            "diff_to_reference": statistics.fmean(vals) - reference[row.group] if row.group in reference else None,
+            "diff_to_reference": diff,
+            "diff_to_reference_se": diff_se,
             "counts": counts(row.config),
             "wall_s": statistics.fmean(run["wall_s"] for run in mine),
             "final_diagnostics": {
@@ -359,9 +362,21 @@ def summarize(rows: list[Row], runs: list[dict[str, Any]]) -> list[dict[str, Any
             },
         }
         if row.group == "ladder" or row.group not in reference:
-            reference[row.group] = entry["val_loss"]
+            reference[row.group] = by_seed
         table.append(entry)
     return table
+
+
+def _paired_difference(row: dict[int, float], reference: dict[int, float] | None) -> tuple[float | None, float | None]:
+    """Mean difference to the reference over the seeds both have (same seed = same data order), and its standard
+    error when there are several; the difference of the means when they share no seed."""
+    if reference is None:
+        return None, None
+    shared = sorted(set(row) & set(reference))
+    if not shared:
+        return statistics.fmean(row.values()) - statistics.fmean(reference.values()), None
+    diffs = [row[seed] - reference[seed] for seed in shared]
+    return statistics.fmean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None
 
 
 def pooled_seed_std(table: list[dict[str, Any]]) -> float | None:
@@ -387,6 +402,9 @@ def markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "Seed spread (pooled std of the validation loss over rows with several seeds): "
         + (f"**{spread:.4f}**" if spread is not None else "not measured (one seed per row)"),
         "",
+        "Diff: mean over seeds of the paired difference (same seed = same initialization stream and data order) "
+        "± its standard error.",
+        "",
         "Validation loss = LM cross entropy only. Params exclude embeddings and head; Dense = all but the value tables "
         "(memory) or experts (MoE), Sparse = value tables / experts; FLOPs = 2 x activated params per token. "
         "Slot usage and output std: `retrieval_diagnostics` at the last training log (share of memory slots selected "
@@ -411,6 +429,8 @@ def markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             c = e["counts"]
             std = f"{e['val_loss_std']:.4f}" if e["val_loss_std"] is not None else "-"
             diff = f"{e['diff_to_reference']:+.4f}" if e["diff_to_reference"] is not None else "-"
+            if e["diff_to_reference_se"] is not None:
+                diff += f" ± {e['diff_to_reference_se']:.4f}"
             train = f"{e['train_loss']:.4f}" + ("*" if e["train_loss_includes_router_loss"] else "")
             usage, output_std = (e["final_diagnostics"].get(f"memory/{name}") for name in ("slot_usage", "memory_output_std"))
             lines.append(

@@ -90,3 +90,11 @@ def test_unknown_seeded_row_is_refused(tmp_path):
     argv = [*SMOKE, "--seeded-rows", "Dense,Ultramem", "--output-dir", str(tmp_path), "--cache-dir", str(tmp_path)]
     with pytest.raises(ValueError, match=r"--seeded-rows: unknown row\(s\) \['Ultramem'\]; allowed: all or"):
         bench_quality.main(argv)
+
+
+def test_differences_pair_runs_by_seed():
+    """Rows are compared seed by seed (same data order); unpaired means only when they share no seed."""
+    diff, se = bench_quality._paired_difference({0: 2.0, 1: 3.0, 2: 9.0}, {0: 1.0, 1: 2.5})
+    assert (diff, se) == (pytest.approx(0.75), pytest.approx(0.25))
+    assert bench_quality._paired_difference({0: 2.0, 1: 4.0}, {2: 1.0}) == (2.0, None)
+    assert bench_quality._paired_difference({0: 2.0}, None) == (None, None)
