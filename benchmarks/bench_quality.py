@@ -517,6 +517,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "ultramem" / "bench_quality")
     parser.add_argument("--write-configs", action="store_true", help="write the per-row config JSONs and exit")
+    parser.add_argument("--report-only", action="store_true", help="rewrite table and plots from the results JSON, train nothing")
     args = parser.parse_args(argv)
     for flag in ("seeds", "max_steps", "batch_size", "block_size", "eval_points", "eval_blocks"):
         if getattr(args, flag) < 1:
@@ -536,6 +537,11 @@ def main(argv: list[str] | None = None) -> Path:
             print(path)
         return CONFIG_DIR / args.scale
     rows = load_rows(args.scale, args.rows)
+    json_path = args.output_dir / f"quality_{args.scale}.json"
+    if args.report_only:
+        recorded = json.loads(json_path.read_text())
+        write_results(args.output_dir, rows, recorded["runs"], recorded["meta"])
+        return json_path
     seeded = {row.name for row in rows} if args.seeded_rows == "all" else {name.strip() for name in args.seeded_rows.split(",")}
     known = [name for _, name, _ in row_configs(args.scale)]
     if seeded - set(known):
@@ -565,7 +571,6 @@ def main(argv: list[str] | None = None) -> Path:
         "eval_tokens": blocks.numel(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    json_path = args.output_dir / f"quality_{args.scale}.json"
     runs: list[dict[str, Any]] = []
     if json_path.is_file():
         previous = json.loads(json_path.read_text())

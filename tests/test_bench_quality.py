@@ -62,6 +62,9 @@ def test_two_rows_train_and_report(tmp_path):
     # a second call with the same settings finds both runs recorded and trains nothing
     again = json.loads(bench_quality.main(argv).read_text())
     assert [run["wall_s"] for run in again["runs"]] == [run["wall_s"] for run in result["runs"]]
+    (out / "quality_tiny.md").unlink()
+    bench_quality.main([*argv, "--report-only"])
+    assert (out / "quality_tiny.md").read_text() == markdown
     # other settings never overwrite recorded runs
     with pytest.raises(ValueError, match="holds runs made with other settings"):
         bench_quality.main([*argv, "--max-steps", "4"])
