@@ -346,6 +346,7 @@ def summarize(rows: list[Row], runs: list[dict[str, Any]]) -> list[dict[str, Any
             "group": row.group,
             "name": row.name,
             "config_file": str(row.config_file.relative_to(ROOT.parent)),
+            "config_key": key,
             "seeds": [run["seed"] for run in mine],
             "train_loss": statistics.fmean(run["train_loss"] for run in mine),
             "train_loss_includes_router_loss": any(run["train_loss_includes_router_loss"] for run in mine),
@@ -445,7 +446,8 @@ def markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 
 def plot(table: list[dict[str, Any]], runs: list[dict[str, Any]], group: str, path: Path, title: str) -> None:
-    """Validation loss against training tokens: the seed mean per row, with the seeds' range shaded."""
+    """Left: validation loss against training tokens (seed mean; shaded: range over seeds). Right: the final
+    validation loss of each row, every seed as a dot joined to the same seed of the neighbouring rows."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -454,23 +456,32 @@ def plot(table: list[dict[str, Any]], runs: list[dict[str, Any]], group: str, pa
     entries = [e for e in table if e["group"] == group]
     if not entries:
         return
-    fig, ax = plt.subplots(figsize=(8, 5))
-    colors = plt.cm.viridis([i / max(1, len(entries) - 1) for i in range(len(entries))]) if group == "ladder" else [None] * len(entries)
+    fig, (curves_ax, final_ax) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
+    colors = plt.cm.viridis([i / max(1, len(entries) - 1) for i in range(len(entries))])
     for entry, color in zip(entries, colors):
-        key = config_key(json.loads((ROOT.parent / entry["config_file"]).read_text()))
-        curves = [run["curve"] for run in runs if run["config_key"] == key]
+        curves = [run["curve"] for run in runs if run["config_key"] == entry["config_key"]]
         length = min(map(len, curves))
-        tokens = [curves[0][i]["tokens"] for i in range(length)]
-        values = [[curve[i]["val_loss"] for curve in curves] for i in range(length)]
-        line = ax.plot(tokens[1:], [statistics.fmean(v) for v in values[1:]], marker="o", ms=3, color=color,
-                       label=f"{entry['name']} ({entry['val_loss']:.3f})")[0]
+        tokens = [curves[0][i]["tokens"] for i in range(1, length)]
+        values = [[curve[i]["val_loss"] for curve in curves] for i in range(1, length)]
+        curves_ax.plot(tokens, [statistics.fmean(v) for v in values], marker="o", ms=3, color=color,
+                       label=f"{entry['name']} ({entry['val_loss']:.3f}, {len(curves)} seed{'s' if len(curves) > 1 else ''})")
         if len(curves) > 1:
-            ax.fill_between(tokens[1:], [min(v) for v in values[1:]], [max(v) for v in values[1:]], color=line.get_color(), alpha=0.2)
-    ax.set_xlabel("training tokens")
-    ax.set_ylabel("validation loss (LM cross entropy)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+            curves_ax.fill_between(tokens, [min(v) for v in values], [max(v) for v in values], color=color, alpha=0.1)
+    curves_ax.set_xlabel("training tokens")
+    curves_ax.set_ylabel("validation loss (LM cross entropy)")
+    curves_ax.set_title(title)
+    curves_ax.grid(alpha=0.3)
+    curves_ax.legend(fontsize=7)
+    seeds = sorted({run["seed"] for run in runs})
+    for seed in seeds:
+        finals = [next((run["val_loss"] for run in runs if run["config_key"] == e["config_key"] and run["seed"] == seed), math.nan) for e in entries]
+        final_ax.plot(range(len(entries)), finals, marker="o", ms=4, alpha=0.6, label=f"seed {seed}")
+    final_ax.plot(range(len(entries)), [e["val_loss"] for e in entries], color="black", lw=2, label="mean")
+    final_ax.set_xticks(range(len(entries)), [e["name"] for e in entries], rotation=60, ha="right", fontsize=8)
+    final_ax.set_ylabel("final validation loss")
+    final_ax.set_title("final loss per row and seed")
+    final_ax.grid(alpha=0.3)
+    final_ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
