@@ -9,31 +9,33 @@ from .modeling_ultramem import UltraMemForCausalLM, UltraMemMemoryLayer, select_
 
 @torch.no_grad()
 def _layer_statistics(
-    layer: UltraMemMemoryLayer, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None, chunk: int
+    layer: UltraMemMemoryLayer,
+    hidden_states: torch.Tensor,
+    padding_mask: torch.Tensor | None,
+    keep: torch.Tensor,
+    chunk: int,
 ) -> dict[str, float]:
-    """Statistics of one memory layer for its input (B, T, D), over the non-padded tokens."""
+    """Statistics of one memory layer for its input (B, T, D), over the tokens where `keep` (B, T) is set."""
     config = layer.config
     ops = select_memory_ops(config.memory_kernel, hidden_states.device)
     row_query, col_query = layer.query(layer.norm(hidden_states), padding_mask, None)
     virtual_index, scores = layer.retrieval(row_query, col_query, ops)  # (B, T, H, m), (B, T, H, m, h)
-    keep = padding_mask.bool() if padding_mask is not None else torch.ones(virtual_index.shape[:2], dtype=torch.bool)
-    keep = keep.to(virtual_index.device)
     virtual_index, scores = virtual_index[keep], scores[keep]  # (tokens, H, m), (tokens, H, m, h)
     row_scores, col_scores = layer.retrieval.axis_scores(row_query, col_query)
     row_scores, col_scores = row_scores[keep], col_scores[keep]  # (tokens, H, r, n)
 
-    hits = 0
+    hits = torch.zeros((), dtype=torch.long, device=virtual_index.device)
     for start in range(0, row_scores.shape[0], chunk):  # exact top-m over all n^2 cells, a chunk at a time
         grid = layer.retrieval.grid_scores(row_scores[start : start + chunk], col_scores[start : start + chunk])
         exact = grid.flatten(-2).topk(config.memory_topk, dim=-1).indices  # (chunk, H, m)
         approx = virtual_index[start : start + chunk]
-        hits += (approx.unsqueeze(-1) == exact.unsqueeze(-2)).any(-1).sum().item()
+        hits += (approx.unsqueeze(-1) == exact.unsqueeze(-2)).any(-1).sum()  # one host sync, at the end
 
     expansion = layer.value_expansion
     physical = virtual_index if expansion.virtual_to_physical is None else expansion.virtual_to_physical[virtual_index]
     physical = physical % expansion.num_values
     return {
-        "tdqkr_recall": hits / max(virtual_index.numel(), 1),
+        "tdqkr_recall": hits.item() / max(virtual_index.numel(), 1),
         "slot_usage": physical.unique().numel() / expansion.num_values,
         "top1_score": scores.sum(-1).amax(-1).mean().item(),
     }
@@ -77,12 +79,12 @@ def retrieval_diagnostics(
         for handle in handles:
             handle.remove()
 
+    keep = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     totals = {"tdqkr_recall": 0.0, "slot_usage": 0.0, "top1_score": 0.0, "memory_output_std": 0.0}
     for layer in memory_layers:
         hidden_states, padding_mask, output = captured[layer.memory_idx]
-        stats = _layer_statistics(layer, hidden_states, padding_mask, chunk)
-        keep = padding_mask.bool() if padding_mask is not None else torch.ones(output.shape[:2], dtype=torch.bool)
-        stats["memory_output_std"] = output[keep.to(output.device)].float().std().item()
+        stats = _layer_statistics(layer, hidden_states, padding_mask, keep, chunk)
+        stats["memory_output_std"] = output[keep].float().std().item()
         for key, value in stats.items():
             totals[key] += value / len(memory_layers)
     return totals

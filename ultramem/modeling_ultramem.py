@@ -19,6 +19,7 @@ One memory layer, for one token (paper section 3):
 
 import math
 from collections.abc import Callable
+from functools import lru_cache
 from dataclasses import dataclass
 from statistics import NormalDist
 from types import ModuleType, SimpleNamespace
@@ -55,9 +56,14 @@ def select_memory_ops(memory_kernel: str, device: torch.device) -> ModuleType | 
 
     "torch" is the pure-PyTorch reference; "triton" the fused kernels of `ultramem.kernels`; "auto" picks
     Triton on CUDA when it is installed, PyTorch elsewhere. A checkpoint loaded with `trust_remote_code`
-    without the `ultramem` package installed runs the PyTorch path.
+    without the `ultramem` package installed runs the PyTorch path. Resolved once per device type.
     """
-    if memory_kernel == "torch" or (memory_kernel == "auto" and device.type != "cuda"):
+    return _memory_ops_for(memory_kernel, device.type)
+
+
+@lru_cache
+def _memory_ops_for(memory_kernel: str, device_type: str) -> ModuleType | SimpleNamespace:
+    if memory_kernel == "torch" or (memory_kernel == "auto" and device_type != "cuda"):
         return TORCH_MEMORY_OPS
     try:
         from ultramem import kernels
@@ -323,7 +329,7 @@ class MemoryQuery(nn.Module):
     With `share_query` one query serves row and column keys (trick 5); otherwise each gets its own.
     """
 
-    def __init__(self, config: UltraMemConfig, cache_layer_idx: int, state_idx: int):
+    def __init__(self, config: UltraMemConfig, scales: MemoryInitScales, cache_layer_idx: int, state_idx: int):
         super().__init__()
         self.num_heads = config.memory_heads
         self.num_queries = 1 if config.share_query else 2
@@ -337,7 +343,6 @@ class MemoryQuery(nn.Module):
         self.proj = nn.Linear(
             config.hidden_size, self.num_heads * self.num_queries * config.memory_key_dim, bias=False
         )
-        scales = MemoryInitScales.from_config(config)
         self.norm = (
             ScaledLayerNorm(self.part_dim, config.layer_norm_eps, scales.query_gain)
             if config.qk_layernorm
@@ -354,12 +359,12 @@ class MemoryQuery(nn.Module):
         return query[..., 0, :, :], query[..., -1, :, :]  # row and column queries, (B, T, H, r, Dk/r)
 
 
-def key_norm(config: UltraMemConfig) -> nn.Module:
+def key_norm(config: UltraMemConfig, scales: MemoryInitScales) -> nn.Module:
     """LayerNorm on each key part (trick 2), or the identity when `qk_layernorm` is off."""
     if not config.qk_layernorm:
         return nn.Identity()
     part_dim = config.memory_key_dim // config.tucker_rank
-    return ScaledLayerNorm(part_dim, config.layer_norm_eps, MemoryInitScales.from_config(config).key_gain)
+    return ScaledLayerNorm(part_dim, config.layer_norm_eps, scales.key_gain)
 
 
 def init_keys(retrieval: nn.Module) -> None:
@@ -371,14 +376,14 @@ def init_keys(retrieval: nn.Module) -> None:
 class ProductKeyRetrieval(nn.Module):
     """PKM retrieval (Lample et al. 2019): additive row + column scores, two-phase top-m, one score per slot."""
 
-    def __init__(self, config: UltraMemConfig):
+    def __init__(self, config: UltraMemConfig, scales: MemoryInitScales):
         super().__init__()
         self.topk = config.memory_topk
         self.num_keys = config.memory_num_keys
         shape = (config.memory_heads, 1, config.memory_num_keys, config.memory_key_dim)
         self.row_keys = nn.Parameter(torch.empty(shape))
         self.col_keys = nn.Parameter(torch.empty(shape))
-        self.key_norm = key_norm(config)
+        self.key_norm = key_norm(config, scales)
 
     def init_ultramem(self) -> None:
         init_keys(self)
@@ -460,7 +465,7 @@ class TuckerQueryKeyRetrieval(nn.Module):
     rows and columns are those with large positive projections.
     """
 
-    def __init__(self, config: UltraMemConfig):
+    def __init__(self, config: UltraMemConfig, scales: MemoryInitScales):
         super().__init__()
         self.topk = config.memory_topk
         self.num_keys = config.memory_num_keys
@@ -471,7 +476,7 @@ class TuckerQueryKeyRetrieval(nn.Module):
         self.cores = nn.Parameter(
             torch.empty(config.memory_heads, config.mcs_cores, config.tucker_rank, config.tucker_rank)
         )
-        self.key_norm = key_norm(config)
+        self.key_norm = key_norm(config, scales)
         self.signed_candidates = config.tdqkr_signed_candidates
 
     def init_ultramem(self) -> None:
@@ -507,9 +512,6 @@ class TuckerQueryKeyRetrieval(nn.Module):
         _, u, t = core_svd(self.cores.sum(1).float())
         sign = u.gather(-1, u.abs().argmax(-1, keepdim=True)).sign()
         return (u * sign).to(self.cores.dtype), (t * sign).to(self.cores.dtype)
-
-    def aux_loss(self, alpha: float, tau: float) -> torch.Tensor:
-        return tucker_aux_loss(self.cores, alpha, tau)
 
     def forward(
         self, row_query: torch.Tensor, col_query: torch.Tensor, ops: ModuleType | SimpleNamespace
@@ -547,7 +549,7 @@ class ImplicitValueExpansion(nn.Module):
     group v' div N; the E pooled groups go through their projectors as one GEMM.
     """
 
-    def __init__(self, config: UltraMemConfig):
+    def __init__(self, config: UltraMemConfig, scales: MemoryInitScales):
         super().__init__()
         self.num_groups = config.ive_expansion
         self.num_values = config.memory_num_values
@@ -565,7 +567,7 @@ class ImplicitValueExpansion(nn.Module):
             ValueProjector(
                 self.num_groups * config.memory_value_dim,
                 config.hidden_size,
-                MemoryInitScales.from_config(config).projector_std,
+                scales.projector_std,
             )
             if config.value_projection
             else nn.Identity()
@@ -596,14 +598,13 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         self.memory_idx = memory_idx
         self.read_block, self.write_block = config.memory_layers[memory_idx]
         _, state_idx = config.memory_read_block_slots[memory_idx]
+        scales = MemoryInitScales.from_config(config)
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.query = MemoryQuery(config, self.read_block, state_idx)
+        self.query = MemoryQuery(config, scales, self.read_block, state_idx)
         retrieval_cls = TuckerQueryKeyRetrieval if config.retrieval_mode == "tucker" else ProductKeyRetrieval
-        self.retrieval = retrieval_cls(config)
-        self.values = MemoryValueTable(
-            config.memory_num_values, config.memory_value_dim, MemoryInitScales.from_config(config).value_std
-        )
-        self.value_expansion = ImplicitValueExpansion(config)
+        self.retrieval = retrieval_cls(config, scales)
+        self.values = MemoryValueTable(config.memory_num_values, config.memory_value_dim, scales.value_std)
+        self.value_expansion = ImplicitValueExpansion(config, scales)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def retrieve(
@@ -611,9 +612,10 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         padding_mask: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
+        ops: ModuleType | SimpleNamespace | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Virtual addresses (B, T, H, m) and scores (B, T, H, m, h) for the residual stream (B, T, D)."""
-        ops = select_memory_ops(self.config.memory_kernel, hidden_states.device)
+        ops = ops or select_memory_ops(self.config.memory_kernel, hidden_states.device)
         row_query, col_query = self.query(self.norm(hidden_states), padding_mask, past_key_values)
         virtual_index, scores = self.retrieval(row_query, col_query, ops)
         if self.config.memory_score_softmax:
@@ -627,8 +629,8 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         past_key_values: Cache | None = None,
     ) -> torch.Tensor:
         batch, length, hidden = hidden_states.shape
-        virtual_index, scores = self.retrieve(hidden_states, padding_mask, past_key_values)
         ops = select_memory_ops(self.config.memory_kernel, hidden_states.device)
+        virtual_index, scores = self.retrieve(hidden_states, padding_mask, past_key_values, ops)
         output = self.value_expansion(
             self.values.weight,
             virtual_index.reshape(batch * length, -1),  # (B*T, H*m)
@@ -639,7 +641,7 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
 
     def aux_loss(self) -> torch.Tensor:
         if isinstance(self.retrieval, TuckerQueryKeyRetrieval):
-            return self.retrieval.aux_loss(self.config.aux_loss_alpha, self.config.aux_loss_tau)
+            return tucker_aux_loss(self.retrieval.cores, self.config.aux_loss_alpha, self.config.aux_loss_tau)
         return self.values.weight.new_zeros((), dtype=torch.float32)
 
 
