@@ -119,6 +119,8 @@ def _skip_layers(num_layers: int, span: int) -> list[list[int]]:
     return [[2 + i * (span + 1), 2 + i * (span + 1) + span] for i in range(num_layers)]
 
 
+TINY_CONTEXT = 512
+
 # name -> (kind, config kwargs)
 _PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "dense-151m": ("ultramem", BACKBONES["151m"].kwargs()),
@@ -135,49 +137,14 @@ _PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "ultramem-680m-x12": ("ultramem", _ultramem("680m", 35, 384, 1632, _skip_layers(4, span=4))),
     "ultramem-1.6b-x12": ("ultramem", _ultramem("1.6b", 42, 448, 1792, _skip_layers(6, span=4))),
     # Models that train in minutes on 2 CPU cores; tiny-ultramem is the last row of the tiny ablation ladder.
-    "tiny-dense": ("ultramem", dict(**BACKBONES["tiny"].kwargs(), max_position_embeddings=512)),
+    "tiny-dense": ("ultramem", dict(**BACKBONES["tiny"].kwargs(), max_position_embeddings=TINY_CONTEXT)),
     "tiny-ultramem": (
         "ultramem",
-        dict(
-            **BACKBONES["tiny"].kwargs(),
-            max_position_embeddings=512,
-            memory_layers=[[0, 1], [2, 3]],
-            memory_heads=2,
-            memory_topk=16,
-            memory_key_dim=64,
-            memory_num_keys=512,
-            memory_value_dim=128,
-        ),
+        dict(**_ultramem("tiny", 16, 64, 256, [[0, 1], [2, 3]]), max_position_embeddings=TINY_CONTEXT),
     ),
-    "tiny-pkm": (
-        "ultramem",
-        dict(
-            **BACKBONES["tiny"].kwargs(),
-            **PKM_SWITCHES,
-            max_position_embeddings=512,
-            memory_layers=[[2, 2]],
-            memory_heads=2,
-            memory_topk=16,
-            memory_key_dim=64,
-            memory_num_keys=256,
-            memory_value_dim=256,
-        ),
-    ),
-    "tiny-moe": (
-        "mixtral",
-        dict(
-            hidden_size=256,
-            intermediate_size=344,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            num_hidden_layers=4,
-            num_local_experts=16,
-            num_experts_per_tok=2,
-            router_aux_loss_coef=0.01,
-            output_router_logits=True,
-            max_position_embeddings=512,
-        ),
-    ),
+    "tiny-pkm": ("ultramem", dict(**_pkm("tiny", 16, 2, 64, 256, 2), max_position_embeddings=TINY_CONTEXT)),
+    # 16 experts of GeLU width 516 (SwiGLU 344): total parameters of tiny-ultramem, 2 active ~ tiny-dense MLP
+    "tiny-moe": ("mixtral", dict(**_moe("tiny", 16, 516), max_position_embeddings=TINY_CONTEXT)),
 }
 
 PRESETS: tuple[str, ...] = tuple(_PRESETS)
