@@ -5,10 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import torch.distributed as dist
-from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
-from transformers.integrations import is_deepspeed_zero3_enabled
 
 from ultramem.training.arguments import ModelArguments
 from ultramem.training.errors import UsageError
@@ -94,20 +91,9 @@ def build_model(args: ModelArguments, config: PretrainedConfig) -> PreTrainedMod
     """A fresh model from `config`, or the weights of `--model_name_or_path` under that (overridden) config."""
     if args.model_name_or_path is not None:
         return AutoModelForCausalLM.from_pretrained(args.model_name_or_path, config=config, trust_remote_code=True)
-    model = AutoModelForCausalLM.from_config(config)
-    if is_deepspeed_zero3_enabled():
-        _broadcast_buffers(model)
-    return model
-
-
-def _broadcast_buffers(model: nn.Module) -> None:
-    """Under ZeRO-3, Transformers runs `_init_weights` on rank 0 only and broadcasts parameters, not buffers.
-
-    Buffers filled there (UltraMem's IVE address bijection) would stay uninitialized on the other ranks.
-    """
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        for buffer in model.buffers():
-            dist.broadcast(buffer.data, src=0)
+    # Buffers are filled at construction on every rank (UltraMem's IVE bijection), so ZeRO-3's rank-0-only
+    # `_init_weights` needs nothing broadcast beyond the parameters.
+    return AutoModelForCausalLM.from_config(config)
 
 
 def max_positions(config: PretrainedConfig) -> int | None:
