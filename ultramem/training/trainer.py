@@ -143,11 +143,7 @@ class UltraMemTrainer(Trainer):
             return {}
         from ultramem.diagnostics import retrieval_diagnostics
 
-        was_training = self.model.training
-        self.model.eval()
-        with torch.no_grad():
-            stats = retrieval_diagnostics(self.model, self.diagnostics_input_ids.to(self.args.device))
-        self.model.train(was_training)
+        stats = retrieval_diagnostics(self.model, self.diagnostics_input_ids.to(self.args.device))  # eval, no_grad
         return {f"memory/{name}": float(value) for name, value in stats.items()}
 
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
