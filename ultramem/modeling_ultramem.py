@@ -19,7 +19,6 @@ One memory layer, for one token (paper section 3):
 
 import math
 from collections.abc import Callable
-from functools import lru_cache
 from dataclasses import dataclass
 from statistics import NormalDist
 from types import ModuleType, SimpleNamespace
@@ -56,14 +55,9 @@ def select_memory_ops(memory_kernel: str, device: torch.device) -> ModuleType | 
 
     "torch" is the pure-PyTorch reference; "triton" the fused kernels of `ultramem.kernels`; "auto" picks
     Triton on CUDA when it is installed, PyTorch elsewhere. A checkpoint loaded with `trust_remote_code`
-    without the `ultramem` package installed runs the PyTorch path. Resolved once per device type.
+    without the `ultramem` package installed runs the PyTorch path.
     """
-    return _memory_ops_for(memory_kernel, device.type)
-
-
-@lru_cache
-def _memory_ops_for(memory_kernel: str, device_type: str) -> ModuleType | SimpleNamespace:
-    if memory_kernel == "torch" or (memory_kernel == "auto" and device_type != "cuda"):
+    if memory_kernel == "torch" or (memory_kernel == "auto" and device.type != "cuda"):
         return TORCH_MEMORY_OPS
     try:
         from ultramem import kernels
