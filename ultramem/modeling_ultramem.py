@@ -21,7 +21,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import NormalDist
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -47,11 +48,27 @@ from transformers.utils.output_capturing import capture_outputs
 from .configuration_ultramem import UltraMemConfig
 from .memory_ops import lookup_reduce, tucker_candidate_topk
 
-TORCH_MEMORY_OPS = SimpleNamespace(lookup_reduce=lookup_reduce, tucker_candidate_topk=tucker_candidate_topk)
+class MemoryOps(Protocol):
+    """The memory layer's two compute kernels, with the contract of `memory_ops` (their reference).
+
+    Implementations: the pure-PyTorch reference (`memory_ops`) and the Triton kernels (`ultramem.kernels`),
+    chosen by `config.memory_kernel`. Where the value table lives is a separate axis: see `VALUE_STORES`.
+    """
+
+    def lookup_reduce(
+        self, values: torch.Tensor, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor, num_groups: int
+    ) -> torch.Tensor: ...
+
+    def tucker_candidate_topk(
+        self, row_scores: torch.Tensor, col_scores: torch.Tensor, cores: torch.Tensor, topk: int
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-def select_memory_ops(memory_kernel: str, device: torch.device) -> ModuleType | SimpleNamespace:
-    """The module implementing `lookup_reduce` and `tucker_candidate_topk` for `config.memory_kernel`.
+TORCH_MEMORY_OPS: MemoryOps = SimpleNamespace(lookup_reduce=lookup_reduce, tucker_candidate_topk=tucker_candidate_topk)
+
+
+def select_memory_ops(memory_kernel: str, device: torch.device) -> MemoryOps:
+    """The kernels implementing `MemoryOps` for `config.memory_kernel`.
 
     "torch" is the pure-PyTorch reference; "triton" the fused kernels of `ultramem.kernels`; "auto" picks
     Triton on CUDA when it is installed, PyTorch elsewhere. A checkpoint loaded with `trust_remote_code`
@@ -130,7 +147,13 @@ class ScaledLayerNorm(nn.LayerNorm):
 
 
 class MemoryValueTable(nn.Embedding):
-    """The physical value table V (N, Dv) of one memory layer."""
+    """The physical value table V (N, Dv) of one memory layer, held whole on this process's device.
+
+    This is the "local" value store. A value store is any module that answers `lookup_reduce` for the
+    selected rows; where its values live (this device, shards on other ranks, host memory, a memory-mapped
+    file) is its own business, and the memory layer only ever calls this one method. Stores are registered
+    in `VALUE_STORES` and swapped in by `UltraMemPreTrainedModel.set_value_store`.
+    """
 
     def __init__(self, num_values: int, value_dim: int, init_std: float):
         super().__init__(num_values, value_dim)
@@ -138,6 +161,42 @@ class MemoryValueTable(nn.Embedding):
 
     def init_ultramem(self) -> None:
         init.normal_(self.weight, std=self.init_std)
+
+    def lookup_reduce(
+        self, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor, num_groups: int, ops: MemoryOps
+    ) -> torch.Tensor:
+        """rows, groups (T, K), scores (T, K, h) -> (T, E, Dv): see `memory_ops.lookup_reduce`."""
+        return ops.lookup_reduce(self.weight, rows, groups, scores, num_groups)
+
+
+class ValueStore(Protocol):
+    """Where a memory layer's values live: the one interface the memory layer reads values through.
+
+    `from_table` builds the store from a layer's `MemoryValueTable` (taking its weight or only the part it
+    keeps; `name` is the weight's state-dict key, e.g. to find it in a checkpoint); `lookup_reduce` returns the pooled (T, E, Dv) values of the selected rows on the device of `scores`.
+    """
+
+    @classmethod
+    def from_table(cls, table: MemoryValueTable, name: str, **options) -> nn.Module: ...
+
+    def lookup_reduce(
+        self, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor, num_groups: int, ops: MemoryOps
+    ) -> torch.Tensor: ...
+
+
+class _LocalValueStore:
+    """The default store: the table itself."""
+
+    @classmethod
+    def from_table(cls, table: MemoryValueTable, name: str, **options) -> nn.Module:
+        if options:
+            raise TypeError(f"the local value store takes no options, got {sorted(options)}")
+        return table
+
+
+VALUE_STORES: dict[str, type[ValueStore]] = {"local": _LocalValueStore}
+"""Registry of value stores by name, as Transformers' `ALL_ATTENTION_FUNCTIONS` is for attention. The
+`ultramem` package registers the sharded (memory parallelism) and offloaded (host/disk) stores."""
 
 
 class ValueProjector(nn.Linear):
@@ -393,7 +452,7 @@ class ProductKeyRetrieval(nn.Module):
         return row_scores[..., 0, :, None] + col_scores[..., 0, None, :]
 
     def forward(
-        self, row_query: torch.Tensor, col_query: torch.Tensor, ops: ModuleType | SimpleNamespace
+        self, row_query: torch.Tensor, col_query: torch.Tensor, ops: MemoryOps
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Virtual addresses (B, T, H, m) and their scores (B, T, H, m, 1)."""
         row_scores, col_scores = self.axis_scores(row_query, col_query)
@@ -508,7 +567,7 @@ class TuckerQueryKeyRetrieval(nn.Module):
         return (u * sign).to(self.cores.dtype), (t * sign).to(self.cores.dtype)
 
     def forward(
-        self, row_query: torch.Tensor, col_query: torch.Tensor, ops: ModuleType | SimpleNamespace
+        self, row_query: torch.Tensor, col_query: torch.Tensor, ops: MemoryOps
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Virtual addresses (B, T, H, m) and per-core scores (B, T, H, m, h)."""
         row_scores, col_scores = self.axis_scores(row_query, col_query)  # (B, T, H, r, n)
@@ -571,15 +630,18 @@ class ImplicitValueExpansion(nn.Module):
         if self.virtual_to_physical is not None:
             init.copy_(self.virtual_to_physical, ive_shuffle(self.virtual_to_physical.numel(), self.seed))
 
-    def forward(
-        self, values: torch.Tensor, virtual_index: torch.Tensor, scores: torch.Tensor, ops: ModuleType | SimpleNamespace
-    ) -> torch.Tensor:
-        """values (N, Dv), virtual_index (T, K), scores (T, K, h) -> output (T, D)."""
+    def physical_slots(self, virtual_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Virtual addresses (...) -> physical rows in [0, N) and IVE groups in [0, E), same shape."""
         if self.virtual_to_physical is not None:
             virtual_index = self.virtual_to_physical[virtual_index]
-        rows = virtual_index % self.num_values
-        groups = torch.div(virtual_index, self.num_values, rounding_mode="floor")
-        pooled = ops.lookup_reduce(values, rows, groups, scores, self.num_groups)  # (T, E, Dv)
+        return virtual_index % self.num_values, torch.div(virtual_index, self.num_values, rounding_mode="floor")
+
+    def forward(
+        self, values: ValueStore, virtual_index: torch.Tensor, scores: torch.Tensor, ops: MemoryOps
+    ) -> torch.Tensor:
+        """virtual_index (T, K), scores (T, K, h) -> output (T, D), reading the rows from the value store."""
+        rows, groups = self.physical_slots(virtual_index)
+        pooled = values.lookup_reduce(rows, groups, scores, self.num_groups, ops)  # (T, E, Dv)
         return self.projector(pooled.flatten(1).to(scores.dtype))
 
 
@@ -606,7 +668,7 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         padding_mask: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
-        ops: ModuleType | SimpleNamespace | None = None,
+        ops: MemoryOps | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Virtual addresses (B, T, H, m) and scores (B, T, H, m, h) for the residual stream (B, T, D)."""
         ops = ops or select_memory_ops(self.config.memory_kernel, hidden_states.device)
@@ -626,7 +688,7 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         ops = select_memory_ops(self.config.memory_kernel, hidden_states.device)
         virtual_index, scores = self.retrieve(hidden_states, padding_mask, past_key_values, ops)
         output = self.value_expansion(
-            self.values.weight,
+            self.values,
             virtual_index.reshape(batch * length, -1),  # (B*T, H*m)
             scores.reshape(batch * length, virtual_index.shape[-2] * virtual_index.shape[-1], -1),
             ops,
@@ -636,7 +698,7 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
     def aux_loss(self) -> torch.Tensor:
         if isinstance(self.retrieval, TuckerQueryKeyRetrieval):
             return tucker_aux_loss(self.retrieval.cores, self.config.aux_loss_alpha, self.config.aux_loss_tau)
-        return self.values.weight.new_zeros((), dtype=torch.float32)
+        return self.norm.weight.new_zeros((), dtype=torch.float32)
 
 
 class UltraMemPreTrainedModel(PreTrainedModel):
@@ -667,6 +729,19 @@ class UltraMemPreTrainedModel(PreTrainedModel):
         return [
             f"{name}.values.weight" for name, module in self.named_modules() if isinstance(module, UltraMemMemoryLayer)
         ]
+
+    def set_value_store(self, store: str, **options) -> None:
+        """Put every memory layer's values in the value store `store` of `VALUE_STORES` (see `ValueStore`).
+
+        Parameter names do not change (`...values.weight`), so optimizer groups and checkpoints keep their keys.
+        """
+        if store not in VALUE_STORES:
+            raise ValueError(f"value store {store!r} is not registered; choose one of {sorted(VALUE_STORES)}")
+        for name, layer in self.named_modules():
+            if isinstance(layer, UltraMemMemoryLayer):
+                if not isinstance(layer.values, MemoryValueTable):
+                    raise ValueError(f"{name}.values is already a {type(layer.values).__name__} store")
+                layer.values = VALUE_STORES[store].from_table(layer.values, f"{name}.values.weight", **options)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Also map AutoConfig and AutoModel in `auto_map` (Transformers writes only the saved class)."""
