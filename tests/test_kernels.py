@@ -326,7 +326,7 @@ def test_kernels_compile_for_ampere_and_hopper():
     and sm_90 ahead of time (Triton ships ptxas; no GPU needed) and check that none spills registers."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_DEFAULT_FP_FUSION="1")
     env.pop("TRITON_INTERPRET", None)
-    result = subprocess.run([sys.executable, "-m", "ultramem.kernels.aot_check", "--configs", "151m"],
+    result = subprocess.run([sys.executable, "benchmarks/aot_check.py", "--configs", "151m"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
