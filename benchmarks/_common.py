@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, StaticCache
 
-from ultramem.presets import build_model, get_config
+from ultramem.presets import get_config
+from ultramem.sizing import build_model
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

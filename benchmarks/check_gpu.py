@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from ultramem import kernels, memory_ops
-from ultramem.presets import build_model, get_config
+from ultramem.presets import get_config
+from ultramem.sizing import build_model
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PAPER_MEMORIES = {"151m": "ultramem-151m-x12", "680m": "ultramem-680m-x12", "1.6b": "ultramem-1.6b-x12"}

@@ -5,16 +5,9 @@ from conftest import small_config
 from transformers import MixtralConfig
 
 from ultramem import UltraMemConfig, UltraMemConfigError
-from ultramem.presets import (
-    LADDER_ROWS,
-    PAPER_FIGURES,
-    PRESETS,
-    ablation_ladder,
-    count_parameters,
-    format_table,
-    get_config,
-    preset_table,
-)
+from ultramem.ablation import LADDER_ROWS, ablation_ladder
+from ultramem.presets import PAPER_FIGURES, PRESETS, format_table, get_config, preset_table
+from ultramem.sizing import count_parameters
 
 
 @pytest.mark.parametrize(
