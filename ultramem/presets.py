@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from transformers import MixtralConfig, MixtralForCausalLM, PreTrainedConfig, PreTrainedModel
 
-from .configuration_ultramem import UltraMemConfig
+from .configuration_ultramem import PRODUCT_KEY, TUCKER, UltraMemConfig
 from .modeling_ultramem import UltraMemForCausalLM
 
 VOCAB_SIZE = 50432
@@ -54,7 +54,7 @@ BACKBONES = {
 
 # The plain PKM baseline: product keys, softmax, full value dim, one layer in parallel with a block.
 PKM_SWITCHES: dict[str, Any] = dict(
-    retrieval_mode="product_key",
+    retrieval_mode=PRODUCT_KEY,
     memory_score_softmax=True,
     value_projection=False,
     share_query=False,
@@ -260,7 +260,7 @@ def _ladder_step(row: str, previous: dict[str, Any], skip_layers: list[list[int]
         config["ive_expansion"] = 4
         config["memory_num_keys"] *= 2
     elif row == "+TDQKR":
-        config["retrieval_mode"] = "tucker"
+        config["retrieval_mode"] = TUCKER
         config["tucker_rank"] = 2
     elif row == "+MCS":
         config["mcs_cores"] = 2

@@ -14,8 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, get_token
 from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
@@ -82,7 +83,7 @@ def push_checkpoint(
     private: bool = False,
     revision: str | None = None,
     result: ModelResult | None = None,
-    notes: Sequence[str] = (),
+    settings: Mapping[str, Any] | None = None,
     datasets: Sequence[str] = (),
     base_model: str | None = None,
 ) -> CommitInfo:
@@ -90,7 +91,7 @@ def push_checkpoint(
     check_repo_id(repo_id)
     token = require_token(token)
     folder = require_checkpoint(checkpoint, option="checkpoint")
-    card = render_card(folder, repo_id, result=result, notes=notes, datasets=datasets, base_model=base_model)
+    card = render_card(folder, repo_id, result=result, settings=settings, datasets=datasets, base_model=base_model)
     operations = build_operations(folder, card)
     api = HfApi(token=token)
     message = f"Upload {folder.name} with ultramem-push"
@@ -109,14 +110,14 @@ def push_checkpoint(
     return commit()
 
 
-def _result_for(path: Path, checkpoint: Path) -> tuple[ModelResult, list[str]]:
-    """The entry of an ultramem-eval results JSON that scored this checkpoint (matched by folder)."""
-    results, notes = read_results(path)
+def _result_for(path: Path, checkpoint: Path) -> tuple[ModelResult, dict[str, Any]]:
+    """The entry of an ultramem-eval results JSON that scored this checkpoint (matched by folder), and its settings."""
+    results, settings = read_results(path)
     for result in results:
         if Path(result.checkpoint).resolve() == checkpoint.resolve():
-            return result, notes
+            return result, settings
     if len(results) == 1:
-        return results[0], notes
+        return results[0], settings
     names = ", ".join(r.checkpoint for r in results)
     raise PushError(f"--results {path}: no entry for checkpoint {checkpoint} (entries: {names})")
 
@@ -138,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        result, notes = _result_for(args.results, args.checkpoint) if args.results else (None, [])
+        result, settings = _result_for(args.results, args.checkpoint) if args.results else (None, None)
         info = push_checkpoint(
             args.checkpoint,
             args.repo_id,
@@ -146,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             private=args.private,
             revision=args.revision,
             result=result,
-            notes=notes,
+            settings=settings,
             datasets=args.dataset,
             base_model=args.base_model,
         )
