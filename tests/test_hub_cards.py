@@ -235,3 +235,18 @@ def test_card_names_a_pkm_checkpoint_and_a_limited_run_without_local_paths(check
     assert "At most 10 documents per task (--limit)" in text and "local copies of the published files" in text
     assert all(r.metric_name.endswith(", --limit 10)") for r in ModelCard(text).data.eval_results)
     assert str(tmp_path) not in text and "UltraMem memory layers" in render_card(checkpoint, REPO)
+
+
+@pytest.mark.parametrize("env", [{"HF_HUB_OFFLINE": "1"}, {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}])
+def test_push_without_network_is_one_line(checkpoint: Path, env: dict) -> None:
+    """In a child process: the Hub endpoint and offline mode are read when huggingface_hub is imported."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    child = {**os.environ, **env, "PYTHONPATH": str(repo)}
+    command = [sys.executable, "-m", "ultramem.hub_cards.push", str(checkpoint), "--repo-id", REPO, "--token", "hf_x"]
+    result = subprocess.run(command, env=child, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.startswith("ultramem-push: error: cannot reach the Hub at ") and result.stderr.count("\n") == 1

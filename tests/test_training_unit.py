@@ -68,3 +68,20 @@ def test_defaults_are_the_paper_recipe(tmp_path):
     assert args.lr_scheduler_type == "cosine_with_min_lr" and args.lr_scheduler_kwargs == {"min_lr_rate": 0.1}
     assert args.get_warmup_steps(1000) == 10 and math.isclose(args.warmup_steps, 0.01)
     assert data_args.train_file is None  # the embedded corpus
+
+
+def test_evaluation_is_capped_by_default(tmp_path):
+    """`--max_eval_samples` defaults to a cap (evaluating every held-out block took minutes); 0 lifts it."""
+    from ultramem.tokenization import load_tokenizer
+    from ultramem.training.arguments import DEFAULT_MAX_EVAL_SAMPLES
+    from ultramem.training.data import tokenize_and_pack
+
+    text = tmp_path / "text.txt"
+    text.write_text("one two three four five six seven eight\n" * 600)
+    _, data, training = parse_args(["--preset", "tiny-dense", "--output_dir", str(tmp_path), "--train_file", str(text),
+                             "--validation_file", str(text), "--block_size", "8"])  # fmt: skip
+    raw, tokenizer = load_raw_datasets(data), load_tokenizer()
+    blocks = tokenize_and_pack(raw, tokenizer, data, training.main_process_first)
+    assert data.max_eval_samples == DEFAULT_MAX_EVAL_SAMPLES and len(blocks["validation"]) == DEFAULT_MAX_EVAL_SAMPLES
+    data.max_eval_samples = 0
+    assert len(tokenize_and_pack(raw, tokenizer, data, training.main_process_first)["validation"]) == len(blocks["train"])

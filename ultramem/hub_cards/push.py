@@ -18,8 +18,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, get_token
-from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
+import httpx2
+from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, constants, get_token
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
 from huggingface_hub.utils import validate_repo_id
 
 from ultramem.eval.checkpoint import require_checkpoint
@@ -153,6 +154,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except ValueError as err:  # PushError, CheckpointError
         parser.exit(2, f"ultramem-push: error: {err}\n")
+    except (ConnectionError, httpx2.TransportError) as err:  # no network, HF_HUB_OFFLINE=1, a proxy refusing
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        parser.exit(2, f"ultramem-push: error: cannot reach the Hub at {constants.ENDPOINT} ({reason}); nothing was pushed\n")
+    except HfHubHTTPError as err:  # the Hub answered with an error (bad token, no rights, ...)
+        parser.exit(2, f"ultramem-push: error: the Hub refused the push: {str(err).strip().splitlines()[0]}\n")
     print(f"pushed {args.checkpoint} to {info.commit_url}")
     return 0
 
