@@ -20,7 +20,13 @@ from tqdm.auto import tqdm
 
 from ultramem.eval import tasks_path
 from ultramem.eval.benchmarks import Benchmark, group_entries, select
-from ultramem.eval.checkpoint import load_config, parameter_counts, require_checkpoint, validation_loss
+from ultramem.eval.checkpoint import (
+    load_config,
+    parameter_counts,
+    require_checkpoint,
+    require_tokenizer,
+    validation_loss,
+)
 from ultramem.eval.local_data import LocalDataMissing
 from ultramem.eval.report import (
     ModelResult,
@@ -159,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_args(args)
         _require_lm_eval()
         benchmarks = select(args.tasks)
-        checkpoints = [require_checkpoint(path) for path in args.model]
+        checkpoints = [require_tokenizer(require_checkpoint(path)) for path in args.model]
     except ValueError as err:  # includes CheckpointError
         parser.exit(2, f"ultramem-eval: error: {err}\n")
     try:

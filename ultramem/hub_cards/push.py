@@ -23,7 +23,7 @@ from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, constants, ge
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
 from huggingface_hub.utils import validate_repo_id
 
-from ultramem.eval.checkpoint import require_checkpoint
+from ultramem.eval.checkpoint import require_checkpoint, require_tokenizer
 from ultramem.eval.report import ModelResult, read_results
 from ultramem.hub_cards.card import render_card
 
@@ -63,8 +63,7 @@ def files_to_push(folder: Path) -> list[Path]:
     code = sorted(folder.glob("*.py"))
     if config.get("model_type") == "ultramem" and ("auto_map" not in config or not code):
         raise PushError(f"checkpoint {folder}: config.json has no auto_map or the model code files are missing")
-    if not (folder / "tokenizer.json").is_file():
-        raise PushError(f"checkpoint {folder}: no tokenizer.json (save the tokenizer into the folder too)")
+    require_tokenizer(folder, option="checkpoint")
     named = [folder / name for name in (*CONFIG_FILES, *TOKENIZER_FILES) if (folder / name).is_file()]
     return weights + named + code
 
