@@ -138,6 +138,31 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def time_calls(
+    fn: Callable[[], Any],
+    device: torch.device,
+    warmup: int,
+    iters: int,
+    before_each: Callable[[], Any] | None = None,
+) -> tuple[list[float], list[float]]:
+    """Wall-clock and process-CPU milliseconds of `iters` calls of `fn` after `warmup` calls, each call bracketed by
+    device synchronization; `before_each` runs untimed before every timed call (e.g. an L2 flush)."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    wall, cpu = [], []
+    for _ in range(iters):
+        if before_each is not None:
+            before_each()
+            synchronize(device)
+        start, start_cpu = time.perf_counter(), time.process_time()
+        fn()
+        synchronize(device)
+        wall.append((time.perf_counter() - start) * 1e3)
+        cpu.append((time.process_time() - start_cpu) * 1e3)
+    return wall, cpu
+
+
 def measure(
     fn: Callable[[], Any], args: argparse.Namespace, warmup: int | None = None, iters: int | None = None
 ) -> dict[str, float]:
@@ -148,16 +173,7 @@ def measure(
     waits for a core; its own CPU time does not (with one thread it is the single-core cost of the call).
     """
     warmup = args.warmup if warmup is None else warmup
-    for _ in range(warmup):
-        fn()
-    synchronize(args.device)
-    wall, cpu = [], []
-    for _ in range(args.iters if iters is None else iters):
-        start, start_cpu = time.perf_counter(), time.process_time()
-        fn()
-        synchronize(args.device)
-        wall.append((time.perf_counter() - start) * 1e3)
-        cpu.append((time.process_time() - start_cpu) * 1e3)
+    wall, cpu = time_calls(fn, args.device, warmup, args.iters if iters is None else iters)
     summary = {
         "median_ms": statistics.median(wall),
         "min_ms": min(wall),

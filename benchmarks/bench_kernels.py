@@ -24,13 +24,13 @@ import json
 import os
 import platform
 import statistics
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+import _common as common
 from ultramem import kernels, memory_ops
 from ultramem.presets import get_config
 
@@ -87,26 +87,11 @@ def memory_shape(name: str, num_rows: int | None) -> MemoryShape:
     )
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_ms(fn, device: torch.device, repeats: int) -> float:
-    """Median wall time of `fn` in ms after one warm-up call; on CUDA, L2 is flushed before each call."""
+    """Median wall time of `fn` in ms after one warm-up call (`_common.time_calls`); on CUDA, L2 is flushed first."""
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.float32, device=device) if device.type == "cuda" else None
-    fn()
-    synchronize(device)
-    samples = []
-    for _ in range(repeats):
-        if flush is not None:
-            flush.zero_()
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+    wall, _ = common.time_calls(fn, device, warmup=1, iters=repeats, before_each=None if flush is None else flush.zero_)
+    return statistics.median(wall)
 
 
 def copy_bandwidth_gbps(device: torch.device, num_bytes: int, repeats: int) -> float:

@@ -43,13 +43,11 @@ from transformers import AutoConfig, MixtralConfig, PreTrainedConfig, TrainerCal
 from ultramem import ablation, presets, sizing
 from ultramem.tokenization import load_tokenizer
 from ultramem.training.cli import run as train_run
-from ultramem.training.data import pack_blocks
+from ultramem.training.data import embedded_corpus_files, pack_blocks
 
 ROOT = Path(__file__).resolve().parent
 CONFIG_DIR = ROOT / "quality"
 RESULTS_DIR = ROOT / "results"
-CORPUS_DIR = ROOT.parent.parent / "shared" / "data" / "corpus"
-CORPORA = ("wikipedia_en_chinapedia", "gutenberg")
 CHARS_PER_TOKEN = 5.0  # generous for English BPE, so the text subset never runs out before the token budget
 GUTENBERG_PIECE_CHARS = 8000  # books are cut into pieces so the subset samples every book, not the first one
 
@@ -141,12 +139,27 @@ def config_key(config: dict[str, Any]) -> str:
 
 
 # ---- data ------------------------------------------------------------------------------------------------------
-def _documents(corpus: str, split: str) -> list[str]:
-    with lzma.open(CORPUS_DIR / corpus / f"{split}.jsonl.xz", "rt", encoding="utf-8") as handle:
-        texts = [json.loads(line)["text"] for line in handle]
-    if corpus == "gutenberg":
-        return [text[i : i + GUTENBERG_PIECE_CHARS] for text in texts for i in range(0, len(text), GUTENBERG_PIECE_CHARS)]
-    return texts
+def check_corpus_dirs(corpus_dirs: list[Path]) -> None:
+    """Each corpus is a folder holding `train.jsonl.xz` and `valid.jsonl.xz` (the layout of ultramem/data/corpus)."""
+    for folder in corpus_dirs:
+        missing = [name for name in ("train.jsonl.xz", "valid.jsonl.xz") if not (folder / name).is_file()]
+        if missing:
+            raise ValueError(f"--corpus-dir {folder}: no {' or '.join(missing)} (expected the layout of ultramem/data/corpus)")
+
+
+def _documents(folder: Path, split: str) -> list[str]:
+    """Texts of one split; books (records with a Gutenberg `pg_id`) are cut into pieces so every book is sampled."""
+    with lzma.open(folder / f"{split}.jsonl.xz", "rt", encoding="utf-8") as handle:
+        records = [json.loads(line) for line in handle]
+    return [
+        piece
+        for record in records
+        for piece in (
+            [record["text"][i : i + GUTENBERG_PIECE_CHARS] for i in range(0, len(record["text"]), GUTENBERG_PIECE_CHARS)]
+            if "pg_id" in record
+            else [record["text"]]
+        )
+    ]
 
 
 def _spread_sample(documents: list[str], chars: int) -> list[str]:
@@ -163,15 +176,16 @@ def _spread_sample(documents: list[str], chars: int) -> list[str]:
     return picked
 
 
-def prepare_text(cache_dir: Path, split: str, tokens: int) -> Path:
-    """A JSONL text file with about `tokens` tokens, half Wikipedia and half Gutenberg, written once and reused."""
-    path = cache_dir / f"{split}-{tokens}.jsonl"
+def prepare_text(cache_dir: Path, corpus_dirs: list[Path], split: str, tokens: int) -> Path:
+    """A JSONL text file with about `tokens` tokens, an equal share from each corpus, written once and reused."""
+    sources = [str(folder.resolve()) for folder in corpus_dirs]
+    path = cache_dir / f"{split}-{tokens}-{hashlib.sha256(json.dumps(sources).encode()).hexdigest()[:8]}.jsonl"
     if not path.is_file():
         cache_dir.mkdir(parents=True, exist_ok=True)
-        chars_per_corpus = int(tokens * CHARS_PER_TOKEN / len(CORPORA))
+        chars_per_corpus = int(tokens * CHARS_PER_TOKEN / len(sources))
         records = []
-        for corpus in CORPORA:
-            records += [{"text": text, "source": corpus} for text in _spread_sample(_documents(corpus, split), chars_per_corpus)]
+        for source in sources:
+            records += [{"text": text, "source": source} for text in _spread_sample(_documents(Path(source), split), chars_per_corpus)]
         staging = path.with_suffix(".tmp")
         staging.write_text("".join(json.dumps(record) + "\n" for record in records))
         staging.replace(path)
@@ -184,10 +198,10 @@ def validation_blocks(path: Path, block_size: int, count: int) -> torch.Tensor:
     records = [json.loads(line) for line in path.read_text().splitlines()]
     encoded = tokenizer([record["text"] for record in records], add_special_tokens=False, verbose=False)["input_ids"]
     ids = [doc + [tokenizer.eos_token_id] for doc in encoded]
-    # interleave the two corpora's blocks so any prefix of `count` blocks is half Wikipedia, half Gutenberg
+    # interleave the corpora's blocks so any prefix of `count` blocks takes an equal share from each
     per_corpus = [
         pack_blocks({"input_ids": [doc for doc, record in zip(ids, records) if record["source"] == corpus]}, block_size)["input_ids"]
-        for corpus in CORPORA
+        for corpus in dict.fromkeys(record["source"] for record in records)
     ]
     interleaved = [block for pair in zip(*per_corpus) for block in pair][:count]
     if len(interleaved) < count:
@@ -526,6 +540,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-blocks", type=int, default=48, help="validation blocks of --block-size tokens")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast for training and validation")
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument(
+        "--corpus-dir", type=Path, nargs="+", default=[Path(embedded_corpus_files()["train"]).parent],
+        help="corpus folder(s) of train.jsonl.xz and valid.jsonl.xz, sampled in equal shares; default: the shipped Gutenberg slice",
+    )
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "ultramem" / "bench_quality")
     parser.add_argument("--write-configs", action="store_true", help="write the per-row config JSONs and exit")
     parser.add_argument("--report-only", action="store_true", help="rewrite table and plots from the results JSON, train nothing")
@@ -537,6 +555,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--eval-points {args.eval_points}: allowed range is 1..--max-steps ({args.max_steps})")
     if not args.learning_rate > 0:
         parser.error(f"--learning-rate {args.learning_rate}: must be positive")
+    try:
+        check_corpus_dirs(args.corpus_dir)
+    except ValueError as error:
+        parser.error(str(error))
     return args
 
 
@@ -569,8 +591,8 @@ def main(argv: list[str] | None = None) -> Path:
     }
     tokens_per_run = args.max_steps * args.batch_size * args.block_size
     data = {
-        "train": prepare_text(args.cache_dir, "train", int(tokens_per_run * 1.2)),
-        "valid": prepare_text(args.cache_dir, "valid", int(args.eval_blocks * args.block_size * 1.5)),
+        "train": prepare_text(args.cache_dir, args.corpus_dir, "train", int(tokens_per_run * 1.2)),
+        "valid": prepare_text(args.cache_dir, args.corpus_dir, "valid", int(args.eval_blocks * args.block_size * 1.5)),
     }
     blocks = validation_blocks(data["valid"], args.block_size, args.eval_blocks)
     meta = {

@@ -101,3 +101,13 @@ def test_differences_pair_runs_by_seed():
     assert (diff, se) == (pytest.approx(0.75), pytest.approx(0.25))
     assert bench_quality._paired_difference({0: 2.0, 1: 4.0}, {2: 1.0}) == (2.0, None)
     assert bench_quality._paired_difference({0: 2.0}, None) == (None, None)
+
+
+def test_corpus_is_the_shipped_one_unless_given(tmp_path, capsys):
+    """The script needs nothing beside the clone: its default corpus is the Gutenberg slice the package ships."""
+    from ultramem.training.data import embedded_corpus_files
+
+    assert bench_quality.parse_args([]).corpus_dir == [Path(embedded_corpus_files()["train"]).parent]
+    with pytest.raises(SystemExit):
+        bench_quality.parse_args(["--corpus-dir", str(tmp_path)])
+    assert f"--corpus-dir {tmp_path}: no train.jsonl.xz or valid.jsonl.xz" in capsys.readouterr().err

@@ -1,22 +1,18 @@
-"""CPU smoke tests of the speed benchmarks (benchmarks/bench_{decode,scaling,train,vs_ultra_mem}.py).
+"""CPU smoke tests of the speed benchmarks (benchmarks/bench_{decode,scaling,train,vs_ultra_mem,kernels}.py).
 
-Each script runs end to end at tiny sizes and writes its JSON; no timing is asserted. The decode benchmarks'
-cache path (StaticCache, prefilled and then extended) is checked against a full forward, and the closed-form
-SVD the model uses on accelerators against LAPACK, since neither can be timed here without a GPU.
+Each script runs end to end at tiny sizes and writes its JSON; no timing is asserted. The model paths they time
+without a GPU here (StaticCache decoding, the closed-form SVD) are checked in test_modeling.py.
 """
 
 import importlib
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import small_config
-from transformers import StaticCache
-
-from ultramem import UltraMemForCausalLM, modeling_ultramem
-from ultramem.modeling_ultramem import core_svd, svd_2x2
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 TIMING = ["--device", "cpu", "--warmup", "1", "--iters", "1"]
@@ -113,50 +109,32 @@ def test_bad_arguments_name_the_flag(bench):
         bench("bench_decode").parse_args(["--device", "cpu", "--sizes", "7b"])
 
 
-def test_static_cache_extended_decode_matches_full_forward():
-    """The decode benchmarks' cache path: StaticCache prefill, then one token at a time, with a random query conv."""
-    config = small_config()
-    torch.manual_seed(0)
-    model = UltraMemForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "conv" in name:  # the identity init would hide a stale conv state
-                param.normal_()
-        input_ids = torch.randint(1, config.vocab_size, (2, 9))
-        full = model(input_ids).logits
-        cache = StaticCache(config=config, max_cache_len=16)
-        steps = [model(input_ids[:, :4], past_key_values=cache).logits]
-        steps += [model(input_ids[:, t : t + 1], past_key_values=cache).logits for t in range(4, 9)]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+def test_benchmark_script_writes_results(tmp_path):
+    """CPU smoke run of benchmarks/bench_kernels.py at toy sizes: JSON, PNG and a table, no timings checked."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_kernels.py"), "--device", "cpu", "--smoke",
+         "--out-dir", str(tmp_path)],
+        cwd=BENCHMARKS.parent, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    report = json.loads((tmp_path / "bench_kernels_cpu.json").read_text())
+    assert report["device"]["type"] == "cpu" and report["results"]
+    assert {"torch", "embedding_bag"} <= {row["impl"] for row in report["results"]}
+    assert all(row["forward_ms"] > 0 for row in report["results"] if row["status"] == "ok")
+    assert (tmp_path / "bench_kernels_cpu.png").stat().st_size > 0
+    assert "forward_ms" in result.stdout.strip().splitlines()[-len(report["results"]) - 1]
 
 
-def test_closed_form_core_svd_matches_lapack():
-    torch.manual_seed(0)
-    cores = torch.randn(4096, 2, 2, dtype=torch.float64)
-    values, u, t = svd_2x2(cores)
-    ref_values, ref_u, ref_t = core_svd(cores)  # LAPACK on CPU
-    sign = (u * ref_u).sum(-1, keepdim=True).sign()
-    torch.testing.assert_close(values, ref_values, rtol=0, atol=1e-12)
-    torch.testing.assert_close(u * sign, ref_u, rtol=0, atol=1e-10)
-    torch.testing.assert_close(t * sign, ref_t, rtol=0, atol=1e-10)
+def test_bench_kernels_times_with_the_shared_timer(bench, monkeypatch):
+    """One timing routine for every benchmark: bench_kernels' median goes through `_common.time_calls`."""
+    common, calls = bench("_common"), []
 
+    def fake(fn, device, warmup, iters, before_each=None):
+        calls.append((warmup, iters, before_each))
+        return [3.0, 1.0, 2.0], [0.0, 0.0, 0.0]
 
-def test_model_is_unchanged_with_the_closed_form_svd(monkeypatch):
-    """Logits, aux loss and its gradient are the same when the model takes the accelerator (closed-form) path."""
-    config = small_config(memory_layers=[[0, 2], [1, 3]])
-    torch.manual_seed(0)
-    model = UltraMemForCausalLM(config)
-    input_ids = torch.randint(1, config.vocab_size, (2, 7))
-
-    def run():
-        model.zero_grad()
-        out = model(input_ids, labels=input_ids)
-        out.loss.backward()
-        cores = model.model.memory_layers[0].retrieval.cores.grad.clone()
-        return out.logits.detach(), out.aux_loss.detach(), cores
-
-    lapack = run()
-    monkeypatch.setattr(modeling_ultramem, "core_svd", svd_2x2)
-    closed_form = run()
-    for reference, value in zip(lapack, closed_form, strict=True):
-        torch.testing.assert_close(value, reference, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(common, "time_calls", fake)
+    assert bench("bench_kernels").time_ms(lambda: None, torch.device("cpu"), 3) == 2.0
+    assert calls == [(1, 3, None)]

@@ -84,7 +84,7 @@ def test_card_without_results_has_metadata_size_and_usage_but_no_scores(checkpoi
 
 def test_card_with_results_and_trainer_state(trained: Path) -> None:
     text = render_card(
-        trained, REPO, result=_result(trained), notes=["lm-eval 0.4.13 on local copies."], datasets=["gutenberg"]
+        trained, REPO, result=_result(trained), settings={"data_dir": "hub", "lm_eval": "0.4.13"}, datasets=["gutenberg"]
     )
     card = ModelCard(text)
     assert card.data.datasets == ["gutenberg"]
@@ -99,7 +99,7 @@ def test_card_with_results_and_trainer_state(trained: Path) -> None:
     assert "Peak logged learning rate: 0.0006" in text and "Batch size per device: 8" in text
     row = next(line for line in text.splitlines() if line.startswith("| tiny-ultramem |"))
     assert row.split("|")[-3].strip() == "–"  # DROP
-    assert "data not available: DROP" in text and "lm-eval 0.4.13 on local copies." in text
+    assert "data not available: DROP" in text and "lm-eval 0.4.13 on the Hub datasets" in text
 
 
 class _CommitRecorder:
@@ -129,7 +129,7 @@ def test_push_sends_one_commit_with_weights_config_code_tokenizer_and_card(
     checkpoint: Path, tmp_path: Path, recorder: _CommitRecorder, capsys: pytest.CaptureFixture[str]
 ) -> None:
     results_json = tmp_path / "results.json"
-    write_results(results_json, [_result(checkpoint)], {"limit": None}, ["lm-eval on the Hub datasets."])
+    write_results(results_json, [_result(checkpoint)], {"limit": None})
     argv = [
         str(checkpoint),
         "--repo-id",
@@ -166,7 +166,7 @@ def test_push_sends_one_commit_with_weights_config_code_tokenizer_and_card(
     config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_ultramem.UltraMemForCausalLM"
     card = operations["README.md"].path_or_fileobj.decode("utf-8")
-    assert card == render_card(checkpoint, REPO, result=_result(checkpoint), notes=["lm-eval on the Hub datasets."])
+    assert card == render_card(checkpoint, REPO, result=_result(checkpoint), settings={"limit": None})
     assert "model-index" in card
 
 
@@ -222,3 +222,32 @@ def test_push_refuses_a_folder_without_safetensors(
     with pytest.raises(SystemExit):
         push_main([str(tmp_path), "--repo-id", REPO, "--token", "hf_test"])
     assert "no *.safetensors weights" in capsys.readouterr().err and recorder.calls == []
+
+
+def test_card_names_a_pkm_checkpoint_and_a_limited_run_without_local_paths(checkpoint: Path, tmp_path: Path) -> None:
+    """The kind comes from the config's own mode constant; --limit shows in the notes and every model-index name."""
+    folder = tmp_path / "tiny-pkm"
+    folder.mkdir()
+    get_config("tiny-pkm").save_pretrained(folder)
+    data_dir = tmp_path / "private" / "eval"
+    settings = {"data_dir": str(data_dir), "limit": 10.0, "max_gen_toks": 32, "lm_eval": "0.4.13"}
+    text = render_card(folder, REPO, result=_result(folder), settings=settings)
+    assert "(PKM memory-layer baseline)" in text and "UltraMem memory layers" not in text
+    assert "At most 10 documents per task (--limit)" in text and "local copies of the published files" in text
+    assert all(r.metric_name.endswith(", --limit 10)") for r in ModelCard(text).data.eval_results)
+    assert str(tmp_path) not in text and "UltraMem memory layers" in render_card(checkpoint, REPO)
+
+
+@pytest.mark.parametrize("env", [{"HF_HUB_OFFLINE": "1"}, {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}])
+def test_push_without_network_is_one_line(checkpoint: Path, env: dict) -> None:
+    """In a child process: the Hub endpoint and offline mode are read when huggingface_hub is imported."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    child = {**os.environ, **env, "PYTHONPATH": str(repo)}
+    command = [sys.executable, "-m", "ultramem.hub_cards.push", str(checkpoint), "--repo-id", REPO, "--token", "hf_x"]
+    result = subprocess.run(command, env=child, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.startswith("ultramem-push: error: cannot reach the Hub at ") and result.stderr.count("\n") == 1

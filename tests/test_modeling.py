@@ -371,3 +371,60 @@ def test_signed_candidates_make_two_phase_top_m_exact_for_rank_one_cores():
         recalls[signed] = retrieval_diagnostics(model, input_ids, attention_mask)["tdqkr_recall"]
     assert recalls[True] == pytest.approx(1.0)
     assert recalls[False] < 0.8
+
+
+def test_static_cache_extended_decode_matches_full_forward():
+    """The decode benchmarks' cache path: StaticCache prefill, then one token at a time, with a random query conv."""
+    from transformers import StaticCache
+
+    config = small_config()
+    torch.manual_seed(0)
+    model = UltraMemForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "conv" in name:  # the identity init would hide a stale conv state
+                param.normal_()
+        input_ids = torch.randint(1, config.vocab_size, (2, 9))
+        full = model(input_ids).logits
+        cache = StaticCache(config=config, max_cache_len=16)
+        steps = [model(input_ids[:, :4], past_key_values=cache).logits]
+        steps += [model(input_ids[:, t : t + 1], past_key_values=cache).logits for t in range(4, 9)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_closed_form_core_svd_matches_lapack():
+    """The closed-form 2x2 SVD the model uses on accelerators, against LAPACK."""
+    from ultramem.modeling_ultramem import core_svd, svd_2x2
+
+    torch.manual_seed(0)
+    cores = torch.randn(4096, 2, 2, dtype=torch.float64)
+    values, u, t = svd_2x2(cores)
+    ref_values, ref_u, ref_t = core_svd(cores)  # LAPACK on CPU
+    sign = (u * ref_u).sum(-1, keepdim=True).sign()
+    torch.testing.assert_close(values, ref_values, rtol=0, atol=1e-12)
+    torch.testing.assert_close(u * sign, ref_u, rtol=0, atol=1e-10)
+    torch.testing.assert_close(t * sign, ref_t, rtol=0, atol=1e-10)
+
+
+def test_model_is_unchanged_with_the_closed_form_svd(monkeypatch):
+    """Logits, aux loss and its gradient are the same when the model takes the accelerator (closed-form) path."""
+    from ultramem import modeling_ultramem
+    from ultramem.modeling_ultramem import svd_2x2
+
+    config = small_config(memory_layers=[[0, 2], [1, 3]])
+    torch.manual_seed(0)
+    model = UltraMemForCausalLM(config)
+    input_ids = torch.randint(1, config.vocab_size, (2, 7))
+
+    def run():
+        model.zero_grad()
+        out = model(input_ids, labels=input_ids)
+        out.loss.backward()
+        cores = model.model.memory_layers[0].retrieval.cores.grad.clone()
+        return out.logits.detach(), out.aux_loss.detach(), cores
+
+    lapack = run()
+    monkeypatch.setattr(modeling_ultramem, "core_svd", svd_2x2)
+    closed_form = run()
+    for reference, value in zip(lapack, closed_form, strict=True):
+        torch.testing.assert_close(value, reference, rtol=1e-5, atol=1e-6)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import small_config
 from safetensors import safe_open
+from transformers import AutoTokenizer
 
 from ultramem import UltraMemForCausalLM
 
@@ -103,3 +104,31 @@ def test_shuffle_is_stored_not_rederived(saved):
     save_file(state, altered / "model.safetensors", metadata={"format": "pt"})
     model = UltraMemForCausalLM.from_pretrained(altered)
     assert torch.equal(model.model.memory_layers[0].value_expansion.virtual_to_physical, shuffles[0].flip(0))
+
+
+def test_readme_snippet_saves_a_folder_that_pipeline_and_autotokenizer_load(tmp_path, monkeypatch):
+    """README's "Use it from Transformers" snippet, run as written, in an empty folder."""
+    import re
+
+    from transformers import pipeline
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Use it from Transformers", 1)[1]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(snippet, "README.md", "exec"), {})
+    generator = pipeline("text-generation", model="my-ultramem", trust_remote_code=True)
+    assert generator("The whale", max_new_tokens=2, do_sample=False)[0]["generated_text"].startswith("The whale")
+
+
+def test_tools_name_the_fix_for_a_folder_without_tokenizer(tmp_path, capsys):
+    from ultramem.eval.cli import main as eval_main
+    from ultramem.tokenization import add_to_checkpoint
+
+    folder = tmp_path / "no-tokenizer"
+    UltraMemForCausalLM(small_config()).save_pretrained(folder)
+    with pytest.raises(SystemExit):
+        eval_main(["--model", str(folder)])
+    assert f"no tokenizer (tokenizer.json); add the shipped GPT-NeoX tokenizer with `python -m ultramem.tokenization {folder}`" in capsys.readouterr().err
+    add_to_checkpoint(folder)
+    assert AutoTokenizer.from_pretrained(folder)("The whale").input_ids

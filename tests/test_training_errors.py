@@ -8,7 +8,7 @@ import subprocess
 import pytest
 from test_training_support import REPO, base_args, child_env, python_module, write_config, write_corpus
 
-from ultramem import presets
+from ultramem import presets, sizing
 from ultramem.training.cli import main
 
 
@@ -89,4 +89,59 @@ def test_deepspeed_batch_size_that_contradicts_the_trainer(tmp_path, files):
     errors = [line for line in result.stderr.splitlines() if line.startswith("ultramem-train: error:")]
     assert len(errors) == 1, result.stderr[-3000:]
     assert "ds train_micro_batch_size_per_gpu=8 vs hf per_device_train_batch_size=2" in errors[0]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--learning_rate", "-1"], "--learning_rate -1.0: must be >= 0"),
+        (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0: must be at least 1"),
+        (["--per_device_eval_batch_size", "-2"], "--per_device_eval_batch_size -2: must be at least 1"),
+        (["--max_eval_samples", "-1"], "--max_eval_samples -1: must be >= 0 (0: all validation blocks)"),
+        (["--config_overrides", "hidden_size=abc"], "--config_overrides: TypeError: Field 'hidden_size' expected int"),
+    ],
+)
+def test_bad_values_are_one_line_before_tokenizing(tmp_path, flags, message, capsys, monkeypatch):
+    import ultramem.training.cli as cli
+
+    monkeypatch.setattr(cli, "load_raw_datasets", lambda args: pytest.fail("the data was read before the check"))
+    error = run_and_get_error(["--preset", "tiny-ultramem", "--output_dir", str(tmp_path / "out"), *flags], capsys)
+    assert message in error
+
+
+def test_malformed_jsonl_names_the_line(tmp_path, files, capsys):
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "fine"}\n\n{"text": "cut off"\n{"text": "fine"}\n')
+    error = run_and_get_error(base_args(files[0], broken, tmp_path / "out"), capsys)
+    assert "--train_file" in error and "line 3 is not valid JSON (Expecting ',' delimiter at column 19)" in error
+
+
+def test_text_shorter_than_one_block_says_how_many_tokens_it_has(tmp_path, files, capsys):
+    short = tmp_path / "short.txt"
+    short.write_text("Hello world.\n")
+    error = run_and_get_error(base_args(files[0], short, tmp_path / "out"), capsys)
+    assert "--block_size 32: the train text has only 4 tokens, less than one block; allowed range" in error
+
+
+def test_a_presets_own_saved_config_is_no_contradiction(tmp_path):
+    """save_pretrained adds architectures, dtype, auto_map: metadata, not a different model."""
+    from ultramem.training.arguments import ModelArguments
+    from ultramem.training.model_setup import build_config
+
+    sizing.build_model(presets.get_config("tiny-dense")).save_pretrained(tmp_path / "saved")
+    args = ModelArguments(preset="tiny-dense", config_file=str(tmp_path / "saved" / "config.json"))
+    assert build_config(args).to_dict() == presets.get_config("tiny-dense").to_dict()
+
+
+def test_deepspeed_without_a_launcher_is_one_line(tmp_path, files):
+    """In a child process: one process without a launcher would fall back to MPI discovery (mpi4py) in train()."""
+    argv = base_args(*files, tmp_path / "out", deepspeed="zero2")
+    result = subprocess.run(
+        python_module("ultramem.training", *argv), cwd=REPO, env=child_env(DS_ACCELERATOR="cpu"),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ultramem-train: error:")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    assert "zero2.json: needs a launcher, even for one process: `deepspeed --num_gpus N" in errors[0]
     assert not (tmp_path / "out").exists()

@@ -68,3 +68,39 @@ def test_defaults_are_the_paper_recipe(tmp_path):
     assert args.lr_scheduler_type == "cosine_with_min_lr" and args.lr_scheduler_kwargs == {"min_lr_rate": 0.1}
     assert args.get_warmup_steps(1000) == 10 and math.isclose(args.warmup_steps, 0.01)
     assert data_args.train_file is None  # the embedded corpus
+
+
+def test_evaluation_is_capped_by_default(tmp_path):
+    """`--max_eval_samples` defaults to a cap (evaluating every held-out block took minutes); 0 lifts it."""
+    from ultramem.tokenization import load_tokenizer
+    from ultramem.training.arguments import DEFAULT_MAX_EVAL_SAMPLES
+    from ultramem.training.data import tokenize_and_pack
+
+    text = tmp_path / "text.txt"
+    text.write_text("one two three four five six seven eight\n" * 600)
+    _, data, training = parse_args(["--preset", "tiny-dense", "--output_dir", str(tmp_path), "--train_file", str(text),
+                             "--validation_file", str(text), "--block_size", "8"])  # fmt: skip
+    raw, tokenizer = load_raw_datasets(data), load_tokenizer()
+    blocks = tokenize_and_pack(raw, tokenizer, data, training.main_process_first)
+    assert data.max_eval_samples == DEFAULT_MAX_EVAL_SAMPLES and len(blocks["validation"]) == DEFAULT_MAX_EVAL_SAMPLES
+    data.max_eval_samples = 0
+    assert len(tokenize_and_pack(raw, tokenizer, data, training.main_process_first)["validation"]) == len(blocks["train"])
+
+
+def test_atomic_checkpoints_are_their_own_piece(tmp_path):
+    """Any Trainer gets whole-or-nothing checkpoints from `AtomicCheckpointTrainer`; the recipe trainer adds none."""
+    from conftest import small_config
+    from transformers import TrainingArguments
+
+    from ultramem import UltraMemForCausalLM
+    from ultramem.training.checkpointing import AtomicCheckpointTrainer
+    from ultramem.training.trainer import UltraMemTrainer
+
+    assert issubclass(UltraMemTrainer, AtomicCheckpointTrainer)
+    assert not {"_save_checkpoint", "_get_output_dir"} & set(vars(UltraMemTrainer))
+    ids = torch.randint(1, 97, (4, 8))
+    args = TrainingArguments(tmp_path, max_steps=2, save_steps=1, save_total_limit=1, per_device_train_batch_size=2,
+                             report_to="none", use_cpu=True, disable_tqdm=True)  # fmt: skip
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    AtomicCheckpointTrainer(model=UltraMemForCausalLM(small_config()), args=args, train_dataset=data).train()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["checkpoint-2"]

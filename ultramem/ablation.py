@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .configuration_ultramem import UltraMemConfig
+from .configuration_ultramem import TUCKER, UltraMemConfig
 from .presets import BACKBONES, PKM_SWITCHES, VOCAB_SIZE
 
 
@@ -49,7 +49,7 @@ def _ladder_step(row: str, previous: dict[str, Any], skip_layers: list[list[int]
         config["ive_expansion"] = 4
         config["memory_num_keys"] *= 2
     elif row == "+TDQKR":
-        config["retrieval_mode"] = "tucker"
+        config["retrieval_mode"] = TUCKER
         config["tucker_rank"] = 2
     elif row == "+MCS":
         config["mcs_cores"] = 2

@@ -2,13 +2,19 @@
 
 
 import math
+from typing import Literal, get_args
 
 from huggingface_hub.dataclasses import strict
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
-MEMORY_KERNELS = ("auto", "triton", "torch")
-RETRIEVAL_MODES = ("product_key", "tucker")
+# The allowed values of the mode fields, defined once: code compares with these names, never with string literals.
+MemoryKernel = Literal["auto", "triton", "torch"]
+RetrievalMode = Literal["product_key", "tucker"]
+MEMORY_KERNELS: tuple[MemoryKernel, ...] = get_args(MemoryKernel)
+RETRIEVAL_MODES: tuple[RetrievalMode, ...] = get_args(RetrievalMode)
+PRODUCT_KEY: RetrievalMode = "product_key"  # PKM's product keys (the baseline)
+TUCKER: RetrievalMode = "tucker"  # UltraMem's Tucker-decomposed query-key retrieval (TDQKR)
 
 
 class UltraMemConfigError(ValueError):
@@ -84,7 +90,7 @@ class UltraMemConfig(PreTrainedConfig):
     memory_topk: int = 16
     memory_key_dim: int = 256
     memory_num_keys: int = 2200
-    retrieval_mode: str = "tucker"
+    retrieval_mode: str = TUCKER  # a RetrievalMode; typed str so __post_init__'s error names the allowed range
     tucker_rank: int = 2
     mcs_cores: int = 2
     tdqkr_signed_candidates: bool = False
@@ -111,7 +117,7 @@ class UltraMemConfig(PreTrainedConfig):
     value_lr_decay: bool = True
 
     # Which implementation of the memory ops runs: "auto" = Triton on CUDA, PyTorch elsewhere
-    memory_kernel: str = "auto"
+    memory_kernel: str = "auto"  # a MemoryKernel (typed str, as retrieval_mode)
 
     # Derived, for the generation cache: blocks whose cache layer also holds query-conv states
     layer_types: list[str] | None = None
@@ -238,7 +244,7 @@ class UltraMemConfig(PreTrainedConfig):
             self.memory_value_dim,
             f"must be divisible by mcs_cores={self.mcs_cores}",
         )
-        if self.retrieval_mode == "product_key":
+        if self.retrieval_mode == PRODUCT_KEY:
             _require(self.tucker_rank == 1, "tucker_rank", self.tucker_rank, "must be 1 with retrieval_mode='product_key'")
             _require(self.mcs_cores == 1, "mcs_cores", self.mcs_cores, "must be 1 with retrieval_mode='product_key'")
         if not self.value_projection:

@@ -1,6 +1,6 @@
 """Named configs: the paper's Table "Model parameter setting" and tiny CPU models.
 
-Conventions (see SPEC.md): memory placement pairs are 0-based (paper "3:5" -> (2, 4)); the paper's
+Conventions (see docs/DECISIONS.md): memory placement pairs are 0-based (paper "3:5" -> (2, 4)); the paper's
 "Top-m" column "16x2" is m=16 values per head times H=2 heads; its "Knum" is sqrt(N physical values),
 so the keys per axis are sqrt(E) * Knum. MoE rows are Transformers' Mixtral with SwiGLU experts of
 2/3 the paper's GeLU expert width, which matches the paper's parameters and FLOPs per token.
@@ -23,7 +23,7 @@ from typing import Any
 
 from transformers import MixtralConfig, PreTrainedConfig
 
-from .configuration_ultramem import UltraMemConfig
+from .configuration_ultramem import PRODUCT_KEY, UltraMemConfig
 from .sizing import count_parameters
 
 VOCAB_SIZE = 50432
@@ -55,7 +55,7 @@ BACKBONES = {
 
 # The plain PKM baseline: product keys, softmax, full value dim, one layer in parallel with a block.
 PKM_SWITCHES: dict[str, Any] = dict(
-    retrieval_mode="product_key",
+    retrieval_mode=PRODUCT_KEY,
     memory_score_softmax=True,
     value_projection=False,
     share_query=False,

@@ -13,7 +13,11 @@ from .modeling_ultramem import UltraMemForCausalLM
 
 
 def build_model(config: PreTrainedConfig) -> PreTrainedModel:
-    """A randomly initialised model for a preset's config."""
+    """A randomly initialised model for a preset's config.
+
+    `save_pretrained` writes no tokenizer: save `ultramem.tokenization.load_tokenizer()` into the same folder (or
+    run `python -m ultramem.tokenization FOLDER`), or `AutoTokenizer`, `pipeline` and lm-eval cannot load it.
+    """
     if isinstance(config, MixtralConfig):
         return MixtralForCausalLM(config)
     return UltraMemForCausalLM(config)

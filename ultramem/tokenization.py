@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 from importlib import resources
+from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
 
@@ -28,3 +30,18 @@ def load_tokenizer(model_max_length: int = 2048) -> PreTrainedTokenizerFast:
         padding_side="left",
         model_max_length=model_max_length,
     )
+
+
+def add_to_checkpoint(folder: str | Path) -> Path:
+    """Save the tokenizer into a checkpoint folder that has none (`model.save_pretrained` alone writes none), sized
+    to the model's context, so `AutoTokenizer`, `pipeline`, `lm_eval` and `ultramem-eval` can load the folder."""
+    from transformers import AutoConfig
+
+    context = getattr(AutoConfig.from_pretrained(folder, trust_remote_code=True), "max_position_embeddings", None)
+    load_tokenizer(model_max_length=context or 2048).save_pretrained(folder)
+    return Path(folder)
+
+
+if __name__ == "__main__":  # python -m ultramem.tokenization CKPT [CKPT ...]
+    for checkpoint in sys.argv[1:]:
+        print(f"tokenizer saved into {add_to_checkpoint(checkpoint)}")

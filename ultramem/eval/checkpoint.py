@@ -29,6 +29,19 @@ def require_checkpoint(path: str | Path, option: str = "--model") -> Path:
     return folder
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def require_tokenizer(folder: Path, option: str = "--model") -> Path:
+    """A checkpoint without a tokenizer fails later in AutoTokenizer with a sentencepiece/tiktoken error: say it now."""
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise CheckpointError(
+            f"{option} {folder}: no tokenizer (tokenizer.json); add the shipped GPT-NeoX tokenizer with "
+            f"`python -m ultramem.tokenization {folder}`"
+        )
+    return folder
+
+
 def load_config(folder: Path) -> PreTrainedConfig:
     """The checkpoint's config, as this package's class for UltraMem and Mixtral (the MoE baseline)."""
     model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")

@@ -20,9 +20,22 @@ from tqdm.auto import tqdm
 
 from ultramem.eval import tasks_path
 from ultramem.eval.benchmarks import Benchmark, group_entries, select
-from ultramem.eval.checkpoint import load_config, parameter_counts, require_checkpoint, validation_loss
+from ultramem.eval.checkpoint import (
+    load_config,
+    parameter_counts,
+    require_checkpoint,
+    require_tokenizer,
+    validation_loss,
+)
 from ultramem.eval.local_data import LocalDataMissing
-from ultramem.eval.report import ModelResult, bar_chart, markdown_table, scores_from_lm_eval, write_results
+from ultramem.eval.report import (
+    ModelResult,
+    bar_chart,
+    markdown_table,
+    run_notes,
+    scores_from_lm_eval,
+    write_results,
+)
 
 LOCAL_LOADER = "ultramem.eval.local_data.load_local"
 
@@ -145,19 +158,6 @@ def _require_lm_eval() -> None:
         raise ValueError("ultramem-eval needs lm-eval-harness: pip install 'ultramem[eval]'")
 
 
-def _run_notes(args: argparse.Namespace) -> list[str]:
-    """What a reader of the table must know to compare it with the paper: data source and any caps."""
-    from importlib.metadata import version
-
-    source = f"local copies in {args.data_dir}" if args.data_dir else "the Hub datasets"
-    notes = [f"lm-eval {version('lm_eval')} on {source}; shots and metrics of the ultramem_paper group."]
-    if args.limit is not None:
-        notes.append(f"At most {args.limit:g} documents per task (--limit): not comparable with full-set scores.")
-    if args.max_gen_toks is not None:
-        notes.append(f"Generation capped at {args.max_gen_toks} tokens (--max-gen-toks).")
-    return notes
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -165,23 +165,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_args(args)
         _require_lm_eval()
         benchmarks = select(args.tasks)
-        checkpoints = [require_checkpoint(path) for path in args.model]
+        checkpoints = [require_tokenizer(require_checkpoint(path)) for path in args.model]
     except ValueError as err:  # includes CheckpointError
         parser.exit(2, f"ultramem-eval: error: {err}\n")
     try:
         results = evaluate(checkpoints, benchmarks, args)
     except LocalDataMissing as err:
         parser.exit(2, f"ultramem-eval: error: {err}\n")
-    notes = _run_notes(args)
+    from importlib.metadata import version
+
     args.output.mkdir(parents=True, exist_ok=True)
     settings = {
         "tasks": args.tasks,
         "data_dir": str(args.data_dir) if args.data_dir else "hub",
         "limit": args.limit,
         "max_gen_toks": args.max_gen_toks,
+        "lm_eval": version("lm_eval"),
     }
-    write_results(args.output / "results.json", results, settings, notes)
-    table = markdown_table(results, notes)
+    write_results(args.output / "results.json", results, settings)
+    table = markdown_table(results, run_notes(settings))
     (args.output / "results.md").write_text(table, encoding="utf-8")
     if len(results) > 1:
         bar_chart(results, args.output / "results.png")

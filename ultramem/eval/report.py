@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,17 +90,32 @@ def bar_chart(results: list[ModelResult], path: Path, benchmarks: tuple[Benchmar
     plt.close(fig)
 
 
-def write_results(path: Path, results: list[ModelResult], settings: dict[str, Any], notes: Sequence[str]) -> None:
+def run_notes(settings: Mapping[str, Any]) -> list[str]:
+    """What a reader of the scores must know to compare them with the paper: data source and any caps.
+
+    Derived from the run's settings alone, so a table and a model card say the same and never show a local path.
+    """
+    version = f"lm-eval {settings['lm_eval']}" if settings.get("lm_eval") else "lm-eval"
+    source = "the Hub datasets" if settings.get("data_dir", "hub") == "hub" else "local copies of the published files"
+    notes = [f"{version} on {source}; shots and metrics of the ultramem_paper group."]
+    if settings.get("limit") is not None:
+        notes.append(f"At most {settings['limit']:g} documents per task (--limit): not comparable with full-set scores.")
+    if settings.get("max_gen_toks") is not None:
+        notes.append(f"Generation capped at {settings['max_gen_toks']} tokens (--max-gen-toks).")
+    return notes
+
+
+def write_results(path: Path, results: list[ModelResult], settings: dict[str, Any]) -> None:
     payload = {
         "benchmarks": [asdict(b) for b in BENCHMARKS],
         "settings": settings,
-        "notes": list(notes),
+        "notes": run_notes(settings),
         "models": [asdict(r) for r in results],
     }
     path.write_text(json.dumps(payload, indent=1, default=str), encoding="utf-8")
 
 
-def read_results(path: str | Path) -> tuple[list[ModelResult], list[str]]:
-    """Model results and table notes (data source, limits) of a results JSON written by `ultramem-eval`."""
+def read_results(path: str | Path) -> tuple[list[ModelResult], dict[str, Any]]:
+    """Model results and run settings (data source, --limit, --max-gen-toks) of an `ultramem-eval` results JSON."""
     payload = json.loads(Path(path).read_text(encoding="utf-8"))
-    return [ModelResult(**model) for model in payload["models"]], payload["notes"]
+    return [ModelResult(**model) for model in payload["models"]], payload["settings"]

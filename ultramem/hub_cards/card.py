@@ -7,7 +7,7 @@ with empty numbers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -15,7 +15,7 @@ from typing import Any
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from transformers import MixtralConfig, PreTrainedConfig
 
-from ultramem.configuration_ultramem import UltraMemConfig
+from ultramem.configuration_ultramem import PRODUCT_KEY, UltraMemConfig
 from ultramem.eval.benchmarks import BENCHMARKS, group_entries
 from ultramem.eval.checkpoint import (
     load_config,
@@ -24,7 +24,7 @@ from ultramem.eval.checkpoint import (
     trainer_state,
     validation_loss,
 )
-from ultramem.eval.report import ModelResult, markdown_table
+from ultramem.eval.report import ModelResult, markdown_table, run_notes
 
 PAPER = "https://arxiv.org/abs/2411.12364"
 LM_EVAL = "https://github.com/EleutherAI/lm-evaluation-harness"
@@ -40,7 +40,7 @@ def _kind(config: PreTrainedConfig) -> str:
     if isinstance(config, MixtralConfig):
         return "Mixture-of-Experts baseline (Transformers' Mixtral)"
     if isinstance(config, UltraMemConfig) and config.memory_layers:
-        return "PKM memory-layer baseline" if config.retrieval_mode == "pkm" else "UltraMem memory layers"
+        return "PKM memory-layer baseline" if config.retrieval_mode == PRODUCT_KEY else "UltraMem memory layers"
     if isinstance(config, UltraMemConfig):
         return "dense baseline: the UltraMem backbone without memory layers"
     return config.model_type
@@ -146,15 +146,17 @@ print(tokenizer.decode(model.generate(**inputs, max_new_tokens=20)[0]))
 """
 
 
-def _eval_section(result: ModelResult, notes: Sequence[str]) -> str:
+def _eval_section(result: ModelResult, settings: Mapping[str, Any]) -> str:
     return (
         "## Evaluation\n\nlm-eval-harness, task group `ultramem_paper` (the paper's ten benchmarks and shot settings), "
-        "scores in percent:\n\n" + markdown_table([result], notes)
+        "scores in percent:\n\n" + markdown_table([result], run_notes(settings))
     )
 
 
-def _eval_results(result: ModelResult) -> list[EvalResult]:
+def _eval_results(result: ModelResult, settings: Mapping[str, Any]) -> list[EvalResult]:
+    """The model-index entries; a score of a limited run says so in its name, as the Hub shows no notes."""
     shots = {name: entry.get("num_fewshot") for name, entry in group_entries().items()}
+    limit = f", --limit {settings['limit']:g}" if settings.get("limit") is not None else ""
     return [
         EvalResult(
             task_type="text-generation",
@@ -162,7 +164,7 @@ def _eval_results(result: ModelResult) -> list[EvalResult]:
             dataset_name=b.title,
             metric_type=b.metric.split(",")[0],
             metric_value=round(result.scores[b.key], 2),
-            metric_name=f"{b.title} ({shots[b.task]}-shot)",
+            metric_name=f"{b.title} ({shots[b.task]}-shot{limit})",
             source_name="lm-evaluation-harness (ultramem_paper)",
             source_url=LM_EVAL,
         )
@@ -175,12 +177,17 @@ def render_card(
     checkpoint: str | Path,
     repo_id: str,
     result: ModelResult | None = None,
-    notes: Sequence[str] = (),
+    settings: Mapping[str, Any] | None = None,
     datasets: Sequence[str] = (),
     base_model: str | None = None,
     license: str = "apache-2.0",
 ) -> str:
-    """README.md text for `checkpoint` published as `repo_id`; `result` adds the scores and the model-index."""
+    """README.md text for `checkpoint` published as `repo_id`; `result` adds the scores and the model-index.
+
+    `settings` are those of the `ultramem-eval` run that scored `result` (its results JSON): the card states the
+    data source and any `--limit` or `--max-gen-toks`, never a local path.
+    """
+    settings = settings or {}
     folder = require_checkpoint(checkpoint, option="checkpoint")
     config = load_config(folder)
     name = repo_id.split("/")[-1]
@@ -194,7 +201,7 @@ def render_card(
         datasets=list(datasets) or None,
         base_model=base_model,
         model_name=name if scored else None,
-        eval_results=_eval_results(result) if scored else None,
+        eval_results=_eval_results(result, settings) if scored else None,
     )
     sections = [
         f"# {name}\n\n{name} is a causal language model ({_kind(config)}) built with `ultramem`, the reference "
@@ -203,7 +210,7 @@ def render_card(
         _memory_section(config),
         _training_section(config, folder),
         _usage_section(repo_id),
-        _eval_section(replace(result, name=name), notes) if scored else None,
+        _eval_section(replace(result, name=name), settings) if scored else None,
         f"## Citation\n\n```bibtex\n{CITATION}\n```\n",
     ]
     body = "\n".join(section for section in sections if section)

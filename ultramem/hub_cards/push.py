@@ -14,14 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, get_token
-from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
+import httpx2
+from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, constants, get_token
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
 from huggingface_hub.utils import validate_repo_id
 
-from ultramem.eval.checkpoint import require_checkpoint
+from ultramem.eval.checkpoint import require_checkpoint, require_tokenizer
 from ultramem.eval.report import ModelResult, read_results
 from ultramem.hub_cards.card import render_card
 
@@ -61,8 +63,7 @@ def files_to_push(folder: Path) -> list[Path]:
     code = sorted(folder.glob("*.py"))
     if config.get("model_type") == "ultramem" and ("auto_map" not in config or not code):
         raise PushError(f"checkpoint {folder}: config.json has no auto_map or the model code files are missing")
-    if not (folder / "tokenizer.json").is_file():
-        raise PushError(f"checkpoint {folder}: no tokenizer.json (save the tokenizer into the folder too)")
+    require_tokenizer(folder, option="checkpoint")
     named = [folder / name for name in (*CONFIG_FILES, *TOKENIZER_FILES) if (folder / name).is_file()]
     return weights + named + code
 
@@ -82,7 +83,7 @@ def push_checkpoint(
     private: bool = False,
     revision: str | None = None,
     result: ModelResult | None = None,
-    notes: Sequence[str] = (),
+    settings: Mapping[str, Any] | None = None,
     datasets: Sequence[str] = (),
     base_model: str | None = None,
 ) -> CommitInfo:
@@ -90,7 +91,7 @@ def push_checkpoint(
     check_repo_id(repo_id)
     token = require_token(token)
     folder = require_checkpoint(checkpoint, option="checkpoint")
-    card = render_card(folder, repo_id, result=result, notes=notes, datasets=datasets, base_model=base_model)
+    card = render_card(folder, repo_id, result=result, settings=settings, datasets=datasets, base_model=base_model)
     operations = build_operations(folder, card)
     api = HfApi(token=token)
     message = f"Upload {folder.name} with ultramem-push"
@@ -109,14 +110,14 @@ def push_checkpoint(
     return commit()
 
 
-def _result_for(path: Path, checkpoint: Path) -> tuple[ModelResult, list[str]]:
-    """The entry of an ultramem-eval results JSON that scored this checkpoint (matched by folder)."""
-    results, notes = read_results(path)
+def _result_for(path: Path, checkpoint: Path) -> tuple[ModelResult, dict[str, Any]]:
+    """The entry of an ultramem-eval results JSON that scored this checkpoint (matched by folder), and its settings."""
+    results, settings = read_results(path)
     for result in results:
         if Path(result.checkpoint).resolve() == checkpoint.resolve():
-            return result, notes
+            return result, settings
     if len(results) == 1:
-        return results[0], notes
+        return results[0], settings
     names = ", ".join(r.checkpoint for r in results)
     raise PushError(f"--results {path}: no entry for checkpoint {checkpoint} (entries: {names})")
 
@@ -138,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        result, notes = _result_for(args.results, args.checkpoint) if args.results else (None, [])
+        result, settings = _result_for(args.results, args.checkpoint) if args.results else (None, None)
         info = push_checkpoint(
             args.checkpoint,
             args.repo_id,
@@ -146,12 +147,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             private=args.private,
             revision=args.revision,
             result=result,
-            notes=notes,
+            settings=settings,
             datasets=args.dataset,
             base_model=args.base_model,
         )
     except ValueError as err:  # PushError, CheckpointError
         parser.exit(2, f"ultramem-push: error: {err}\n")
+    except (ConnectionError, httpx2.TransportError) as err:  # no network, HF_HUB_OFFLINE=1, a proxy refusing
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        parser.exit(2, f"ultramem-push: error: cannot reach the Hub at {constants.ENDPOINT} ({reason}); nothing was pushed\n")
+    except HfHubHTTPError as err:  # the Hub answered with an error (bad token, no rights, ...)
+        parser.exit(2, f"ultramem-push: error: the Hub refused the push: {str(err).strip().splitlines()[0]}\n")
     print(f"pushed {args.checkpoint} to {info.commit_url}")
     return 0
 

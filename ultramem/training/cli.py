@@ -81,23 +81,51 @@ def check_block_size(block_size: int, config: PretrainedConfig) -> None:
         )
 
 
+def check_ranges(data: DataArguments, args: UltraMemTrainingArguments) -> None:
+    """Values rejected only deep inside tokenizing or `train()` (after the model is built), checked first."""
+    if data.max_train_samples is not None and data.max_train_samples < 1:
+        raise UsageError(f"--max_train_samples {data.max_train_samples}: must be at least 1")
+    if data.max_eval_samples < 0:
+        raise UsageError(f"--max_eval_samples {data.max_eval_samples}: must be >= 0 (0: all validation blocks)")
+    if not args.learning_rate >= 0:
+        raise UsageError(f"--learning_rate {args.learning_rate}: must be >= 0")
+    for flag in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag} {getattr(args, flag)}: must be at least 1")
+
+
 def check_deepspeed(args: UltraMemTrainingArguments) -> None:
-    """Report DeepSpeed/Trainer contradictions now, in one line, instead of after the model is built."""
+    """Report DeepSpeed/Trainer contradictions and a missing launcher now, in one line, not after the model is built."""
     ds_config = getattr(args, "hf_deepspeed_config", None)
-    if ds_config is not None and ds_config.mismatches:
+    if ds_config is None:
+        return
+    if ds_config.mismatches:
         found = "; ".join(line.lstrip("- ") for line in ds_config.mismatches)
         raise UsageError(f"--deepspeed {args.deepspeed} contradicts the Trainer arguments: {found}")
+    if "LOCAL_RANK" not in os.environ:  # without a launcher DeepSpeed falls back to MPI discovery (mpi4py)
+        raise UsageError(
+            f"--deepspeed {args.deepspeed}: needs a launcher, even for one process: "
+            "`deepspeed --num_gpus N --module ultramem.training ...` or "
+            "`accelerate launch --config_file ultramem/configs/accelerate/zero2.yaml -m ultramem.training ...`"
+        )
 
 
 def run(argv: list[str], callbacks: list[TrainerCallback] | None = None) -> dict[str, float]:
     """Train and evaluate; returns the final evaluation metrics (with perplexity). `callbacks` go to the Trainer."""
     model_args, data_args, training_args = parse_args(argv)
+    check_ranges(data_args, training_args)
     config = build_config(model_args)
     check_block_size(data_args.block_size, config)
     check_deepspeed(training_args)
     tokenizer = load_tokenizer(model_max_length=max_positions(config) or data_args.block_size)
     blocks = tokenize_and_pack(load_raw_datasets(data_args), tokenizer, data_args, training_args.main_process_first)
 
+    if training_args.should_log:
+        print(
+            f"ultramem-train: {len(blocks['train'])} training blocks; evaluating on {len(blocks['validation'])} "
+            f"validation blocks (--max_eval_samples {data_args.max_eval_samples}, 0: all)",
+            file=sys.stderr,
+        )
     set_seed(training_args.seed)
     model = build_model(model_args, config)
     diagnostics_count = min(training_args.diagnostics_batch_size, len(blocks["validation"]))

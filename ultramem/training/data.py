@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import bz2
+import gzip
+import json
+import lzma
 import os
 from importlib import resources
 from itertools import chain
@@ -15,6 +19,7 @@ from ultramem.training.arguments import DataArguments
 from ultramem.training.errors import UsageError
 
 _COMPRESSION_SUFFIXES = {".xz", ".gz", ".bz2", ".zst", ".lz4"}
+_OPENERS = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open}
 _BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -46,7 +51,22 @@ def _load_file(path: str, flag: str) -> Dataset:
     try:
         return load_dataset(builder, data_files={"train": path}, split="train")
     except Exception as error:  # datasets raises many types for malformed files; report the first line
-        raise UsageError(f"{flag} {path}: could not be read as {builder}: {_first_line(error)}") from error
+        where = _first_bad_json_line(path) if builder == "json" else None
+        raise UsageError(f"{flag} {path}: could not be read as {builder}: {where or _first_line(error)}") from error
+
+
+def _first_bad_json_line(path: str) -> str | None:
+    """Where a JSON Lines file breaks (datasets only says that it does); None when the file is one JSON document."""
+    opener = _OPENERS.get(Path(path).suffix, open)
+    with opener(path, "rt", encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as error:
+                return f"line {number} is not valid JSON ({error.msg} at column {error.colno})"
+    return None
 
 
 def _first_line(error: Exception) -> str:
@@ -99,6 +119,16 @@ def pack_blocks(examples: dict[str, list[list[int]]], block_size: int) -> dict[s
     return {"input_ids": blocks, "labels": [list(block) for block in blocks]}
 
 
+def _require_a_block(packed: DatasetDict, tokenized: DatasetDict, split: str, block_size: int) -> None:
+    """A split shorter than one block gives no sample: say how many tokens it has, hence the block sizes that work."""
+    if len(packed[split]) == 0:
+        tokens = sum(len(ids) for ids in tokenized[split]["input_ids"])
+        raise UsageError(
+            f"--block_size {block_size}: the {split} text has only {tokens} tokens, less than one block; "
+            f"allowed range for this text is 1..{tokens}, or give more text"
+        )
+
+
 def tokenize_and_pack(
     raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, args: DataArguments, main_process_first: Any
 ) -> DatasetDict:
@@ -124,6 +154,7 @@ def tokenize_and_pack(
             num_proc=args.preprocessing_num_workers,
             desc=f"Packing into blocks of {args.block_size}",
         )
+    _require_a_block(packed, tokenized, "train", args.block_size)
     if "validation" not in packed:
         train = packed["train"]
         held_out = max(1, int(len(train) * args.validation_split_percentage / 100))
@@ -136,12 +167,9 @@ def tokenize_and_pack(
             train=train.select(range(len(train) - held_out)),
             validation=train.select(range(len(train) - held_out, len(train))),
         )
-    for name, flag in (("train", "--max_train_samples"), ("validation", "--max_eval_samples")):
-        if len(packed[name]) == 0:
-            raise UsageError(f"--block_size {args.block_size}: the {name} text is shorter than one block")
-        limit = args.max_train_samples if name == "train" else args.max_eval_samples
-        if limit is not None:
-            if limit < 1:
-                raise UsageError(f"{flag} {limit}: must be at least 1")
-            packed[name] = packed[name].select(range(min(limit, len(packed[name]))))
+    _require_a_block(packed, tokenized, "validation", args.block_size)
+    if args.max_train_samples is not None:
+        packed["train"] = packed["train"].select(range(min(args.max_train_samples, len(packed["train"]))))
+    if args.max_eval_samples:
+        packed["validation"] = packed["validation"].select(range(min(args.max_eval_samples, len(packed["validation"]))))
     return packed

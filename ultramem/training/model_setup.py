@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from ultramem.training.arguments import ModelArguments
@@ -38,10 +40,14 @@ def _read_config_file(path: str) -> dict[str, Any]:
     return data
 
 
+# What `save_pretrained` adds about the saved files, not about the model: never a contradiction with a preset.
+SAVE_METADATA = frozenset({"architectures", "auto_map", "dtype", "torch_dtype", "transformers_version"})
+
+
 def _check_agrees_with_preset(file_values: dict[str, Any], preset: PretrainedConfig, args: ModelArguments) -> None:
     reference = preset.to_dict()
     for key, value in file_values.items():
-        if key in reference and reference[key] != value and not key.startswith("_") and key != "transformers_version":
+        if key in reference and reference[key] != value and not key.startswith("_") and key not in SAVE_METADATA:
             raise UsageError(
                 f"--config_file {args.config_file} sets {key}={value!r}, which contradicts --preset {args.preset} "
                 f"({key}={reference[key]!r}); give only one of them, or change fields with --config_overrides"
@@ -83,6 +89,11 @@ def build_config(args: ModelArguments) -> PretrainedConfig:
         return AutoConfig.for_model(**{**values, **overrides})
     except UsageError:
         raise
+    except StrictDataclassError as error:  # a field of the wrong type: the last line names field, type and value
+        problem = str(error).strip().splitlines()[-1].strip()
+        field = re.search(r"Field '(\w+)'", problem)
+        source = "--config_overrides" if field and field.group(1) in overrides else "invalid model configuration"
+        raise UsageError(f"{source}: {problem}") from error
     except (ValueError, TypeError, KeyError, OSError) as error:
         raise UsageError(f"invalid model configuration: {str(error).strip().splitlines()[0]}") from error
 

@@ -1,22 +1,21 @@
-"""`Trainer` with the UltraMem recipe: a value-table parameter group, split loss logging, diagnostics, atomic saves."""
+"""`Trainer` with the UltraMem recipe: a value-table parameter group, split loss logging, memory diagnostics.
+
+Checkpoints are atomic (`ultramem.training.checkpointing`).
+"""
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections import defaultdict
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import Trainer
 from transformers.integrations import is_deepspeed_zero3_enabled
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import logging
 
+from ultramem.training.checkpointing import AtomicCheckpointTrainer
 from ultramem.training.schedule import VALUE_GROUP, value_lr_multiplier, with_value_multiplier
 
-STAGING_PREFIX = ".incomplete-"
 logger = logging.get_logger(__name__)
 
 
@@ -26,7 +25,7 @@ def value_table_names(model: nn.Module) -> set[str]:
     return set(getter()) if getter is not None else set()
 
 
-class UltraMemTrainer(Trainer):
+class UltraMemTrainer(AtomicCheckpointTrainer):
     """Trains any causal LM; for UltraMem it adds the value-LR group, aux/LM loss logs and memory diagnostics.
 
     `diagnostics_input_ids` is a fixed batch of validation tokens on which `retrieval_diagnostics` runs at
@@ -38,7 +37,6 @@ class UltraMemTrainer(Trainer):
         self.diagnostics_input_ids = diagnostics_input_ids
         self._loss_sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.args.device))
         self._steps_since_log = 0
-        self._staging_dir: str | None = None
         self._last_value_lr: float | None = None
 
     # ---- optimizer and schedule -------------------------------------------------------------------------------
@@ -154,38 +152,3 @@ class UltraMemTrainer(Trainer):
         if "loss" in logs and self.model.training:
             logs.update(self._training_log_extras())
         super().log(logs, start_time)
-
-    # ---- atomic checkpoints -----------------------------------------------------------------------------------
-    def _get_output_dir(self, trial: Any) -> str:
-        return self._staging_dir if self._staging_dir is not None else super()._get_output_dir(trial)
-
-    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        """Write the checkpoint into a hidden staging folder, then rename it: a killed save leaves no `checkpoint-N`."""
-        run_dir = self._get_output_dir(trial)
-        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        staging = os.path.join(run_dir, f"{STAGING_PREFIX}{name}")
-        if self.args.should_save and os.path.isdir(staging):
-            shutil.rmtree(staging)  # left over by a save that was killed
-        self.accelerator.wait_for_everyone()
-        self._staging_dir = staging
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self._staging_dir = None
-        self.accelerator.wait_for_everyone()
-        if self.args.should_save:
-            final = os.path.join(run_dir, name)
-            if os.path.isdir(final):
-                shutil.rmtree(final)
-            os.replace(os.path.join(staging, name), final)
-            shutil.rmtree(staging)
-            best = self.state.best_model_checkpoint
-            if best is not None and best.startswith(staging):
-                self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
-            rotate_checkpoints(
-                output_dir=run_dir,
-                save_total_limit=self.args.save_total_limit,
-                best_model_checkpoint=self.state.best_model_checkpoint,
-                use_mtime=True,
-            )
-        self.accelerator.wait_for_everyone()
