@@ -9,6 +9,7 @@ from transformers import DynamicCache, GPTNeoXConfig, GPTNeoXForCausalLM
 
 from ultramem import UltraMemForCausalLM
 from ultramem.diagnostics import retrieval_diagnostics
+from ultramem.modeling_ultramem import mcs_output_gain
 
 
 def _model(config, seed: int = 0) -> UltraMemForCausalLM:
@@ -339,11 +340,12 @@ def test_value_table_names_point_at_the_tables():
 
 
 def test_improved_init_scales():
-    """Values start at N(0, E/(2 m H L)) and the layer output near N(0, 1/(2L)) (appendix A)."""
+    """Values start at N(0, E/(2 m H L)) (times the MCS gain) and the layer output near N(0, 1/(2L)) (appendix A)."""
     config = small_config(memory_num_keys=64, memory_value_dim=64, memory_key_dim=32, hidden_size=64)
     model = _model(config)
     values = model.model.memory_layers[0].values.weight
     expected_std = (config.ive_expansion / (2 * config.memory_topk * config.memory_heads * config.num_hidden_layers)) ** 0.5
+    expected_std *= mcs_output_gain(config.memory_num_keys, config.memory_topk, config.tucker_rank, config.mcs_cores)
     assert values.std().item() == pytest.approx(expected_std, rel=0.05)
     input_ids = torch.randint(1, config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
     stats = retrieval_diagnostics(model, input_ids)

@@ -17,6 +17,7 @@ One memory layer, for one token (paper section 3):
     out = sum_p W_p^T pooled_p                              one GEMM over the E projectors
 """
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,6 +85,30 @@ def expected_top_m_mean(num_candidates: int, top_m: int) -> float:
     return normal.pdf(normal.inv_cdf(1.0 - tail)) / tail
 
 
+@functools.cache
+def mcs_output_gain(num_keys: int, top_m: int, rank: int, num_cores: int, samples: int = 512) -> float:
+    """sqrt(E[S^2] / E[mean_i s_i^2]) over the top-m slots at init: the value scale that makes h cores match one.
+
+    Sampled (seeded, float64) with standard normal row/column scores (r, n) and random cores, the top-m
+    taken by the two-phase search over the signed rank-1 candidates; see `MemoryInitScales`.
+    """
+    if num_cores == 1:
+        return 1.0
+    generator = torch.Generator().manual_seed(0)
+    rows, cols = torch.randn(2, samples, rank, num_keys, generator=generator, dtype=torch.float64, device="cpu")
+    cores = torch.randn(samples, num_cores, rank, rank, generator=generator, dtype=torch.float64, device="cpu")
+    cores = cores / (num_cores * rank * rank) ** 0.5  # E||sum_i C^(i)||_F^2 = 1, as `TuckerQueryKeyRetrieval`
+    left, _, right_h = torch.linalg.svd(cores.sum(1))
+    candidates = []
+    for scores, vector in ((rows, left[..., :, 0]), (cols, right_h[..., 0, :])):
+        projected = torch.einsum("srn,sr->sn", scores, vector)
+        index = torch.cat([projected.topk(top_m).indices, (-projected).topk(top_m).indices], dim=-1)  # (S, 2m)
+        candidates.append(scores.gather(-1, index.unsqueeze(1).expand(-1, rank, -1)))  # (S, r, 2m)
+    per_core = torch.einsum("sax,siab,sby->sixy", candidates[0], cores, candidates[1]).flatten(-2)  # (S, h, 4m^2)
+    selected = per_core.gather(-1, per_core.sum(1).topk(top_m).indices.unsqueeze(1).expand(-1, num_cores, -1))
+    return (selected.sum(1).pow(2).mean() / selected.pow(2).mean()).sqrt().item()
+
+
 @dataclass(frozen=True)
 class MemoryInitScales:
     """Initial scales of a memory layer: appendix A when `improved_init`, PKM's init otherwise.
@@ -91,6 +116,16 @@ class MemoryInitScales:
     Improved: values ~ N(0, E / (2 m H L)), so the layer's output starts like an MLP's, N(0, 1/(2L));
     query/key LayerNorm gains make the mean selected score about 1 (see `expected_top_m_mean`); the
     projectors keep the pooled variance. PKM: values ~ N(0, 1/Dv), unit gains.
+
+    Multi-core scoring (both inits): chunk i of a selected value is weighted by core i's score
+    s_i = a^T C^(i) b (a, b the slot's row and column scores), not by the summed score S = sum_i s_i that
+    selected it. With C^(i) = C / h + D_i, where D_i is independent of the sum C for Gaussian cores,
+    s_i = S / h + a^T D_i b and, per output dimension,
+        E[mean_i s_i^2] = E[S^2] / h^2 + (1 - 1/h) / h * E[||a||^2 ||b||^2] / r^2        (E||C||_F^2 = 1)
+    The first term alone makes the output of h cores 1/h that of one core; the second depends on how the
+    top-m selects large ||a|| ||b||, which has no closed form for product scores. `mcs_output_gain`
+    estimates sqrt(E[S^2] / E[mean_i s_i^2]) once by sampling (as the paper does for the top-m mean) and
+    the values are scaled by it, so the output's scale at init does not depend on h.
     """
 
     value_std: float
@@ -100,8 +135,9 @@ class MemoryInitScales:
 
     @classmethod
     def from_config(cls, config: UltraMemConfig) -> "MemoryInitScales":
+        core_scale = mcs_output_gain(config.memory_num_keys, config.memory_topk, config.tucker_rank, config.mcs_cores)
         if not config.improved_init:
-            return cls(config.memory_value_dim**-0.5, config.initializer_range, 1.0, 1.0)
+            return cls(core_scale * config.memory_value_dim**-0.5, config.initializer_range, 1.0, 1.0)
         num_groups = config.ive_expansion
         activated = config.memory_topk * config.memory_heads
         top_mean = expected_top_m_mean(config.memory_num_keys**2, config.memory_topk)
@@ -110,7 +146,7 @@ class MemoryInitScales:
         else:
             query_gain = 1.0 / (math.sqrt(2.0) * top_mean)  # Var(s_row + s_col) = 2 g^2
         return cls(
-            value_std=math.sqrt(num_groups / (2 * activated * config.num_hidden_layers)),
+            value_std=core_scale * math.sqrt(num_groups / (2 * activated * config.num_hidden_layers)),
             projector_std=(num_groups * config.memory_value_dim) ** -0.5,
             query_gain=query_gain,
             key_gain=(config.memory_key_dim // config.tucker_rank) ** -0.5,
