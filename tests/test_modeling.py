@@ -314,14 +314,15 @@ def test_inputs_embeds_and_hidden_states():
     assert by_ids.hidden_states[0].shape == (2, 6, config.hidden_size)
 
 
-def test_gradient_checkpointing_gives_same_gradients():
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_gradient_checkpointing_gives_same_gradients(use_reentrant):
     config = small_config()
     input_ids, _ = _left_padded_batch(config.vocab_size, [8, 8])
     grads = []
     for checkpointing in (False, True):
         model = _model(config).train()
         if checkpointing:
-            model.activation_checkpointing_enable()
+            model.activation_checkpointing_enable({"use_reentrant": use_reentrant})
         model(input_ids, labels=input_ids).loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()

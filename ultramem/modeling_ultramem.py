@@ -265,7 +265,10 @@ class UltraMemAttention(nn.Module):
 
 
 class UltraMemDecoderLayer(GradientCheckpointingLayer):
-    """Pre-norm transformer block; adds the outputs of the memory layers that write after it."""
+    """Pre-norm transformer block; adds the outputs of the memory layers that write after it.
+
+    `memory_output` is positional: reentrant gradient checkpointing only treats positional tensors as inputs.
+    """
 
     def __init__(self, config: UltraMemConfig, layer_idx: int):
         super().__init__()
@@ -278,10 +281,10 @@ class UltraMemDecoderLayer(GradientCheckpointingLayer):
     def forward(
         self,
         hidden_states: torch.Tensor,
+        memory_output: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_values: Cache | None = None,
-        memory_output: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         attn_output, _ = self.self_attn(
@@ -784,14 +787,16 @@ class UltraMemModel(UltraMemPreTrainedModel):
         for block_idx, decoder_layer in enumerate(self.layers):
             for memory_layer in self.memory_layers:
                 if memory_layer.read_block == block_idx:  # runs as soon as its input exists
-                    pending[memory_layer.memory_idx] = memory_layer(hidden_states, padding_mask, past_key_values)
+                    pending[memory_layer.memory_idx] = memory_layer(
+                        hidden_states, padding_mask, past_key_values=past_key_values
+                    )
             writes = [pending.pop(layer.memory_idx) for layer in self.memory_layers if layer.write_block == block_idx]
             hidden_states = decoder_layer(
                 hidden_states,
+                torch.stack(writes).sum(0) if writes else None,  # (B, T, D); positional, see the layer
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 past_key_values=past_key_values,
-                memory_output=torch.stack(writes).sum(0) if writes else None,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
