@@ -32,3 +32,42 @@ def test_memory_output_scale_at_init_does_not_depend_on_mcs_cores(improved_init)
     kwargs = dict(improved_init=improved_init, memory_num_keys=32, memory_value_dim=16, memory_layers=[[0, 1]])
     one, two = (_memory_output_std(small_config(mcs_cores=h, **kwargs)) for h in (1, 2))
     assert two / one == pytest.approx(1.0, abs=0.1), two / one
+
+
+def _rotation(angle: float) -> torch.Tensor:
+    cos, sin = torch.tensor(angle).cos(), torch.tensor(angle).sin()
+    return torch.stack([torch.stack([cos, -sin]), torch.stack([sin, cos])])
+
+
+@pytest.mark.parametrize(
+    "name, matrix",
+    [
+        ("rotation", 1.7 * _rotation(0.3)),
+        ("reflection", 1.3 * _rotation(0.4) @ torch.diag(torch.tensor([1.0, -1.0]))),
+        ("zero", torch.zeros(2, 2)),
+        ("rank one", torch.outer(torch.tensor([0.6, -0.8]), torch.tensor([1.0, 2.0]))),
+        ("generic", torch.tensor([[0.3, -1.2], [0.7, 0.5]])),
+    ],
+)
+def test_svd_2x2_gradients_are_finite_and_match_linalg(name, matrix):
+    """The closed form used on accelerators: finite gradients everywhere, torch.linalg.svd's where defined."""
+    from ultramem.modeling_ultramem import svd_2x2
+
+    closed = matrix.double().requires_grad_()
+    singular, u, t = svd_2x2(closed)
+    (singular.sum() + 0.7 * singular[0] + u.sum() + t.sum()).backward()
+    assert torch.isfinite(closed.grad).all()
+    torch.testing.assert_close(singular, torch.linalg.svdvals(matrix.double()))
+
+    # The nuclear norm is differentiable wherever the matrix is invertible (rotation, reflection, generic);
+    # the leading singular value where the two singular values differ (rank one, generic).
+    checks = {"nuclear norm": ("rotation", "reflection", "generic"), "leading value": ("rank one", "generic")}
+    for check, weights in zip(checks, ((1.0, 1.0), (1.0, 0.0))):
+        if name not in checks[check]:
+            continue
+        grads = []
+        for svd in (lambda x: svd_2x2(x)[0], torch.linalg.svdvals):
+            x = matrix.double().requires_grad_()
+            (svd(x) * torch.tensor(weights, dtype=torch.float64)).sum().backward()
+            grads.append(x.grad)
+        torch.testing.assert_close(grads[0], grads[1], msg=check)

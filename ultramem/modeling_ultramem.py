@@ -445,16 +445,28 @@ class ProductKeyRetrieval(nn.Module):
         return rows * self.num_keys + cols, scores.unsqueeze(-1)
 
 
+def _polar(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Radius and angle of (x, y) with finite gradients at the origin (radius 0, angle 0, zero gradient there).
+
+    `hypot` and `atan2` have 0/0 gradients at (0, 0): a pure rotation or reflection, or a zero core, would give
+    NaN gradients through the aux loss. The origin is replaced by (1, 0) in both branches of the `where`.
+    """
+    origin = (x == 0) & (y == 0)
+    x_safe, y_safe = torch.where(origin, 1.0, x), torch.where(origin, 0.0, y)
+    radius = torch.where(origin, 0.0, torch.hypot(x_safe, y_safe))
+    return radius, torch.atan2(y_safe, x_safe)
+
+
 def svd_2x2(matrices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Closed-form SVD of 2x2 matrices (..., 2, 2): singular values (..., 2) descending, leading u and t (..., 2).
 
     matrices = R(phi) diag(q + r, q - r) R(-theta), with q and r the norms of the rotation and reflection
-    parts. The signs of u and t are arbitrary (callers normalize them).
+    parts. The signs of u and t are arbitrary (callers normalize them). Gradients are finite everywhere
+    (see `_polar`); where the SVD is differentiable they are those of `torch.linalg.svd`.
     """
     a, b, c, d = matrices[..., 0, 0], matrices[..., 0, 1], matrices[..., 1, 0], matrices[..., 1, 1]
-    q = torch.hypot((a + d) / 2, (c - b) / 2)
-    r = torch.hypot((a - d) / 2, (c + b) / 2)
-    rotation, reflection = torch.atan2((c - b) / 2, (a + d) / 2), torch.atan2((c + b) / 2, (a - d) / 2)
+    q, rotation = _polar((a + d) / 2, (c - b) / 2)
+    r, reflection = _polar((a - d) / 2, (c + b) / 2)
     phi, theta = (rotation + reflection) / 2, (rotation - reflection) / 2
     u = torch.stack([phi.cos(), phi.sin()], dim=-1)
     t = torch.stack([theta.cos(), -theta.sin()], dim=-1)
