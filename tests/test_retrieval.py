@@ -71,3 +71,15 @@ def test_svd_2x2_gradients_are_finite_and_match_linalg(name, matrix):
             (svd(x) * torch.tensor(weights, dtype=torch.float64)).sum().backward()
             grads.append(x.grad)
         torch.testing.assert_close(grads[0], grads[1], msg=check)
+
+
+def test_signed_candidates_need_two_m_keys_per_axis():
+    """With fewer than 2m keys per axis the top-m and bottom-m candidates would share keys: duplicate slots."""
+    from ultramem import UltraMemConfigError
+
+    with pytest.raises(UltraMemConfigError, match=r"memory_topk=4 .*<= memory_num_keys / 2 = 3"):
+        small_config(tdqkr_signed_candidates=True, memory_num_keys=6, memory_num_values=9)
+    model = UltraMemForCausalLM(small_config(tdqkr_signed_candidates=True, memory_num_keys=8)).eval()
+    with torch.no_grad():
+        virtual_index, _ = model.model.memory_layers[0].retrieve(torch.randn(2, 5, 32))  # (B, T, H, m)
+    assert (virtual_index.sort(-1).values.diff(dim=-1) > 0).all()  # no slot selected twice
