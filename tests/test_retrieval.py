@@ -83,3 +83,14 @@ def test_signed_candidates_need_two_m_keys_per_axis():
     with torch.no_grad():
         virtual_index, _ = model.model.memory_layers[0].retrieve(torch.randn(2, 5, 32))  # (B, T, H, m)
     assert (virtual_index.sort(-1).values.diff(dim=-1) > 0).all()  # no slot selected twice
+
+
+def test_aux_loss_with_memory_layers_on_different_devices():
+    """`device_map` may put memory layers on different devices: the aux loss must not stack their cores.
+
+    CPU-only stand-in for two accelerators: one layer on the meta device, the others on CPU.
+    """
+    model = UltraMemForCausalLM(small_config())
+    model.model.memory_layers[0].to("meta")
+    loss = model.model.aux_loss()  # the formula itself: test_modeling.py::test_aux_loss_formula_and_loss_sum
+    assert loss.device.type == "meta" and loss.shape == ()

@@ -749,15 +749,22 @@ class UltraMemModel(UltraMemPreTrainedModel):
         self.embed_tokens = value
 
     def aux_loss(self) -> torch.Tensor:
-        """TDQKR aux loss summed over memory layers (zero without Tucker memory layers), in one batched SVD."""
-        cores = [
-            layer.retrieval.cores
-            for layer in self.memory_layers
-            if isinstance(layer.retrieval, TuckerQueryKeyRetrieval)
-        ]
-        if not cores:
+        """TDQKR aux loss summed over memory layers (zero without Tucker memory layers).
+
+        One batched SVD per device the cores live on (one in all for a model on one device; several when
+        `device_map` spreads the memory layers), summed on the device of the first memory layer.
+        """
+        cores_by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for layer in self.memory_layers:
+            if isinstance(layer.retrieval, TuckerQueryKeyRetrieval):
+                cores_by_device.setdefault(layer.retrieval.cores.device, []).append(layer.retrieval.cores)
+        if not cores_by_device:
             return self.embed_tokens.weight.new_zeros((), dtype=torch.float32)
-        return tucker_aux_loss(torch.stack(cores), self.config.aux_loss_alpha, self.config.aux_loss_tau)
+        losses = [
+            tucker_aux_loss(torch.stack(cores), self.config.aux_loss_alpha, self.config.aux_loss_tau)
+            for cores in cores_by_device.values()
+        ]
+        return sum(loss.to(losses[0].device) for loss in losses[1:]) + losses[0]
 
     @merge_with_config_defaults
     @capture_outputs
@@ -867,7 +874,7 @@ class UltraMemForCausalLM(UltraMemPreTrainedModel, GenerationMixin):
         loss = lm_loss = None
         if labels is not None:
             lm_loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-            loss = lm_loss + aux_loss.to(lm_loss.dtype)
+            loss = lm_loss + aux_loss.to(lm_loss.device, lm_loss.dtype)
         return UltraMemCausalLMOutputWithPast(
             loss=loss,
             lm_loss=lm_loss,
