@@ -94,3 +94,18 @@ def test_aux_loss_with_memory_layers_on_different_devices():
     model.model.memory_layers[0].to("meta")
     loss = model.model.aux_loss()  # the formula itself: test_modeling.py::test_aux_loss_formula_and_loss_sum
     assert loss.device.type == "meta" and loss.shape == ()
+
+
+@pytest.mark.parametrize("tie_word_embeddings", [False, True])
+def test_non_embedding_parameters_match_the_presets(tie_word_embeddings):
+    """Value tables are parameters, not embeddings; the token embedding and the LM head are (tiny: 20.52M)."""
+    from ultramem.presets import count_parameters, get_config
+
+    config = get_config("tiny-ultramem", tie_word_embeddings=tie_word_embeddings)
+    with torch.device("meta"):
+        model = UltraMemForCausalLM(config)
+    expected = count_parameters(config)["total"]
+    assert model.num_parameters(exclude_embeddings=True) == expected
+    assert model.model.num_parameters(exclude_embeddings=True) == expected
+    embeddings = config.vocab_size * config.hidden_size * (1 if tie_word_embeddings else 2)
+    assert model.num_parameters() == expected + embeddings

@@ -713,6 +713,16 @@ class UltraMemPreTrainedModel(PreTrainedModel):
         if hasattr(module, "init_ultramem"):
             module.init_ultramem()
 
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """Parameters; `exclude_embeddings` drops the token embedding and the LM head, as `ultramem.presets` and
+        the paper count, and keeps the value tables (Transformers' default drops every `nn.Embedding`)."""
+        total = super().num_parameters(only_trainable=only_trainable)
+        if exclude_embeddings:
+            modules = (self.get_input_embeddings(), self.get_output_embeddings())
+            weights = {id(m.weight): m.weight for m in modules if m is not None}  # tied weights count once
+            total -= sum(w.numel() for w in weights.values() if w.requires_grad or not only_trainable)
+        return total
+
     def get_value_table_names(self) -> list[str]:
         """Names of the memory value tables, for the optimizer's value-LR parameter group."""
         return [
