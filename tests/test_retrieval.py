@@ -109,3 +109,25 @@ def test_non_embedding_parameters_match_the_presets(tie_word_embeddings):
     assert model.model.num_parameters(exclude_embeddings=True) == expected
     embeddings = config.vocab_size * config.hidden_size * (1 if tie_word_embeddings else 2)
     assert model.num_parameters() == expected + embeddings
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_static_cache_generation_equals_dynamic(compiled):
+    """`cache_implementation="static"` (mask dict per layer type, static conv states) and compiled decoding
+    (`compile_config`; Dynamo with the eager backend, so CPU stays fast) equal dynamic-cache generation."""
+    from test_modeling import _left_padded_batch, _model
+    from transformers import CompileConfig
+
+    config = small_config(vocab_size=211)
+    model = _model(config, seed=7)
+    input_ids, attention_mask = _left_padded_batch(config.vocab_size, [9, 6, 3], seed=4)
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    dynamic = model.generate(input_ids, **kwargs)
+    if compiled:
+        torch._dynamo.reset()
+        model.generation_config.compile_config = CompileConfig(backend="eager", fullgraph=True, mode=None)
+        model.generation_config.compile_config._compile_all_devices = True
+    static = model.generate(input_ids, cache_implementation="static", **kwargs)
+    again = model.generate(input_ids, cache_implementation="static", **kwargs)  # the static cache is reset and reused
+    assert torch.equal(static, dynamic) and torch.equal(again, dynamic)
+    assert hasattr(model, "_compiled_call") == compiled  # the decode steps did go through torch.compile

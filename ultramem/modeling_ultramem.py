@@ -798,17 +798,22 @@ class UltraMemModel(UltraMemPreTrainedModel):
             past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            past_key_values=past_key_values,
-            position_ids=position_ids,
-        )
-        # 2D padding mask of the current tokens, for the query convolutions
-        padding_mask = None
-        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
-            padding_mask = attention_mask[:, -inputs_embeds.shape[1] :]
+        # `generate` with a static cache passes the masks already built, keyed by layer type: the causal mask,
+        # and for "hybrid" layers the (B, T) padding mask of the current tokens (None for one-token steps)
+        if isinstance(attention_mask, dict):
+            causal_mask, padding_mask = attention_mask["full_attention"], attention_mask.get("linear_attention")
+        else:
+            causal_mask = create_causal_mask(
+                config=self.config,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+                position_ids=position_ids,
+            )
+            # (B, T) padding mask of the current tokens for the query convolutions, also on one-token steps
+            padding_mask = None
+            if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+                padding_mask = attention_mask[:, -inputs_embeds.shape[1] :]
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
