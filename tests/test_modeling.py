@@ -142,11 +142,12 @@ def _reference_memory_layer(layer, hidden: torch.Tensor, params: dict[str, torch
                 s_col = torch.stack([col_keys[h, a] @ query[b, t, h, -1, a] for a in range(rank)])
                 core = cores[h].sum(0).detach().numpy()
                 left, _, right_h = np.linalg.svd(core)
-                u, v = left[:, 0], right_h[0]
-                if u[np.argmax(np.abs(u))] < 0:
-                    u, v = -u, -v
-                rows = np.argsort(-(u @ s_row.detach().numpy()), kind="stable")[:m]
-                cols = np.argsort(-(v @ s_col.detach().numpy()), kind="stable")[:m]
+                proj_row, proj_col = left[:, 0] @ s_row.detach().numpy(), right_h[0] @ s_col.detach().numpy()
+                # the quadrant (both large or both very negative) with the higher best rank-1 score
+                if proj_row.max() * proj_col.max() < proj_row.min() * proj_col.min():
+                    proj_row, proj_col = -proj_row, -proj_col
+                rows = np.argsort(-proj_row, kind="stable")[:m]
+                cols = np.argsort(-proj_col, kind="stable")[:m]
                 candidates = []
                 for i in rows:
                     for j in cols:

@@ -131,3 +131,26 @@ def test_static_cache_generation_equals_dynamic(compiled):
     again = model.generate(input_ids, cache_implementation="static", **kwargs)  # the static cache is reset and reused
     assert torch.equal(static, dynamic) and torch.equal(again, dynamic)
     assert hasattr(model, "_compiled_call") == compiled  # the decode steps did go through torch.compile
+
+
+def _core_across_sign_tie(angle: float) -> torch.Tensor:
+    """A rank-2 core whose leading left singular vector is at 135 degrees + `angle`: |u_0| = |u_1| at angle 0."""
+    left = _rotation(3 * torch.pi / 4 + angle)
+    return left @ torch.diag(torch.tensor([1.0, 0.3])) @ _rotation(0.5).T
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_selection_is_continuous_in_the_core(signed):
+    """A 2e-4 rad rotation of a core across |u_0| = |u_1| (entries of opposite sign) changes few selected slots."""
+    config = small_config(memory_num_keys=64, memory_topk=8, mcs_cores=1, memory_layers=[[0, 1]], tdqkr_signed_candidates=signed)
+    torch.manual_seed(0)
+    layer = UltraMemForCausalLM(config).eval().model.memory_layers[0]
+    hidden = torch.randn(4, 64, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    selections = []
+    for angle in (-1e-4, 1e-4):
+        with torch.no_grad():
+            layer.retrieval.cores.copy_(_core_across_sign_tie(angle).expand_as(layer.retrieval.cores))
+            virtual_index, _ = layer.retrieve(hidden)  # (B, T, H, m)
+        selections.append(virtual_index.sort(-1).values)
+    changed = (selections[0] != selections[1]).float().mean().item()
+    assert changed < 0.01

@@ -504,10 +504,8 @@ class TuckerQueryKeyRetrieval(nn.Module):
     """Tucker Decomposed Query-Key Retrieval (TDQKR) with multi-core scoring (MCS).
 
     Scores are S_row^T C S_col with a rank-r Tucker core C = sum_i C^(i). The top-m is approximated in
-    two phases through the rank-1 SVD C ~ u t^T: m rows by u^T S_row and m columns by t^T S_col, then
-    the exact scores of the m x m candidates pick the final m. Sign convention: (u, t) and (-u, -t) give
-    the same rank-1 core; we flip both so that u's largest-magnitude entry is positive, so the selected
-    rows and columns are those with large positive projections.
+    two phases through the rank-1 SVD C ~ sigma u t^T: m rows by a = u^T S_row and m columns by
+    b = t^T S_col, then the exact scores of the m x m candidates pick the final m (see `candidates`).
     """
 
     def __init__(self, config: UltraMemConfig, scales: MemoryInitScales):
@@ -539,24 +537,35 @@ class TuckerQueryKeyRetrieval(nn.Module):
         """Exact Tucker score of every cell of the n x n grid, (..., n, n); for diagnostics only."""
         return torch.einsum("...an,...ab,...bk->...nk", row_scores, self.cores.sum(1), col_scores)
 
-    def candidates(self, projected: torch.Tensor) -> torch.Tensor:
-        """Indices of the candidate keys along one axis from its rank-1 projection (..., n) -> (..., m').
+    def candidates(self, row_projected: torch.Tensor, col_projected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Candidate rows and columns (..., m') from the rank-1 projections a (..., n) and b (..., n).
 
-        The paper keeps the top-m (m' = m). The rank-1 score a_i * b_j is also large where a_i and b_j
-        are both very negative, which that misses: with `tdqkr_signed_candidates` the m most negative
-        are kept too (m' = 2m), which makes the two-phase top-m exact for a rank-1 core.
+        sigma a_x b_y is large where a_x and b_y are both large, or both very negative. The SVD's sign is
+        arbitrary ((u, t) and (-u, -t) are the same rank-1 core), so picking the positive quadrant after a sign
+        normalisation makes retrieval jump when the normalisation flips (a tiny rotation of the core can
+        change every selected slot). Both quadrants are considered instead, which is sign-invariant:
+        by default each token takes the quadrant, (top-m a, top-m b) or (bottom-m a, bottom-m b), whose best
+        rank-1 score is higher (m' = m, the paper's m^2 candidates); with `tdqkr_signed_candidates` the m
+        largest and m smallest of each axis are all kept (m' = 2m, 4 m^2 candidates, exact for rank-1 cores).
+        Measured in README "Decisions" (`benchmarks/bench_retrieval.py`).
         """
-        top = projected.topk(self.topk, dim=-1).indices
-        if not self.signed_candidates:
-            return top
-        return torch.cat([top, projected.topk(self.topk, dim=-1, largest=False).indices], dim=-1)
+        row_top, col_top = row_projected.topk(self.topk, dim=-1), col_projected.topk(self.topk, dim=-1)
+        row_bottom = row_projected.topk(self.topk, dim=-1, largest=False)
+        col_bottom = col_projected.topk(self.topk, dim=-1, largest=False)
+        if self.signed_candidates:
+            return torch.cat([row_top.indices, row_bottom.indices], -1), torch.cat([col_top.indices, col_bottom.indices], -1)
+        best_positive = row_top.values[..., :1] * col_top.values[..., :1]  # (..., 1)
+        best_negative = row_bottom.values[..., :1] * col_bottom.values[..., :1]
+        positive = best_positive >= best_negative
+        return torch.where(positive, row_top.indices, row_bottom.indices), torch.where(
+            positive, col_top.indices, col_bottom.indices
+        )
 
     @torch.no_grad()
     def leading_singular_vectors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """u, t of the rank-1 SVD of each head's summed core: (H, r) each, sign-normalized."""
+        """u, t of the rank-1 SVD of each head's summed core: (H, r) each, of arbitrary (joint) sign."""
         _, u, t = core_svd(self.cores.sum(1).float())
-        sign = u.gather(-1, u.abs().argmax(-1, keepdim=True)).sign()
-        return (u * sign).to(self.cores.dtype), (t * sign).to(self.cores.dtype)
+        return u.to(self.cores.dtype), t.to(self.cores.dtype)
 
     def forward(
         self, row_query: torch.Tensor, col_query: torch.Tensor, ops: ModuleType | SimpleNamespace
@@ -564,8 +573,9 @@ class TuckerQueryKeyRetrieval(nn.Module):
         """Virtual addresses (B, T, H, m) and per-core scores (B, T, H, m, h)."""
         row_scores, col_scores = self.axis_scores(row_query, col_query)  # (B, T, H, r, n)
         u, t = self.leading_singular_vectors()
-        row_index = self.candidates(torch.einsum("bthrn,hr->bthn", row_scores.detach(), u))  # (B, T, H, m')
-        col_index = self.candidates(torch.einsum("bthrn,hr->bthn", col_scores.detach(), t))
+        row_index, col_index = self.candidates(
+            torch.einsum("bthrn,hr->bthn", row_scores.detach(), u), torch.einsum("bthrn,hr->bthn", col_scores.detach(), t)
+        )  # (B, T, H, m') each
         rank, num_candidates = row_scores.shape[-2], row_index.shape[-1]
         row_candidates = row_scores.gather(-1, row_index.unsqueeze(-2).expand(-1, -1, -1, rank, -1))
         col_candidates = col_scores.gather(-1, col_index.unsqueeze(-2).expand(-1, -1, -1, rank, -1))
