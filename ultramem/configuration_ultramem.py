@@ -225,6 +225,14 @@ class UltraMemConfig(PreTrainedConfig):
             self.memory_topk,
             f"must be <= memory_num_keys={self.memory_num_keys} (keys per axis)",
         )
+        if self.tdqkr_signed_candidates and self.retrieval_mode == "tucker":
+            _require(
+                2 * self.memory_topk <= self.memory_num_keys,
+                "memory_topk",
+                self.memory_topk,
+                f"must be <= memory_num_keys / 2 = {self.memory_num_keys // 2} with tdqkr_signed_candidates=True "
+                "(the m largest and m smallest projections per axis must be disjoint)",
+            )
         _require(
             self.memory_num_keys**2 == self.ive_expansion * self.memory_num_values,
             "memory_num_values",

@@ -17,6 +17,7 @@ One memory layer, for one token (paper section 3):
     out = sum_p W_p^T pooled_p                              one GEMM over the E projectors
 """
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -101,6 +102,30 @@ def expected_top_m_mean(num_candidates: int, top_m: int) -> float:
     return normal.pdf(normal.inv_cdf(1.0 - tail)) / tail
 
 
+@functools.cache
+def mcs_output_gain(num_keys: int, top_m: int, rank: int, num_cores: int, samples: int = 512) -> float:
+    """sqrt(E[S^2] / E[mean_i s_i^2]) over the top-m slots at init: the value scale that makes h cores match one.
+
+    Sampled (seeded, float64) with standard normal row/column scores (r, n) and random cores, the top-m
+    taken by the two-phase search over the signed rank-1 candidates; see `MemoryInitScales`.
+    """
+    if num_cores == 1:
+        return 1.0
+    generator = torch.Generator().manual_seed(0)
+    rows, cols = torch.randn(2, samples, rank, num_keys, generator=generator, dtype=torch.float64, device="cpu")
+    cores = torch.randn(samples, num_cores, rank, rank, generator=generator, dtype=torch.float64, device="cpu")
+    cores = cores / (num_cores * rank * rank) ** 0.5  # E||sum_i C^(i)||_F^2 = 1, as `TuckerQueryKeyRetrieval`
+    left, _, right_h = torch.linalg.svd(cores.sum(1))
+    candidates = []
+    for scores, vector in ((rows, left[..., :, 0]), (cols, right_h[..., 0, :])):
+        projected = torch.einsum("srn,sr->sn", scores, vector)
+        index = torch.cat([projected.topk(top_m).indices, (-projected).topk(top_m).indices], dim=-1)  # (S, 2m)
+        candidates.append(scores.gather(-1, index.unsqueeze(1).expand(-1, rank, -1)))  # (S, r, 2m)
+    per_core = torch.einsum("sax,siab,sby->sixy", candidates[0], cores, candidates[1]).flatten(-2)  # (S, h, 4m^2)
+    selected = per_core.gather(-1, per_core.sum(1).topk(top_m).indices.unsqueeze(1).expand(-1, num_cores, -1))
+    return (selected.sum(1).pow(2).mean() / selected.pow(2).mean()).sqrt().item()
+
+
 @dataclass(frozen=True)
 class MemoryInitScales:
     """Initial scales of a memory layer: appendix A when `improved_init`, PKM's init otherwise.
@@ -108,6 +133,16 @@ class MemoryInitScales:
     Improved: values ~ N(0, E / (2 m H L)), so the layer's output starts like an MLP's, N(0, 1/(2L));
     query/key LayerNorm gains make the mean selected score about 1 (see `expected_top_m_mean`); the
     projectors keep the pooled variance. PKM: values ~ N(0, 1/Dv), unit gains.
+
+    Multi-core scoring (both inits): chunk i of a selected value is weighted by core i's score
+    s_i = a^T C^(i) b (a, b the slot's row and column scores), not by the summed score S = sum_i s_i that
+    selected it. With C^(i) = C / h + D_i, where D_i is independent of the sum C for Gaussian cores,
+    s_i = S / h + a^T D_i b and, per output dimension,
+        E[mean_i s_i^2] = E[S^2] / h^2 + (1 - 1/h) / h * E[||a||^2 ||b||^2] / r^2        (E||C||_F^2 = 1)
+    The first term alone makes the output of h cores 1/h that of one core; the second depends on how the
+    top-m selects large ||a|| ||b||, which has no closed form for product scores. `mcs_output_gain`
+    estimates sqrt(E[S^2] / E[mean_i s_i^2]) once by sampling (as the paper does for the top-m mean) and
+    the values are scaled by it, so the output's scale at init does not depend on h.
     """
 
     value_std: float
@@ -117,8 +152,9 @@ class MemoryInitScales:
 
     @classmethod
     def from_config(cls, config: UltraMemConfig) -> "MemoryInitScales":
+        core_scale = mcs_output_gain(config.memory_num_keys, config.memory_topk, config.tucker_rank, config.mcs_cores)
         if not config.improved_init:
-            return cls(config.memory_value_dim**-0.5, config.initializer_range, 1.0, 1.0)
+            return cls(core_scale * config.memory_value_dim**-0.5, config.initializer_range, 1.0, 1.0)
         num_groups = config.ive_expansion
         activated = config.memory_topk * config.memory_heads
         top_mean = expected_top_m_mean(config.memory_num_keys**2, config.memory_topk)
@@ -127,7 +163,7 @@ class MemoryInitScales:
         else:
             query_gain = 1.0 / (math.sqrt(2.0) * top_mean)  # Var(s_row + s_col) = 2 g^2
         return cls(
-            value_std=math.sqrt(num_groups / (2 * activated * config.num_hidden_layers)),
+            value_std=core_scale * math.sqrt(num_groups / (2 * activated * config.num_hidden_layers)),
             projector_std=(num_groups * config.memory_value_dim) ** -0.5,
             query_gain=query_gain,
             key_gain=(config.memory_key_dim // config.tucker_rank) ** -0.5,
@@ -288,7 +324,10 @@ class UltraMemAttention(nn.Module):
 
 
 class UltraMemDecoderLayer(GradientCheckpointingLayer):
-    """Pre-norm transformer block; adds the outputs of the memory layers that write after it."""
+    """Pre-norm transformer block; adds the outputs of the memory layers that write after it.
+
+    `memory_output` is positional: reentrant gradient checkpointing only treats positional tensors as inputs.
+    """
 
     def __init__(self, config: UltraMemConfig, layer_idx: int):
         super().__init__()
@@ -301,10 +340,10 @@ class UltraMemDecoderLayer(GradientCheckpointingLayer):
     def forward(
         self,
         hidden_states: torch.Tensor,
+        memory_output: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_values: Cache | None = None,
-        memory_output: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         attn_output, _ = self.self_attn(
@@ -465,16 +504,28 @@ class ProductKeyRetrieval(nn.Module):
         return rows * self.num_keys + cols, scores.unsqueeze(-1)
 
 
+def _polar(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Radius and angle of (x, y) with finite gradients at the origin (radius 0, angle 0, zero gradient there).
+
+    `hypot` and `atan2` have 0/0 gradients at (0, 0): a pure rotation or reflection, or a zero core, would give
+    NaN gradients through the aux loss. The origin is replaced by (1, 0) in both branches of the `where`.
+    """
+    origin = (x == 0) & (y == 0)
+    x_safe, y_safe = torch.where(origin, 1.0, x), torch.where(origin, 0.0, y)
+    radius = torch.where(origin, 0.0, torch.hypot(x_safe, y_safe))
+    return radius, torch.atan2(y_safe, x_safe)
+
+
 def svd_2x2(matrices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Closed-form SVD of 2x2 matrices (..., 2, 2): singular values (..., 2) descending, leading u and t (..., 2).
 
     matrices = R(phi) diag(q + r, q - r) R(-theta), with q and r the norms of the rotation and reflection
-    parts. The signs of u and t are arbitrary (callers normalize them).
+    parts. The signs of u and t are arbitrary (callers normalize them). Gradients are finite everywhere
+    (see `_polar`); where the SVD is differentiable they are those of `torch.linalg.svd`.
     """
     a, b, c, d = matrices[..., 0, 0], matrices[..., 0, 1], matrices[..., 1, 0], matrices[..., 1, 1]
-    q = torch.hypot((a + d) / 2, (c - b) / 2)
-    r = torch.hypot((a - d) / 2, (c + b) / 2)
-    rotation, reflection = torch.atan2((c - b) / 2, (a + d) / 2), torch.atan2((c + b) / 2, (a - d) / 2)
+    q, rotation = _polar((a + d) / 2, (c - b) / 2)
+    r, reflection = _polar((a - d) / 2, (c + b) / 2)
     phi, theta = (rotation + reflection) / 2, (rotation - reflection) / 2
     u = torch.stack([phi.cos(), phi.sin()], dim=-1)
     t = torch.stack([theta.cos(), -theta.sin()], dim=-1)
@@ -512,10 +563,8 @@ class TuckerQueryKeyRetrieval(nn.Module):
     """Tucker Decomposed Query-Key Retrieval (TDQKR) with multi-core scoring (MCS).
 
     Scores are S_row^T C S_col with a rank-r Tucker core C = sum_i C^(i). The top-m is approximated in
-    two phases through the rank-1 SVD C ~ u t^T: m rows by u^T S_row and m columns by t^T S_col, then
-    the exact scores of the m x m candidates pick the final m. Sign convention: (u, t) and (-u, -t) give
-    the same rank-1 core; we flip both so that u's largest-magnitude entry is positive, so the selected
-    rows and columns are those with large positive projections.
+    two phases through the rank-1 SVD C ~ sigma u t^T: m rows by a = u^T S_row and m columns by
+    b = t^T S_col, then the exact scores of the m x m candidates pick the final m (see `candidates`).
     """
 
     def __init__(self, config: UltraMemConfig, scales: MemoryInitScales):
@@ -547,24 +596,35 @@ class TuckerQueryKeyRetrieval(nn.Module):
         """Exact Tucker score of every cell of the n x n grid, (..., n, n); for diagnostics only."""
         return torch.einsum("...an,...ab,...bk->...nk", row_scores, self.cores.sum(1), col_scores)
 
-    def candidates(self, projected: torch.Tensor) -> torch.Tensor:
-        """Indices of the candidate keys along one axis from its rank-1 projection (..., n) -> (..., m').
+    def candidates(self, row_projected: torch.Tensor, col_projected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Candidate rows and columns (..., m') from the rank-1 projections a (..., n) and b (..., n).
 
-        The paper keeps the top-m (m' = m). The rank-1 score a_i * b_j is also large where a_i and b_j
-        are both very negative, which that misses: with `tdqkr_signed_candidates` the m most negative
-        are kept too (m' = 2m), which makes the two-phase top-m exact for a rank-1 core.
+        sigma a_x b_y is large where a_x and b_y are both large, or both very negative. The SVD's sign is
+        arbitrary ((u, t) and (-u, -t) are the same rank-1 core), so picking the positive quadrant after a sign
+        normalisation makes retrieval jump when the normalisation flips (a tiny rotation of the core can
+        change every selected slot). Both quadrants are considered instead, which is sign-invariant:
+        by default each token takes the quadrant, (top-m a, top-m b) or (bottom-m a, bottom-m b), whose best
+        rank-1 score is higher (m' = m, the paper's m^2 candidates); with `tdqkr_signed_candidates` the m
+        largest and m smallest of each axis are all kept (m' = 2m, 4 m^2 candidates, exact for rank-1 cores).
+        Measured in README "Decisions" (`benchmarks/bench_retrieval.py`).
         """
-        top = projected.topk(self.topk, dim=-1).indices
-        if not self.signed_candidates:
-            return top
-        return torch.cat([top, projected.topk(self.topk, dim=-1, largest=False).indices], dim=-1)
+        row_top, col_top = row_projected.topk(self.topk, dim=-1), col_projected.topk(self.topk, dim=-1)
+        row_bottom = row_projected.topk(self.topk, dim=-1, largest=False)
+        col_bottom = col_projected.topk(self.topk, dim=-1, largest=False)
+        if self.signed_candidates:
+            return torch.cat([row_top.indices, row_bottom.indices], -1), torch.cat([col_top.indices, col_bottom.indices], -1)
+        best_positive = row_top.values[..., :1] * col_top.values[..., :1]  # (..., 1)
+        best_negative = row_bottom.values[..., :1] * col_bottom.values[..., :1]
+        positive = best_positive >= best_negative
+        return torch.where(positive, row_top.indices, row_bottom.indices), torch.where(
+            positive, col_top.indices, col_bottom.indices
+        )
 
     @torch.no_grad()
     def leading_singular_vectors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """u, t of the rank-1 SVD of each head's summed core: (H, r) each, sign-normalized."""
+        """u, t of the rank-1 SVD of each head's summed core: (H, r) each, of arbitrary (joint) sign."""
         _, u, t = core_svd(self.cores.sum(1).float())
-        sign = u.gather(-1, u.abs().argmax(-1, keepdim=True)).sign()
-        return (u * sign).to(self.cores.dtype), (t * sign).to(self.cores.dtype)
+        return u.to(self.cores.dtype), t.to(self.cores.dtype)
 
     def forward(
         self, row_query: torch.Tensor, col_query: torch.Tensor, ops: MemoryOps
@@ -572,8 +632,9 @@ class TuckerQueryKeyRetrieval(nn.Module):
         """Virtual addresses (B, T, H, m) and per-core scores (B, T, H, m, h)."""
         row_scores, col_scores = self.axis_scores(row_query, col_query)  # (B, T, H, r, n)
         u, t = self.leading_singular_vectors()
-        row_index = self.candidates(torch.einsum("bthrn,hr->bthn", row_scores.detach(), u))  # (B, T, H, m')
-        col_index = self.candidates(torch.einsum("bthrn,hr->bthn", col_scores.detach(), t))
+        row_index, col_index = self.candidates(
+            torch.einsum("bthrn,hr->bthn", row_scores.detach(), u), torch.einsum("bthrn,hr->bthn", col_scores.detach(), t)
+        )  # (B, T, H, m') each
         rank, num_candidates = row_scores.shape[-2], row_index.shape[-1]
         row_candidates = row_scores.gather(-1, row_index.unsqueeze(-2).expand(-1, -1, -1, rank, -1))
         col_candidates = col_scores.gather(-1, col_index.unsqueeze(-2).expand(-1, -1, -1, rank, -1))
@@ -724,6 +785,16 @@ class UltraMemPreTrainedModel(PreTrainedModel):
         if hasattr(module, "init_ultramem"):
             module.init_ultramem()
 
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """Parameters; `exclude_embeddings` drops the token embedding and the LM head, as `ultramem.presets` and
+        the paper count, and keeps the value tables (Transformers' default drops every `nn.Embedding`)."""
+        total = super().num_parameters(only_trainable=only_trainable)
+        if exclude_embeddings:
+            modules = (self.get_input_embeddings(), self.get_output_embeddings())
+            weights = {id(m.weight): m.weight for m in modules if m is not None}  # tied weights count once
+            total -= sum(w.numel() for w in weights.values() if w.requires_grad or not only_trainable)
+        return total
+
     def get_value_table_names(self) -> list[str]:
         """Names of the memory value tables, for the optimizer's value-LR parameter group."""
         return [
@@ -773,15 +844,22 @@ class UltraMemModel(UltraMemPreTrainedModel):
         self.embed_tokens = value
 
     def aux_loss(self) -> torch.Tensor:
-        """TDQKR aux loss summed over memory layers (zero without Tucker memory layers), in one batched SVD."""
-        cores = [
-            layer.retrieval.cores
-            for layer in self.memory_layers
-            if isinstance(layer.retrieval, TuckerQueryKeyRetrieval)
-        ]
-        if not cores:
+        """TDQKR aux loss summed over memory layers (zero without Tucker memory layers).
+
+        One batched SVD per device the cores live on (one in all for a model on one device; several when
+        `device_map` spreads the memory layers), summed on the device of the first memory layer.
+        """
+        cores_by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for layer in self.memory_layers:
+            if isinstance(layer.retrieval, TuckerQueryKeyRetrieval):
+                cores_by_device.setdefault(layer.retrieval.cores.device, []).append(layer.retrieval.cores)
+        if not cores_by_device:
             return self.embed_tokens.weight.new_zeros((), dtype=torch.float32)
-        return tucker_aux_loss(torch.stack(cores), self.config.aux_loss_alpha, self.config.aux_loss_tau)
+        losses = [
+            tucker_aux_loss(torch.stack(cores), self.config.aux_loss_alpha, self.config.aux_loss_tau)
+            for cores in cores_by_device.values()
+        ]
+        return sum(loss.to(losses[0].device) for loss in losses[1:]) + losses[0]
 
     @merge_with_config_defaults
     @capture_outputs
@@ -805,17 +883,22 @@ class UltraMemModel(UltraMemPreTrainedModel):
             past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            past_key_values=past_key_values,
-            position_ids=position_ids,
-        )
-        # 2D padding mask of the current tokens, for the query convolutions
-        padding_mask = None
-        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
-            padding_mask = attention_mask[:, -inputs_embeds.shape[1] :]
+        # `generate` with a static cache passes the masks already built, keyed by layer type: the causal mask,
+        # and for "hybrid" layers the (B, T) padding mask of the current tokens (None for one-token steps)
+        if isinstance(attention_mask, dict):
+            causal_mask, padding_mask = attention_mask["full_attention"], attention_mask.get("linear_attention")
+        else:
+            causal_mask = create_causal_mask(
+                config=self.config,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+                position_ids=position_ids,
+            )
+            # (B, T) padding mask of the current tokens for the query convolutions, also on one-token steps
+            padding_mask = None
+            if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+                padding_mask = attention_mask[:, -inputs_embeds.shape[1] :]
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
@@ -823,14 +906,16 @@ class UltraMemModel(UltraMemPreTrainedModel):
         for block_idx, decoder_layer in enumerate(self.layers):
             for memory_layer in self.memory_layers:
                 if memory_layer.read_block == block_idx:  # runs as soon as its input exists
-                    pending[memory_layer.memory_idx] = memory_layer(hidden_states, padding_mask, past_key_values)
+                    pending[memory_layer.memory_idx] = memory_layer(
+                        hidden_states, padding_mask, past_key_values=past_key_values
+                    )
             writes = [pending.pop(layer.memory_idx) for layer in self.memory_layers if layer.write_block == block_idx]
             hidden_states = decoder_layer(
                 hidden_states,
+                torch.stack(writes).sum(0) if writes else None,  # (B, T, D); positional, see the layer
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 past_key_values=past_key_values,
-                memory_output=torch.stack(writes).sum(0) if writes else None,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
@@ -889,7 +974,7 @@ class UltraMemForCausalLM(UltraMemPreTrainedModel, GenerationMixin):
         loss = lm_loss = None
         if labels is not None:
             lm_loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-            loss = lm_loss + aux_loss.to(lm_loss.dtype)
+            loss = lm_loss + aux_loss.to(lm_loss.device, lm_loss.dtype)
         return UltraMemCausalLMOutputWithPast(
             loss=loss,
             lm_loss=lm_loss,

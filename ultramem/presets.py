@@ -10,6 +10,10 @@ Two rows of the paper's table are inconsistent with their own parameter column a
 and "PKM-1.6B-x12" lists Knum 1792, which gives 8.2B parameters instead of 21.44B with its full value
 dim of 2048; Knum 3104 reproduces 21.44B.
 
+Dropout: the paper trains with dropout 0.1 (its Table "Training hyper-parameters"), which every paper-scale
+preset and the 151M ablation ladder carry (attention and residual dropout; Mixtral has attention dropout
+only). The tiny presets train for a few dozen steps on CPU, far from overfitting, and keep dropout 0.
+
 Run `python -m ultramem.presets` for the table, side by side with the paper's figures. Building a model from
 any of these configs and counting its parameters is `ultramem.sizing`; the paper's ablation ladder is
 `ultramem.ablation`.
@@ -27,6 +31,7 @@ from .configuration_ultramem import PRODUCT_KEY, UltraMemConfig
 from .sizing import count_parameters
 
 VOCAB_SIZE = 50432
+PAPER_DROPOUT = 0.1
 
 
 @dataclass(frozen=True)
@@ -35,18 +40,21 @@ class Backbone:
     intermediate_size: int
     num_attention_heads: int
     num_hidden_layers: int
+    dropout: float = PAPER_DROPOUT
 
-    def kwargs(self) -> dict[str, int]:
+    def kwargs(self) -> dict[str, int | float]:
         return dict(
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
             num_attention_heads=self.num_attention_heads,
             num_hidden_layers=self.num_hidden_layers,
+            attention_dropout=self.dropout,
+            hidden_dropout=self.dropout,
         )
 
 
 BACKBONES = {
-    "tiny": Backbone(256, 1024, 4, 4),
+    "tiny": Backbone(256, 1024, 4, 4, dropout=0.0),
     "151m": Backbone(1024, 4096, 16, 12),
     "680m": Backbone(1536, 6144, 16, 24),
     "1.6b": Backbone(2048, 8192, 16, 32),
@@ -102,6 +110,7 @@ def _pkm(scale: str, topk: int, heads: int, key_dim: int, knum: int, block: int)
 def _moe(scale: str, experts: int, paper_expert_inner: int) -> dict[str, Any]:
     backbone = BACKBONES[scale]
     return dict(
+        attention_dropout=backbone.dropout,  # Mixtral has no residual dropout
         hidden_size=backbone.hidden_size,
         # SwiGLU: 3 matrices of 2/3 the width; a multiple of 8 keeps grouped-GEMM strides 16-byte aligned
         intermediate_size=8 * round(paper_expert_inner * 2 / 3 / 8),
