@@ -46,7 +46,8 @@ def _store_name(key: str) -> str:
 
 
 def _max_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).detach().abs().max()) if a.numel() else 0.0
+    """Largest difference, relative to the largest expected magnitude when that exceeds 1."""
+    return float((a - b).detach().abs().max() / b.detach().abs().max().clamp(min=1)) if a.numel() else 0.0
 
 
 def model_checks(mesh, world: int, rank: int) -> dict:
@@ -120,7 +121,7 @@ def store_checks(mesh, rank: int) -> dict:
                 "sent_total": dict(sent),
                 "largest_tensor": largest.largest,
                 "table_numel": num_rows * value_dim,
-                "pairs_remote": remote_pairs(rows, groups, per_shard, rank, size),
+                "pairs_served": pairs_served(rows, groups, per_shard, mesh.get_local_rank("shard"), size),
             }
     shape = LookupShape(tokens=tokens, slots=slots, value_dim=value_dim, num_cores=cores, num_groups=groups_n)
     results["predicted"] = {"number": number_volume(shape, size), "dimension": dimension_volume(shape, size)}
@@ -133,12 +134,12 @@ def type_of(key: str):
     return VALUE_STORES[_store_name(key)]
 
 
-def remote_pairs(rows: torch.Tensor, groups: torch.Tensor, per_shard: int, rank: int, size: int) -> int:
-    """Distinct (token, group, owner) triples with an owner other than `rank`: the rows owner pooling returns."""
-    owner = rows // per_shard
+def pairs_served(rows: torch.Tensor, groups: torch.Tensor, per_shard: int, shard: int, size: int) -> int:
+    """Pooled rows `shard` returns to the other ranks with owner pooling, all ranks asking for the same `rows`:
+    its distinct (token, group) pairs, once per other rank of the shard group."""
     token = torch.arange(rows.shape[0]).unsqueeze(1).expand_as(rows)
-    code = (owner * rows.shape[0] + token) * (int(groups.max()) + 1) + groups
-    return int(code[owner != rank].unique().numel())
+    code = token * (int(groups.max()) + 1) + groups
+    return int(code[rows // per_shard == shard].unique().numel()) * (size - 1)
 
 
 def run(rank: int, world: int, init_file: str, out_dir: str, size: int) -> None:
