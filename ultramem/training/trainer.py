@@ -155,6 +155,19 @@ class UltraMemTrainer(Trainer):
             logs.update(self._training_log_extras())
         super().log(logs, start_time)
 
+    # ---- sharded value tables (--memory_parallel) ------------------------------------------------------------
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """With sharded value tables, `save_pretrained` writes the rest and every rank streams its shards in."""
+        from ultramem.parallel.checkpoint import save_value_tables, sharded_tables
+
+        tables = sharded_tables(self.model)
+        if not tables:
+            return super()._save(output_dir, state_dict)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        dense = {name: tensor for name, tensor in self.model.state_dict().items() if name not in tables}
+        super()._save(output_dir, state_dict=dense)
+        save_value_tables(self.model, output_dir, self.args.should_save)
+
     # ---- atomic checkpoints -----------------------------------------------------------------------------------
     def _get_output_dir(self, trial: Any) -> str:
         return self._staging_dir if self._staging_dir is not None else super()._get_output_dir(trial)
