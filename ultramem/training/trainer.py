@@ -168,6 +168,32 @@ class UltraMemTrainer(Trainer):
         super()._save(output_dir, state_dict=dense)
         save_value_tables(self.model, output_dir, self.args.should_save)
 
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """With sharded value tables, their weights and optimizer state go to a DCP checkpoint of their own."""
+        from ultramem.parallel.checkpoint import sharded_tables
+        from ultramem.parallel.resume import save_table_states, tables_left_out_of
+
+        if not sharded_tables(self.model):
+            return super()._save_optimizer_and_scheduler(output_dir)
+        with tables_left_out_of(self.optimizer, self.model):
+            super()._save_optimizer_and_scheduler(output_dir)
+        save_table_states(self.model, self.optimizer, output_dir)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        from ultramem.parallel.checkpoint import sharded_tables
+        from ultramem.parallel.resume import load_dense_weights
+
+        if not sharded_tables(self.model):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_dense_weights(self.model, resume_from_checkpoint)  # the tables come with their optimizer state
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        from ultramem.parallel.resume import has_table_states, load_table_states
+
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and has_table_states(checkpoint):
+            load_table_states(self.model, self.optimizer, checkpoint)
+
     # ---- atomic checkpoints -----------------------------------------------------------------------------------
     def _get_output_dir(self, trial: Any) -> str:
         return self._staging_dir if self._staging_dir is not None else super()._get_output_dir(trial)
