@@ -107,6 +107,13 @@ def shard_value_tables(model: PreTrainedModel, args: UltraMemTrainingArguments, 
         return
     from ultramem.parallel import apply_memory_parallel
 
+    if args.deepspeed or args.fsdp:
+        engine = f"--deepspeed {args.deepspeed}" if args.deepspeed else f"--fsdp {args.fsdp}"
+        raise UsageError(
+            f"--memory_parallel {args.memory_parallel} with {engine}: the engine would partition the sharded value "
+            "tables again; allowed: DDP launches (torchrun, accelerate launch --config_file "
+            "ultramem/configs/accelerate/ddp.yaml), or --memory_parallel none"
+        )
     _ = args.device  # sets up the launcher's process group
     tokens = args.per_device_train_batch_size * block_size
     try:
