@@ -8,6 +8,7 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
 MEMORY_KERNELS = ("auto", "triton", "torch")
+MEMORY_OFFLOADS = (None, "cpu", "disk")
 RETRIEVAL_MODES = ("product_key", "tucker")
 
 
@@ -18,6 +19,11 @@ class UltraMemConfigError(ValueError):
 def _require(condition: bool, field: str, value, allowed: str) -> None:
     if not condition:
         raise UltraMemConfigError(f"UltraMemConfig.{field}={value!r} is invalid: {allowed}.")
+
+
+def validate_memory_offload(value) -> None:
+    """`memory_offload` is also set by `from_pretrained` keywords after construction: checked again at load."""
+    _require(value in MEMORY_OFFLOADS, "memory_offload", value, f"must be one of {MEMORY_OFFLOADS}")
 
 
 @strict
@@ -113,6 +119,10 @@ class UltraMemConfig(PreTrainedConfig):
     # Which implementation of the memory ops runs: "auto" = Triton on CUDA, PyTorch elsewhere
     memory_kernel: str = "auto"
 
+    # Where `from_pretrained` puts the value tables: None = with the other weights, "cpu" = host memory,
+    # "disk" = memory-mapped from the checkpoint's safetensors (ultramem.offload). A loading setting: never saved.
+    memory_offload: str | None = None
+
     # Derived, for the generation cache: blocks whose cache layer also holds query-conv states
     layer_types: list[str] | None = None
     number_of_conv_states: int = 1
@@ -153,6 +163,12 @@ class UltraMemConfig(PreTrainedConfig):
             seen[a] = seen.get(a, 0) + 1
         return slots
 
+    def to_dict(self) -> dict:
+        """Without `memory_offload`: where this process keeps its tables is not part of what a checkpoint means."""
+        output = super().to_dict()
+        output.pop("memory_offload", None)
+        return output
+
     def validate_ultramem(self) -> None:
         """Check every field against what the model can build; raise `UltraMemConfigError` naming the field."""
         for field in (
@@ -181,6 +197,7 @@ class UltraMemConfig(PreTrainedConfig):
         _require(
             self.memory_kernel in MEMORY_KERNELS, "memory_kernel", self.memory_kernel, f"must be one of {MEMORY_KERNELS}"
         )
+        validate_memory_offload(self.memory_offload)
         for i, (a, b) in enumerate(self.memory_layers):
             for value in (a, b):
                 _require(
