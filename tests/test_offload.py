@@ -111,11 +111,14 @@ def test_disk_table_pages_that_were_not_selected_never_become_resident(tmp_path)
     config = small_config(memory_num_keys=128, memory_value_dim=256, memory_layers=[[0, 2]])
     UltraMemForCausalLM(config).save_pretrained(tmp_path)
     model = UltraMemForCausalLM.from_pretrained(tmp_path, memory_offload="disk").eval()
-    with open(tmp_path / "model.safetensors", "rb") as handle:  # after loading: the loader read the other weights
+    for tensor in [*model.parameters(), *model.buffers()]:  # the loader may map the other weights from the same
+        tensor.data = tensor.data.clone()  # file, and their read-ahead would reach the table's pages
+    with open(tmp_path / "model.safetensors", "rb") as handle:
         os.fsync(handle.fileno())
         os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     table = model.model.memory_layers[0].values.table
-    if _resident_pages(table).sum() > 2:  # e.g. tmpfs, where pages cannot be evicted
+    before = _resident_pages(table)  # a few pages may stay, held by mappings of the loader
+    if before.sum() > before.numel() // 10:  # e.g. tmpfs, where pages cannot be evicted
         pytest.skip("this filesystem keeps the file's pages resident")
     rows = []
     physical = model.model.memory_layers[0].value_expansion.physical_slots
@@ -127,9 +130,9 @@ def test_disk_table_pages_that_were_not_selected_never_become_resident(tmp_path)
     for row in rows[0].unique().tolist():
         start = first_byte + row * row_bytes
         expected[start // mmap.PAGESIZE : (start + row_bytes - 1) // mmap.PAGESIZE + 1] = 1
-    resident = _resident_pages(table)
-    assert resident.sum() <= expected.sum() < resident.numel() // 10
-    assert not (resident & ~expected.bool()).any()  # no page outside the selected rows was read
+    read = _resident_pages(table) & ~before.bool()
+    assert 0 < read.sum() <= expected.sum() < read.numel() // 10
+    assert not (read & ~expected.bool()).any()  # no page outside the selected rows was read
 
 
 @pytest.mark.parametrize("offload", OFFLOADS)
