@@ -13,6 +13,7 @@ import struct
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -95,6 +96,26 @@ class SafetensorsCheckpoint:
                 self._maps[location.path], dtype=location.dtype, count=location.numel, offset=location.offset
             )
         return flat.view(location.shape)
+
+    def prefetcher(self, name: str) -> Callable[[torch.Tensor], None]:
+        """A function that asks the kernel to start reading rows (sorted indices) of 2-D tensor `name`, without
+        waiting (MADV_WILLNEED on their pages, adjacent pages merged); the gather that follows then waits for
+        reads already in flight instead of faulting the pages in one by one."""
+        location = self.locate(name)
+        self.map(name)
+        mapped, page = self._maps[location.path], mmap.PAGESIZE
+        row_bytes = location.numel // location.shape[0] * location.dtype.itemsize
+
+        def will_need(rows: torch.Tensor) -> None:
+            starts = location.offset + rows * row_bytes
+            first, last = (starts // page).tolist(), ((starts + row_bytes - 1) // page).tolist()
+            begin = 0
+            for i in range(len(first)):
+                if i + 1 == len(first) or first[i + 1] > last[i] + 1:  # end of a run of adjacent pages
+                    mapped.madvise(mmap.MADV_WILLNEED, first[begin] * page, (last[i] + 1 - first[begin]) * page)
+                    begin = i + 1
+
+        return will_need
 
     def read(self, name: str) -> torch.Tensor:
         """Tensor `name` read into memory with one sequential read (no map left behind)."""

@@ -82,9 +82,13 @@ class OffloadedValueStore(nn.Module):
         done.set_result(self._pooled_on(device, *host, num_groups))
         return PendingLookup(done)
 
+    def _will_read(self, rows: torch.Tensor) -> None:
+        """Called before the rows are gathered (a disk store starts their reads here)."""
+
     def _pooled_on(self, device: torch.device, rows, groups, scores, num_groups) -> tuple[torch.Tensor, Any]:
         unique, inverse = torch.unique(rows, return_inverse=True)  # sorted: each row once, in file order
         self.rows_read += unique.numel()
+        self._will_read(unique)
         pooled = lookup_reduce(self.table.index_select(0, unique), inverse, groups, scores, num_groups)
         if device.type != "cuda":
             return pooled.to(device), None
@@ -139,7 +143,13 @@ class DiskValueStore(OffloadedValueStore):
         expected = (table.num_embeddings, table.embedding_dim)
         if tuple(values.shape) != expected:
             raise OffloadCheckpointError(f"{name} is {tuple(values.shape)} in the checkpoint, the config needs {expected}")
-        return cls(values, name)
+        store = cls(values, name)
+        store.will_need = checkpoint.prefetcher(name)
+        return store
+
+    def _will_read(self, rows: torch.Tensor) -> None:
+        """Queue the reads of all selected rows at once (the disk serves them in parallel), then fault them in."""
+        self.will_need(rows)
 
 
 def _table_into_state_dict(module: OffloadedValueStore, state_dict: dict, prefix: str, local_metadata: dict) -> None:
