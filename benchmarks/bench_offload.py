@@ -96,14 +96,15 @@ def ensure_checkpoint(run: Run, args: argparse.Namespace) -> tuple[Path, bool]:
     from ultramem.presets import get_config
 
     folder = args.checkpoints / run.checkpoint
-    if (folder / "model.safetensors").is_file():
+    if (folder / "model.safetensors.index.json").is_file():
         return folder, False
     if not args.build:
         raise SystemExit(f"{folder}: no checkpoint; pass --build to write it")
     start = time.perf_counter()
-    path = write_random_checkpoint(get_config(run.preset, **run.overrides), folder, args.dtype)
+    write_random_checkpoint(get_config(run.preset, **run.overrides), folder, args.dtype)
     seconds = time.perf_counter() - start
-    print(f"built {path}: {path.stat().st_size / 1e9:.1f} GB in {seconds:.0f} s")
+    size = sum(file.stat().st_size for file in folder.glob("*.safetensors"))
+    print(f"built {folder}: {size / 1e9:.1f} GB in {seconds:.0f} s ({size / 1e6 / seconds:.0f} MB/s)")
     return folder, True
 
 
@@ -124,8 +125,9 @@ def decode(label: str, folder: Path, batch: int, args: argparse.Namespace) -> di
 
     run = RUNS[label]
     torch.manual_seed(0)
-    with open(folder / "model.safetensors", "rb") as handle:  # cold: no page of the checkpoint cached
-        os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    for file in folder.glob("*.safetensors"):  # cold: no page of the checkpoint cached
+        with open(file, "rb") as handle:
+            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     start = time.perf_counter()
     model = UltraMemForCausalLM.from_pretrained(
         folder, dtype=args.dtype, device_map=str(args.device), memory_offload=run.offload

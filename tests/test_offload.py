@@ -200,8 +200,9 @@ def test_bad_inputs_fail_with_one_clear_error(saved, tmp_path):
 
 def test_random_checkpoint_streams_tables_and_checks_disk_space(tmp_path, monkeypatch):
     config = small_config(memory_num_keys=32)
-    path = write_random_checkpoint(config, tmp_path / "ckpt", torch.bfloat16)
-    checkpoint = SafetensorsCheckpoint([path])
+    write_random_checkpoint(config, tmp_path / "ckpt", torch.bfloat16)
+    checkpoint = SafetensorsCheckpoint.find(tmp_path / "ckpt")
+    assert len({location.path for location in checkpoint.locations.values()}) == 1 + len(config.memory_layers)
     for name in UltraMemForCausalLM(config).get_value_table_names():
         table = checkpoint.read(name)
         assert table.shape == (config.memory_num_values, config.memory_value_dim) and table.dtype == torch.bfloat16

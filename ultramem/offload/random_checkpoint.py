@@ -22,7 +22,7 @@ import torch
 
 from ..configuration_ultramem import UltraMemConfig
 from ..modeling_ultramem import MemoryInitScales, UltraMemForCausalLM
-from .safetensors_file import SINGLE_FILE
+from .safetensors_file import INDEX_FILE
 
 DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64"}
 CHUNK_BYTES = 64 << 20
@@ -41,36 +41,48 @@ def build_without_tables(config: UltraMemConfig, dtype: torch.dtype) -> UltraMem
 
 
 def write_random_checkpoint(config: UltraMemConfig, folder: str | Path, dtype: torch.dtype, seed: int = 0) -> Path:
-    """Write `config.json` and `model.safetensors` of a random `config` model into `folder`; returns the file."""
+    """Write `config.json` and a sharded safetensors checkpoint of a random `config` model; returns the index.
+
+    One shard holds every weight but the value tables, then one shard per table: Transformers' loader maps each
+    file whole with copy-on-write (commit charge), which Linux refuses for one file larger than memory.
+    """
     torch.manual_seed(seed)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     model = build_without_tables(config, dtype)
     dense = {k: v for k, v in model.state_dict().items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
     tables = {name: (config.memory_num_values, config.memory_value_dim) for name in model.get_value_table_names()}
-    header, size = _header(dense, tables, dtype)
+    layouts = [[(k, v.dtype, list(v.shape)) for k, v in dense.items()]]
+    layouts += [[(name, dtype, list(shape))] for name, shape in tables.items()]
+    headers = [_header(layout) for layout in layouts]
+    size = sum(total for _, total in headers)
     free = shutil.disk_usage(folder).free
     if size > free:
         raise OSError(f"not enough disk space in {folder}: the checkpoint needs {size / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
-    target = folder / SINGLE_FILE
-    partial = folder / (SINGLE_FILE + ".partial")
+    files = [f"model-{i + 1:05d}-of-{len(layouts):05d}.safetensors" for i in range(len(layouts))]
     std = MemoryInitScales.from_config(config).value_std
-    with open(partial, "wb") as handle:
-        handle.write(struct.pack("<Q", len(header)) + header)
-        for tensor in dense.values():
-            handle.write(tensor.contiguous().view(-1).view(torch.uint8).numpy())
-        pool = (torch.randn((CHUNK_BYTES + POOL_SLACK_BYTES) // dtype.itemsize) * std).to(dtype).view(torch.uint8)
-        for rows, cols in tables.values():
-            _stream_random(handle, pool, rows * cols * dtype.itemsize, dtype.itemsize)
-    os.replace(partial, target)
+    pool = (torch.randn((CHUNK_BYTES + POOL_SLACK_BYTES) // dtype.itemsize) * std).to(dtype).view(torch.uint8)
+    for file, (header, _), layout in zip(files, headers, layouts, strict=True):
+        partial = folder / (file + ".partial")
+        with open(partial, "wb") as handle:
+            handle.write(struct.pack("<Q", len(header)) + header)
+            if layout is layouts[0]:
+                for tensor in dense.values():
+                    handle.write(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+            else:
+                ((_, _, (rows, cols)),) = layout
+                _stream_random(handle, pool, rows * cols * dtype.itemsize, dtype.itemsize)
+        os.replace(partial, folder / file)
+    weight_map = {name: file for file, layout in zip(files, layouts, strict=True) for name, _, _ in layout}
+    index = folder / INDEX_FILE
+    index.write_text(json.dumps({"metadata": {"total_size": size}, "weight_map": weight_map}, indent=2))
     model.config.save_pretrained(folder)
-    return target
+    return index
 
 
-def _header(dense: dict[str, torch.Tensor], tables: dict[str, tuple[int, int]], dtype: torch.dtype) -> tuple[bytes, int]:
-    """The safetensors header (padded to 8 bytes) and the file's total size."""
+def _header(layout: list[tuple[str, torch.dtype, list[int]]]) -> tuple[bytes, int]:
+    """The safetensors header of (name, dtype, shape) entries (padded to 8 bytes) and the file's total size."""
     entries, offset = {"__metadata__": {"format": "pt"}}, 0
-    layout = [(k, v.dtype, list(v.shape)) for k, v in dense.items()] + [(k, dtype, list(s)) for k, s in tables.items()]
     for name, tensor_dtype, shape in layout:
         nbytes = torch.Size(shape).numel() * tensor_dtype.itemsize
         entries[name] = {"dtype": DTYPE_NAMES[tensor_dtype], "shape": shape, "data_offsets": [offset, offset + nbytes]}
@@ -106,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     if not isinstance(config, UltraMemConfig):
         raise SystemExit(f"--preset {args.preset}: only UltraMem and dense presets (UltraMemConfig) are supported")
     path = write_random_checkpoint(config, args.output, getattr(torch, args.dtype), args.seed)
-    print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB)")
+    print(f"wrote {path} ({json.loads(path.read_text())['metadata']['total_size'] / 1e9:.2f} GB)")
 
 
 if __name__ == "__main__":
