@@ -214,3 +214,21 @@ def test_random_checkpoint_streams_tables_and_checks_disk_space(tmp_path, monkey
     monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(10, 10, 1000))
     with pytest.raises(OSError, match=r"not enough disk space in .*: the checkpoint needs .* GB, 0.0 GB free"):
         write_random_checkpoint(config, tmp_path / "full", torch.bfloat16)
+
+
+@pytest.mark.parametrize("entry", ["pipeline", "lm_eval"])
+def test_memory_offload_reaches_the_model_from_pipeline_and_lm_eval(saved, entry, tmp_path):
+    from ultramem.tokenization import load_tokenizer
+
+    folder = shutil.copytree(saved[0], tmp_path / "with-tokenizer")
+    load_tokenizer().save_pretrained(folder)
+    if entry == "pipeline":
+        from transformers import pipeline
+
+        model = pipeline("text-generation", model=str(folder), model_kwargs={"memory_offload": "disk"}).model
+    else:
+        from lm_eval.models.huggingface import HFLM
+
+        arguments = f"pretrained={folder},memory_offload=disk,trust_remote_code=True,dtype=float32"
+        model = HFLM.create_from_arg_string(arguments, {"device": "cpu", "batch_size": 1}).model
+    assert {type(layer.values).__name__ for layer in model.model.memory_layers} == {"DiskValueStore"}
