@@ -1,4 +1,4 @@
-"""CPU smoke tests of the speed benchmarks (benchmarks/bench_{decode,scaling,train,vs_ultra_mem}.py).
+"""CPU smoke tests of the speed benchmarks (benchmarks/bench_{decode,scaling,train,vs_ultra_mem,offload}.py).
 
 Each script runs end to end at tiny sizes and writes its JSON; no timing is asserted. The decode benchmarks'
 cache path (StaticCache, prefilled and then extended) is checked against a full forward, and the closed-form
@@ -160,3 +160,15 @@ def test_model_is_unchanged_with_the_closed_form_svd(monkeypatch):
     closed_form = run()
     for reference, value in zip(lapack, closed_form, strict=True):
         torch.testing.assert_close(value, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_bench_offload_builds_loads_offloaded_and_cleans_up(bench, tmp_path):
+    args = ["--device", "cpu", "--runs", "tiny-dense,tiny-disk", "--batch-sizes", "1", "--new-tokens", "2", "--no-plot"]
+    checkpoints = tmp_path / "checkpoints"
+    payload = bench("bench_offload").main(
+        [*args, "--checkpoints", str(checkpoints), "--build", "--cleanup", "--results-dir", str(tmp_path), "--name", "o"]
+    )
+    rows = {r["run"]: r for r in read(tmp_path, "o")["rows"]}
+    assert rows["tiny-disk"]["offload"] == "disk" and rows["tiny-disk"]["rows_read_per_step"] > 0
+    assert all(r["ms"] > 0 and r["peak_rss_gb"] > 0 for r in rows.values()) and payload["summary"]
+    assert not any(checkpoints.iterdir())  # built by the run, deleted after it
