@@ -7,13 +7,13 @@ and no read-ahead around them, so a table is never read whole.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import struct
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -97,26 +97,6 @@ class SafetensorsCheckpoint:
             )
         return flat.view(location.shape)
 
-    def prefetcher(self, name: str) -> Callable[[torch.Tensor], None]:
-        """A function that asks the kernel to start reading rows (sorted indices) of 2-D tensor `name`, without
-        waiting (MADV_WILLNEED on their pages, adjacent pages merged); the gather that follows then waits for
-        reads already in flight instead of faulting the pages in one by one."""
-        location = self.locate(name)
-        self.map(name)
-        mapped, page = self._maps[location.path], mmap.PAGESIZE
-        row_bytes = location.numel // location.shape[0] * location.dtype.itemsize
-
-        def will_need(rows: torch.Tensor) -> None:
-            starts = location.offset + rows * row_bytes
-            first, last = (starts // page).tolist(), ((starts + row_bytes - 1) // page).tolist()
-            begin = 0
-            for i in range(len(first)):
-                if i + 1 == len(first) or first[i + 1] > last[i] + 1:  # end of a run of adjacent pages
-                    mapped.madvise(mmap.MADV_WILLNEED, first[begin] * page, (last[i] + 1 - first[begin]) * page)
-                    begin = i + 1
-
-        return will_need
-
     def read(self, name: str) -> torch.Tensor:
         """Tensor `name` read into memory with one sequential read (no map left behind)."""
         location = self.locate(name)
@@ -137,3 +117,21 @@ def _resolve(path: str | Path, filename: str, hub: dict[str, Any]) -> Path | Non
         str(path), filename, _raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False, **hub
     )
     return Path(found) if found else None
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+def advise_will_need(table: torch.Tensor, rows: torch.Tensor) -> None:
+    """Ask the kernel to start reading rows (sorted indices) of a mapped 2-D `table` now, without waiting
+    (MADV_WILLNEED on their pages, runs of adjacent pages merged): the gather that follows then waits for reads
+    already in flight together instead of faulting its pages in one at a time."""
+    page, row_bytes = mmap.PAGESIZE, table.shape[1] * table.element_size()
+    starts = table.data_ptr() + rows * row_bytes
+    first, last = (starts // page).tolist(), ((starts + row_bytes - 1) // page).tolist()
+    begin = 0
+    for i in range(len(first)):
+        if i + 1 == len(first) or first[i + 1] > last[i] + 1:  # end of a run of adjacent pages
+            _LIBC.madvise(first[begin] * page, (last[i] + 1 - first[begin]) * page, mmap.MADV_WILLNEED)
+            begin = i + 1

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..memory_ops import lookup_reduce
-from .safetensors_file import OffloadCheckpointError, SafetensorsCheckpoint
+from .safetensors_file import OffloadCheckpointError, SafetensorsCheckpoint, advise_will_need
 
 # One reader: lookups overlap the model's blocks, and each other only through this queue (host cores are few).
 _READER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ultramem-offload")
@@ -61,6 +61,19 @@ class OffloadedValueStore(nn.Module):
     def embedding_dim(self) -> int:
         return self.table.shape[1]
 
+    @classmethod
+    def from_table(
+        cls,
+        table: nn.Module,
+        name: str,
+        checkpoint: SafetensorsCheckpoint | None = None,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> OffloadedValueStore:
+        """`ValueStore.from_table`: the table is `checkpoint`'s tensor `name` (else `table`'s weight); `device` and
+        `dtype` are the model's."""
+        return cls(cls._load(table, name, checkpoint, device, dtype), name)
+
     @staticmethod
     def find_checkpoint(path: Any, **from_pretrained_kwargs: Any) -> SafetensorsCheckpoint:
         """Checked before the rest of the model loads, so a bad checkpoint fails first."""
@@ -103,21 +116,14 @@ class OffloadedValueStore(nn.Module):
 class HostValueStore(OffloadedValueStore):
     """memory_offload="cpu": the whole table in host memory (pinned when the model is on a GPU)."""
 
-    @classmethod
-    def from_table(
-        cls,
-        table: nn.Module,
-        name: str,
-        checkpoint: SafetensorsCheckpoint | None = None,
-        device: torch.device | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> HostValueStore:
-        """From the checkpoint's table (cast to the model's `dtype`), or from an in-memory table's weight."""
+    @staticmethod
+    def _load(table, name, checkpoint, device, dtype) -> torch.Tensor:
+        """The checkpoint's table, read once (or an in-memory table's weight), in the model's dtype."""
         values = checkpoint.read(name) if checkpoint is not None else table.weight.detach().cpu()
         values = values.to(dtype) if dtype is not None else values
         if device is not None and torch.device(device).type == "cuda":
             values = values.pin_memory()
-        return cls(values, name)
+        return values
 
 
 class DiskValueStore(OffloadedValueStore):
@@ -126,15 +132,8 @@ class DiskValueStore(OffloadedValueStore):
     It keeps the file's dtype (a mapping cannot be cast); the pooled result is cast where it is projected.
     """
 
-    @classmethod
-    def from_table(
-        cls,
-        table: nn.Module,
-        name: str,
-        checkpoint: SafetensorsCheckpoint | None = None,
-        device: torch.device | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> DiskValueStore:
+    @staticmethod
+    def _load(table, name, checkpoint, device, dtype) -> torch.Tensor:
         if checkpoint is None:
             raise OffloadCheckpointError(
                 "the 'disk' value store maps a checkpoint's table: load with from_pretrained(path, memory_offload='disk')"
@@ -143,13 +142,11 @@ class DiskValueStore(OffloadedValueStore):
         expected = (table.num_embeddings, table.embedding_dim)
         if tuple(values.shape) != expected:
             raise OffloadCheckpointError(f"{name} is {tuple(values.shape)} in the checkpoint, the config needs {expected}")
-        store = cls(values, name)
-        store.will_need = checkpoint.prefetcher(name)
-        return store
+        return values
 
     def _will_read(self, rows: torch.Tensor) -> None:
         """Queue the reads of all selected rows at once (the disk serves them in parallel), then fault them in."""
-        self.will_need(rows)
+        advise_will_need(self.table, rows)
 
 
 def _table_into_state_dict(module: OffloadedValueStore, state_dict: dict, prefix: str, local_metadata: dict) -> None:
