@@ -83,10 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.dtype = args.dtype or "bfloat16"
     args.statistic = args.statistic or "median"  # wall clock: waiting for the disk is the cost measured here
     common.resolve_common(args, DEFAULT_NAME)
-    args.runs = [r for r in args.runs.split(",") if r]
-    unknown = [r for r in args.runs if r not in RUNS]
-    if unknown or not args.runs:
-        raise SystemExit(f"--runs: unknown {unknown}; allowed: {', '.join(RUNS)}")
+    args.runs = common.parse_names(args.runs, RUNS, "--runs")
     return args
 
 
