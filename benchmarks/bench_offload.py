@@ -162,6 +162,7 @@ def decode(label: str, folder: Path, batch: int, args: argparse.Namespace) -> di
         "tokens_per_s": batch * 1e3 / times["median_ms"],
         "rows_read_per_step": sum(s.rows_read for s in tables) / (args.new_tokens + 1),
         **process_memory_gb(),
+        "load_avg_1min": os.getloadavg()[0],  # a shared machine: other jobs' load stretches the wall clock
         "step_ms": wall,
         "device_peak_gb": torch.cuda.max_memory_allocated() / 1e9 if args.device.type == "cuda" else None,
     }
@@ -203,6 +204,8 @@ COLUMNS = [
     ("rss_file_gb", "file RSS GB"),
     ("rows_read_per_step", "rows/step"),
     ("load_s", "load s"),
+    ("cpu_ms", "CPU ms"),
+    ("load_avg_1min", "loadavg"),
 ]
 SUMMARY_COLUMNS = [(k, k) for k in ("batch", "ultramem/dense", "sync/async", "16x table spread", "offload/resident (gpu)")]
 
