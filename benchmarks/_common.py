@@ -86,6 +86,15 @@ def parse_int_list(text: str) -> list[int]:
     return values
 
 
+def parse_names(text: str, allowed: Iterable[str], flag: str) -> list[str]:
+    """'a,b' -> ['a', 'b']; every entry must be one of `allowed` (else exit naming the flag and the choices)."""
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        raise SystemExit(f"{flag}: unknown {unknown}; allowed: {', '.join(allowed)}")
+    return names
+
+
 def device_tag(device: torch.device) -> str:
     """Short file-name tag of the device: 'cpu', or the GPU model ('h100', 'h200', ...)."""
     if device.type != "cuda":

@@ -57,10 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.device != "cpu":
         raise SystemExit("--device: this comparison runs on CPU only (ultra-mem's CUDA path is not compared)")
     common.resolve_common(args, DEFAULT_NAME)
-    args.shapes = [s for s in args.shapes.split(",") if s]
-    unknown = [s for s in args.shapes if s not in SHAPES]
-    if unknown or not args.shapes:
-        raise SystemExit(f"--shapes: unknown {unknown}; allowed: {', '.join(SHAPES)}")
+    args.shapes = common.parse_names(args.shapes, SHAPES, "--shapes")
     return args
 
 

@@ -46,7 +46,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .configuration_ultramem import UltraMemConfig
+from .configuration_ultramem import UltraMemConfig, validate_memory_offload
 from .memory_ops import lookup_reduce, tucker_candidate_topk
 
 class MemoryOps(Protocol):
@@ -232,7 +232,42 @@ class _LocalValueStore:
 
 VALUE_STORES: dict[str, type[ValueStore]] = {"local": _LocalValueStore}
 """Registry of value stores by name, as Transformers' `ALL_ATTENTION_FUNCTIONS` is for attention. The
-`ultramem` package registers the sharded (memory parallelism) and offloaded (host/disk) stores."""
+`ultramem` package registers the sharded (memory parallelism) and offloaded ("cpu", "disk") stores.
+
+A store may also offer `lookup_reduce_async(rows, groups, scores, num_groups, ops)`, same arguments, returning
+an object whose `result()` is what `lookup_reduce` returns: the memory layer then starts the read when block `a`
+starts and collects it after block `b` (the skip-layer window, see `UltraMemMemoryLayer.start`)."""
+
+
+class DeferredValueTable(nn.Module):
+    """Stands for a table that `from_pretrained(..., memory_offload=...)` attaches after loading (no parameter).
+
+    Having no `weight`, the loader never reads the checkpoint's table into memory nor initializes one; the
+    checkpoint's `values.weight` keys are left to the offloaded store (`UltraMemModel` ignores them on load).
+    """
+
+    def __init__(self, num_values: int, value_dim: int, offload: str):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.offload = num_values, value_dim, offload
+
+    def lookup_reduce(self, *args, **kwargs) -> torch.Tensor:
+        raise RuntimeError(
+            f"UltraMemConfig.memory_offload={self.offload!r} attaches the value tables in from_pretrained(path, "
+            "memory_offload=...); this model was built from a config and has none. Build it with memory_offload=None "
+            "and call model.set_value_store('cpu') to offload an in-memory model."
+        )
+
+
+def offload_store(offload: str) -> type[ValueStore]:
+    """The store class of `config.memory_offload`, from the `ultramem` package (also for `trust_remote_code` copies)."""
+    try:
+        from ultramem.offload import OFFLOAD_STORES
+    except ImportError as error:
+        raise ImportError(
+            f"UltraMemConfig.memory_offload={offload!r} needs the `ultramem` package installed (pip install ultramem); "
+            "without it load with memory_offload=None."
+        ) from error
+    return OFFLOAD_STORES[offload]
 
 
 class ValueProjector(nn.Linear):
@@ -705,6 +740,14 @@ class ImplicitValueExpansion(nn.Module):
         pooled = values.lookup_reduce(rows, groups, scores, self.num_groups, ops)  # (T, E, Dv)
         return self.projector(pooled.flatten(1).to(scores.dtype))
 
+    def start(
+        self, values: ValueStore, virtual_index: torch.Tensor, scores: torch.Tensor, ops: MemoryOps
+    ) -> Callable[[], torch.Tensor]:
+        """`forward` with the store's asynchronous lookup: returns a call that waits for the rows and projects."""
+        rows, groups = self.physical_slots(virtual_index)
+        pending = values.lookup_reduce_async(rows, groups, scores, self.num_groups, ops)
+        return lambda: self.projector(pending.result().flatten(1).to(scores.dtype))
+
 
 class UltraMemMemoryLayer(GradientCheckpointingLayer):
     """One UltraMem memory layer: pre-norm, query, retrieval (TDQKR or PKM), value lookup and IVE pooling."""
@@ -720,7 +763,11 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         self.query = MemoryQuery(config, scales, self.read_block, state_idx)
         retrieval_cls = TuckerQueryKeyRetrieval if config.retrieval_mode == "tucker" else ProductKeyRetrieval
         self.retrieval = retrieval_cls(config, scales)
-        self.values = MemoryValueTable(config.memory_num_values, config.memory_value_dim, scales.value_std)
+        self.values = (
+            DeferredValueTable(config.memory_num_values, config.memory_value_dim, config.memory_offload)
+            if config.memory_offload
+            else MemoryValueTable(config.memory_num_values, config.memory_value_dim, scales.value_std)
+        )
         self.value_expansion = ImplicitValueExpansion(config, scales)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
@@ -745,16 +792,35 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         padding_mask: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
     ) -> torch.Tensor:
-        batch, length, hidden = hidden_states.shape
+        slots = self._selected_slots(hidden_states, padding_mask, past_key_values)
+        return self.dropout(self.value_expansion(self.values, *slots).view(hidden_states.shape))
+
+    def start(
+        self,
+        hidden_states: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+    ) -> Callable[[], torch.Tensor]:
+        """Start the layer at its read block; the returned call gives its output, wanted after the write block.
+
+        A store with `lookup_reduce_async` (the offloaded ones) reads its rows in the background while the
+        blocks in between compute; any other store runs `forward` now (gradient checkpointing included).
+        """
+        if not hasattr(self.values, "lookup_reduce_async"):
+            output = self(hidden_states, padding_mask, past_key_values=past_key_values)
+            return lambda: output
+        finish = self.value_expansion.start(self.values, *self._selected_slots(hidden_states, padding_mask, past_key_values))
+        return lambda: self.dropout(finish().view(hidden_states.shape))
+
+    def _selected_slots(
+        self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None, past_key_values: Cache | None
+    ) -> tuple[torch.Tensor, torch.Tensor, MemoryOps]:
+        """Virtual addresses (B*T, H*m), scores (B*T, H*m, h) and the memory ops, for the value lookup."""
+        batch, length, _ = hidden_states.shape
         ops = select_memory_ops(self.config.memory_kernel, hidden_states.device)
         virtual_index, scores = self.retrieve(hidden_states, padding_mask, past_key_values, ops)
-        output = self.value_expansion(
-            self.values,
-            virtual_index.reshape(batch * length, -1),  # (B*T, H*m)
-            scores.reshape(batch * length, virtual_index.shape[-2] * virtual_index.shape[-1], -1),
-            ops,
-        )
-        return self.dropout(output.view(batch, length, hidden))
+        num_slots = virtual_index.shape[-2] * virtual_index.shape[-1]
+        return virtual_index.reshape(batch * length, num_slots), scores.reshape(batch * length, num_slots, -1), ops
 
     def aux_loss(self) -> torch.Tensor:
         if isinstance(self.retrieval, TuckerQueryKeyRetrieval):
@@ -808,11 +874,33 @@ class UltraMemPreTrainedModel(PreTrainedModel):
         """
         if store not in VALUE_STORES:
             raise ValueError(f"value store {store!r} is not registered; choose one of {sorted(VALUE_STORES)}")
+        self._install_value_store(VALUE_STORES[store], **options)
+
+    def _install_value_store(self, store: type[ValueStore], **options) -> None:
         for name, layer in self.named_modules():
             if isinstance(layer, UltraMemMemoryLayer):
-                if not isinstance(layer.values, MemoryValueTable):
+                if not isinstance(layer.values, (MemoryValueTable, DeferredValueTable)):
                     raise ValueError(f"{name}.values is already a {type(layer.values).__name__} store")
-                layer.values = VALUE_STORES[store].from_table(layer.values, f"{name}.values.weight", **options)
+                layer.values = store.from_table(layer.values, f"{name}.values.weight", **options)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, plus `memory_offload="cpu" | "disk"` (a config field set like any other).
+
+        With it, the value tables are left out of the load (`DeferredValueTable`) and then attached as the
+        offloaded stores of `ultramem.offload`, read from the checkpoint's safetensors; everything else goes
+        where `device_map` / `dtype` say. The checkpoint is checked first, so a bad one fails before any load.
+        """
+        config = kwargs.get("config")
+        offload = kwargs.get("memory_offload", getattr(config, "memory_offload", None))
+        if not offload:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        validate_memory_offload(offload)
+        store = offload_store(offload)
+        checkpoint = store.find_checkpoint(pretrained_model_name_or_path, **kwargs)
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        model._install_value_store(store, checkpoint=checkpoint, device=model.device, dtype=model.dtype)
+        return model
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Also map AutoConfig and AutoModel in `auto_map` (Transformers writes only the saved class)."""
@@ -835,6 +923,8 @@ class UltraMemModel(UltraMemPreTrainedModel):
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
+        if config.memory_offload:  # the tables are attached after loading (`DeferredValueTable`)
+            self._keys_to_ignore_on_load_unexpected = [r"memory_layers\.\d+\.values\.weight$"]
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -902,14 +992,12 @@ class UltraMemModel(UltraMemPreTrainedModel):
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-        pending: dict[int, torch.Tensor] = {}  # memory layer -> output waiting for its write block
+        pending: dict[int, Callable[[], torch.Tensor]] = {}  # memory layer -> its output, wanted at its write block
         for block_idx, decoder_layer in enumerate(self.layers):
             for memory_layer in self.memory_layers:
-                if memory_layer.read_block == block_idx:  # runs as soon as its input exists
-                    pending[memory_layer.memory_idx] = memory_layer(
-                        hidden_states, padding_mask, past_key_values=past_key_values
-                    )
-            writes = [pending.pop(layer.memory_idx) for layer in self.memory_layers if layer.write_block == block_idx]
+                if memory_layer.read_block == block_idx:  # starts as soon as its input exists
+                    pending[memory_layer.memory_idx] = memory_layer.start(hidden_states, padding_mask, past_key_values)
+            writes = [pending.pop(layer.memory_idx)() for layer in self.memory_layers if layer.write_block == block_idx]
             hidden_states = decoder_layer(
                 hidden_states,
                 torch.stack(writes).sum(0) if writes else None,  # (B, T, D); positional, see the layer
