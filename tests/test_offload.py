@@ -71,7 +71,6 @@ def greedy_static_cache(model, steps: int = 10) -> torch.Tensor:
     return torch.cat(tokens, dim=1)
 
 
-@pytest.mark.xfail(strict=True, reason="static-cache generate fixed in issue 12 item 2")
 def test_generation_with_cache_implementation_static(saved):
     folder, reference = saved
     model = UltraMemForCausalLM.from_pretrained(folder, memory_offload="disk").eval()
