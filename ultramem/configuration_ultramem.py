@@ -7,7 +7,7 @@ from huggingface_hub.dataclasses import strict
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
-MEMORY_KERNELS = ("auto", "triton", "torch")
+MEMORY_KERNELS = ("auto", "triton", "torch", "embedding_bag")
 RETRIEVAL_MODES = ("product_key", "tucker")
 
 
@@ -110,7 +110,9 @@ class UltraMemConfig(PreTrainedConfig):
     value_lr_multiplier: float = 10.0
     value_lr_decay: bool = True
 
-    # Which implementation of the memory ops runs: "auto" = Triton on CUDA, PyTorch elsewhere
+    # Which implementation of the memory ops runs (MEMORY_KERNELS): "torch" = the PyTorch reference, "embedding_bag" =
+    # its lookup as one F.embedding_bag (fast on CPU), "triton" = fused kernels; "auto" = embedding_bag on CPU,
+    # Triton on CUDA when installed, the reference elsewhere
     memory_kernel: str = "auto"
 
     # Derived, for the generation cache: blocks whose cache layer also holds query-conv states
