@@ -380,6 +380,8 @@ class CausalDepthwiseConv(nn.Module):
                 window = updated.to(x.dtype)
         if window is None:
             window = F.pad(x, (context, 0))  # (B, D, k-1+T): zeros before the first token
+        if x.shape[-1] == 1:  # a decode step: one dot product per channel, a fraction of conv1d's cost on CPU
+            return ((window * self.weight[:, 0]).sum(-1) + self.bias).unsqueeze(1)  # (B, 1, D)
         return F.conv1d(window, self.weight, self.bias, groups=x.shape[1]).transpose(1, 2)  # (B, T, D)
 
 
@@ -819,6 +821,7 @@ class UltraMemModel(UltraMemPreTrainedModel):
         self.memory_layers = nn.ModuleList([UltraMemMemoryLayer(config, j) for j in range(config.num_memory_layers)])
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.inference_cache = InferenceCache()
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -829,15 +832,22 @@ class UltraMemModel(UltraMemPreTrainedModel):
         self.embed_tokens = value
 
     def aux_loss(self) -> torch.Tensor:
-        """TDQKR aux loss summed over memory layers (zero without Tucker memory layers), in one batched SVD."""
-        cores = [
+        """TDQKR aux loss summed over memory layers (zero without Tucker memory layers), in one batched SVD.
+
+        It runs at every forward, decode steps included; cached at inference (see `InferenceCache`).
+        """
+        cores = tuple(
             layer.retrieval.cores
             for layer in self.memory_layers
             if isinstance(layer.retrieval, TuckerQueryKeyRetrieval)
-        ]
+        )
         if not cores:
             return self.embed_tokens.weight.new_zeros((), dtype=torch.float32)
-        return tucker_aux_loss(torch.stack(cores), self.config.aux_loss_alpha, self.config.aux_loss_tau)
+        return self.inference_cache(
+            "aux_loss",
+            cores,
+            lambda: tucker_aux_loss(torch.stack(cores), self.config.aux_loss_alpha, self.config.aux_loss_tau),
+        )
 
     @merge_with_config_defaults
     @capture_outputs
