@@ -114,3 +114,16 @@ def test_aux_loss_is_cached_and_follows_the_cores():
         model.model.memory_layers[0].retrieval.cores.mul_(3.0)
         cached = model.model.aux_loss()
     assert cached is not aux and torch.equal(cached, model.model.aux_loss().detach())
+
+
+def test_replacing_a_parameter_invalidates_the_cache():
+    """A new tensor has another storage (the cache keeps the old one alive, so its address cannot be reused)."""
+    model = _model()
+    stale = _cached_logits(model)
+    with torch.no_grad():
+        for layer in model.model.memory_layers:
+            retrieval = layer.retrieval
+            retrieval.row_keys = torch.nn.Parameter(retrieval.row_keys.detach() * 2)
+    fresh = _cached_logits(model)
+    assert not torch.allclose(fresh, stale)
+    assert torch.equal(fresh, _uncached_logits(model))

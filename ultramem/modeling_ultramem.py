@@ -431,13 +431,14 @@ class InferenceCache(nn.Module):
     singular vectors). An entry is reused only in eval mode with grad off (a graph through a cached tensor
     would be stale) and outside torch.compile (which traces the computation instead), and only while its
     parameters keep their storage, dtype, device and version counter, which every in-place write bumps
-    (optimizer steps, `load_state_dict`, `copy_`). `train()` empties the cache. Writes through `.data`
-    bypass the version counter: call `clear()` after them.
+    (optimizer steps, `load_state_dict`, `copy_`). An entry holds the storages it was computed from, so a
+    new tensor (after `.to()`, say) cannot reuse their address and pass for them. `train()` empties the
+    cache. Writes through `.data` bypass the version counter: call `clear()` after them.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.entries: dict[str, tuple[tuple, object]] = {}
+        self.entries: dict[str, tuple[tuple, tuple[torch.UntypedStorage, ...], object]] = {}
 
     def forward(self, name: str, parameters: tuple[torch.Tensor, ...], compute: Callable[[], Derived]) -> Derived:
         """compute(), or its cached result for `name` while `parameters` are unchanged."""
@@ -446,8 +447,8 @@ class InferenceCache(nn.Module):
         key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in parameters)
         entry = self.entries.get(name)
         if entry is None or entry[0] != key:
-            entry = self.entries[name] = (key, compute())
-        return entry[1]
+            entry = self.entries[name] = (key, tuple(p.untyped_storage() for p in parameters), compute())
+        return entry[2]
 
     def clear(self) -> None:
         self.entries.clear()
