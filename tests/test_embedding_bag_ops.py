@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from conftest import small_config
+from conftest import assert_trains_like_the_reference
 
-from ultramem import UltraMemForCausalLM, memory_ops
+from ultramem import memory_ops
 from ultramem.modeling_ultramem import EMBEDDING_BAG_MEMORY_OPS, TORCH_MEMORY_OPS, select_memory_ops
 
 # atol is relative to the largest expected magnitude: a bfloat16 value gradient sums ~50 rounded contributions per
@@ -59,18 +59,4 @@ def test_auto_picks_embedding_bag_on_cpu():
 
 def test_model_trains_through_embedding_bag():
     """UltraMemForCausalLM with memory_kernel='embedding_bag' gives the loss and every gradient of 'torch'."""
-    torch.manual_seed(0)
-    reference = UltraMemForCausalLM(small_config(memory_kernel="torch"))
-    fast = UltraMemForCausalLM(small_config(memory_kernel="embedding_bag"))
-    fast.load_state_dict(reference.state_dict())
-    input_ids = torch.randint(0, 97, (2, LONG))
-    losses = []
-    for model in (reference, fast):
-        loss = model(input_ids=input_ids, labels=input_ids).loss
-        loss.backward()
-        losses.append(loss.detach())
-    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
-    fast_params = dict(fast.named_parameters())
-    for name, parameter in reference.named_parameters():
-        if parameter.grad is not None:
-            torch.testing.assert_close(fast_params[name].grad, parameter.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert_trains_like_the_reference("embedding_bag", torch.randint(0, 97, (2, LONG)))
