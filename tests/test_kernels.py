@@ -343,25 +343,10 @@ def test_kernels_compile_for_ampere_and_hopper():
 @in_process
 def test_model_trains_through_the_kernels():
     """UltraMemForCausalLM with memory_kernel='triton' gives the loss and every gradient of 'torch'."""
-    from conftest import small_config
-
-    from ultramem import UltraMemForCausalLM
+    from conftest import assert_trains_like_the_reference
 
     torch.manual_seed(0)
-    reference = UltraMemForCausalLM(small_config(memory_kernel="torch"))
-    fused = UltraMemForCausalLM(small_config(memory_kernel="triton"))
-    fused.load_state_dict(reference.state_dict())
-    input_ids = torch.randint(0, 97, (2, 9))
-    losses = []
-    for model in (reference, fused):
-        loss = model(input_ids=input_ids, labels=input_ids).loss
-        loss.backward()
-        losses.append(loss.detach())
-    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
-    fused_params = dict(fused.named_parameters())
-    for name, parameter in reference.named_parameters():
-        if parameter.grad is not None:
-            torch.testing.assert_close(fused_params[name].grad, parameter.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert_trains_like_the_reference("triton", torch.randint(0, 97, (2, 9)))
 
 
 @in_process

@@ -9,7 +9,7 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
 # The allowed values of the mode fields, defined once: code compares with these names, never with string literals.
-MemoryKernel = Literal["auto", "triton", "torch"]
+MemoryKernel = Literal["auto", "triton", "torch", "embedding_bag"]
 RetrievalMode = Literal["product_key", "tucker"]
 MEMORY_KERNELS: tuple[MemoryKernel, ...] = get_args(MemoryKernel)
 RETRIEVAL_MODES: tuple[RetrievalMode, ...] = get_args(RetrievalMode)
@@ -123,7 +123,9 @@ class UltraMemConfig(PreTrainedConfig):
     value_lr_multiplier: float = 10.0
     value_lr_decay: bool = True
 
-    # Which implementation of the memory ops runs: "auto" = Triton on CUDA, PyTorch elsewhere
+    # Which implementation of the memory ops runs (MEMORY_KERNELS): "torch" = the PyTorch reference, "embedding_bag" =
+    # its lookup as one F.embedding_bag (fast on CPU), "triton" = fused kernels; "auto" = embedding_bag on CPU,
+    # Triton on CUDA when installed, the reference elsewhere
     memory_kernel: str = "auto"  # a MemoryKernel (typed str, as retrieval_mode)
 
     # Where `from_pretrained` puts the value tables: None = with the other weights, "cpu" = host memory,

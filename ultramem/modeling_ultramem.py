@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import NormalDist
 from types import SimpleNamespace
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -47,13 +47,13 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_ultramem import UltraMemConfig, validate_memory_offload
-from .memory_ops import lookup_reduce, tucker_candidate_topk
+from .memory_ops import lookup_reduce, lookup_reduce_embedding_bag, tucker_candidate_topk
 
 class MemoryOps(Protocol):
     """The memory layer's two compute kernels, with the contract of `memory_ops` (their reference).
 
-    Implementations: the pure-PyTorch reference (`memory_ops`) and the Triton kernels (`ultramem.kernels`),
-    chosen by `config.memory_kernel`. Where the value table lives is a separate axis: see `VALUE_STORES`.
+    Implementations: the pure-PyTorch reference (`memory_ops`), its `embedding_bag` lookup (fast on CPU) and
+    the Triton kernels (`ultramem.kernels`), chosen by `config.memory_kernel`. Where the value table lives is a separate axis: see `VALUE_STORES`.
     """
 
     def lookup_reduce(
@@ -66,15 +66,21 @@ class MemoryOps(Protocol):
 
 
 TORCH_MEMORY_OPS: MemoryOps = SimpleNamespace(lookup_reduce=lookup_reduce, tucker_candidate_topk=tucker_candidate_topk)
+EMBEDDING_BAG_MEMORY_OPS: MemoryOps = SimpleNamespace(
+    lookup_reduce=lookup_reduce_embedding_bag, tucker_candidate_topk=tucker_candidate_topk
+)
 
 
 def select_memory_ops(memory_kernel: str, device: torch.device) -> MemoryOps:
     """The kernels implementing `MemoryOps` for `config.memory_kernel`.
 
-    "torch" is the pure-PyTorch reference; "triton" the fused kernels of `ultramem.kernels`; "auto" picks
-    Triton on CUDA when it is installed, PyTorch elsewhere. A checkpoint loaded with `trust_remote_code`
-    without the `ultramem` package installed runs the PyTorch path.
+    "torch" is the pure-PyTorch reference; "embedding_bag" the same with the lookup as one `F.embedding_bag`
+    (pure PyTorch, fast on CPU); "triton" the fused kernels of `ultramem.kernels`; "auto" picks embedding_bag
+    on CPU, Triton on CUDA when it is installed, the reference elsewhere. A checkpoint loaded with
+    `trust_remote_code` without the `ultramem` package installed runs a PyTorch path.
     """
+    if memory_kernel == "embedding_bag" or (memory_kernel == "auto" and device.type == "cpu"):
+        return EMBEDDING_BAG_MEMORY_OPS
     if memory_kernel == "torch" or (memory_kernel == "auto" and device.type != "cuda"):
         return TORCH_MEMORY_OPS
     try:
@@ -447,6 +453,8 @@ class CausalDepthwiseConv(nn.Module):
                 window = updated.to(x.dtype)
         if window is None:
             window = F.pad(x, (context, 0))  # (B, D, k-1+T): zeros before the first token
+        if x.shape[-1] == 1:  # a decode step: one dot product per channel, a fraction of conv1d's cost on CPU
+            return ((window * self.weight[:, 0]).sum(-1) + self.bias).unsqueeze(1)  # (B, 1, D)
         return F.conv1d(window, self.weight, self.bias, groups=x.shape[1]).transpose(1, 2)  # (B, T, D)
 
 
@@ -486,6 +494,52 @@ class MemoryQuery(nn.Module):
         return query[..., 0, :, :], query[..., -1, :, :]  # row and column queries, (B, T, H, r, Dk/r)
 
 
+Derived = TypeVar("Derived")
+
+
+class InferenceCache(nn.Module):
+    """Tensors derived from parameters, kept between forwards of an eval-mode model while they cannot change.
+
+    For what every decode step would otherwise recompute from fixed weights (the LayerNorm'd keys, the cores'
+    singular vectors). An entry is reused only in eval mode with grad off (a graph through a cached tensor
+    would be stale) and outside torch.compile (which traces the computation instead), and only while its
+    parameters keep their storage, dtype, device and version counter, which every in-place write bumps
+    (optimizer steps, `load_state_dict`, `copy_`). An entry holds the storages it was computed from, so a
+    new tensor (after `.to()`, say) cannot reuse their address and pass for them. `train()` empties the
+    cache. Writes through `.data` bypass the version counter: call `clear()` after them.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entries: dict[str, tuple[tuple, tuple[torch.UntypedStorage, ...], object]] = {}
+
+    def forward(self, name: str, parameters: tuple[torch.Tensor, ...], compute: Callable[[], Derived]) -> Derived:
+        """compute(), or its cached result for `name` while `parameters` are unchanged."""
+        if self.training or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return compute()
+        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in parameters)
+        entry = self.entries.get(name)
+        if entry is None or entry[0] != key:
+            entry = self.entries[name] = (key, tuple(p.untyped_storage() for p in parameters), compute())
+        return entry[2]
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    def train(self, mode: bool = True) -> "InferenceCache":
+        if mode:
+            self.clear()
+        return super().train(mode)
+
+
+def normalized_keys(retrieval: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The LayerNorm'd row and column keys of a retrieval module, (H, r, n, Dk/r) each; cached at inference."""
+    parameters = (retrieval.row_keys, retrieval.col_keys, *retrieval.key_norm.parameters())
+    return retrieval.inference_cache(
+        "keys", parameters, lambda: (retrieval.key_norm(retrieval.row_keys), retrieval.key_norm(retrieval.col_keys))
+    )
+
+
 def key_norm(config: UltraMemConfig, scales: MemoryInitScales) -> nn.Module:
     """LayerNorm on each key part (trick 2), or the identity when `qk_layernorm` is off."""
     if not config.qk_layernorm:
@@ -511,14 +565,16 @@ class ProductKeyRetrieval(nn.Module):
         self.row_keys = nn.Parameter(torch.empty(shape))
         self.col_keys = nn.Parameter(torch.empty(shape))
         self.key_norm = key_norm(config, scales)
+        self.inference_cache = InferenceCache()
 
     def init_ultramem(self) -> None:
         init_keys(self)
 
     def axis_scores(self, row_query: torch.Tensor, col_query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Row and column scores of every key: (B, T, H, r, n) each."""
-        row = torch.einsum("bthrd,hrnd->bthrn", row_query, self.key_norm(self.row_keys))
-        col = torch.einsum("bthrd,hrnd->bthrn", col_query, self.key_norm(self.col_keys))
+        row_keys, col_keys = normalized_keys(self)
+        row = torch.einsum("bthrd,hrnd->bthrn", row_query, row_keys)
+        col = torch.einsum("bthrd,hrnd->bthrn", col_query, col_keys)
         return row, col
 
     def grid_scores(self, row_scores: torch.Tensor, col_scores: torch.Tensor) -> torch.Tensor:
@@ -614,6 +670,7 @@ class TuckerQueryKeyRetrieval(nn.Module):
             torch.empty(config.memory_heads, config.mcs_cores, config.tucker_rank, config.tucker_rank)
         )
         self.key_norm = key_norm(config, scales)
+        self.inference_cache = InferenceCache()
         self.signed_candidates = config.tdqkr_signed_candidates
 
     def init_ultramem(self) -> None:
@@ -623,8 +680,9 @@ class TuckerQueryKeyRetrieval(nn.Module):
 
     def axis_scores(self, row_query: torch.Tensor, col_query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """S_row and S_col for every key: (B, T, H, r, n) each."""
-        row = torch.einsum("bthrd,hrnd->bthrn", row_query, self.key_norm(self.row_keys))
-        col = torch.einsum("bthrd,hrnd->bthrn", col_query, self.key_norm(self.col_keys))
+        row_keys, col_keys = normalized_keys(self)
+        row = torch.einsum("bthrd,hrnd->bthrn", row_query, row_keys)
+        col = torch.einsum("bthrd,hrnd->bthrn", col_query, col_keys)
         return row, col
 
     def grid_scores(self, row_scores: torch.Tensor, col_scores: torch.Tensor) -> torch.Tensor:
@@ -666,7 +724,7 @@ class TuckerQueryKeyRetrieval(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Virtual addresses (B, T, H, m) and per-core scores (B, T, H, m, h)."""
         row_scores, col_scores = self.axis_scores(row_query, col_query)  # (B, T, H, r, n)
-        u, t = self.leading_singular_vectors()
+        u, t = self.inference_cache("singular_vectors", (self.cores,), self.leading_singular_vectors)
         row_index, col_index = self.candidates(
             torch.einsum("bthrn,hr->bthn", row_scores.detach(), u), torch.einsum("bthrn,hr->bthn", col_scores.detach(), t)
         )  # (B, T, H, m') each
@@ -922,6 +980,7 @@ class UltraMemModel(UltraMemPreTrainedModel):
         self.memory_layers = nn.ModuleList([UltraMemMemoryLayer(config, j) for j in range(config.num_memory_layers)])
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.inference_cache = InferenceCache()
         self.gradient_checkpointing = False
         if config.memory_offload:  # the tables are attached after loading (`DeferredValueTable`)
             self._keys_to_ignore_on_load_unexpected = [r"memory_layers\.\d+\.values\.weight$"]
@@ -937,17 +996,25 @@ class UltraMemModel(UltraMemPreTrainedModel):
         """TDQKR aux loss summed over memory layers (zero without Tucker memory layers).
 
         One batched SVD per device the cores live on (one in all for a model on one device; several when
-        `device_map` spreads the memory layers), summed on the device of the first memory layer.
+        `device_map` spreads the memory layers), summed on the device of the first memory layer. It runs at
+        every forward, decode steps included; cached at inference (see `InferenceCache`).
         """
-        cores_by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for layer in self.memory_layers:
-            if isinstance(layer.retrieval, TuckerQueryKeyRetrieval):
-                cores_by_device.setdefault(layer.retrieval.cores.device, []).append(layer.retrieval.cores)
-        if not cores_by_device:
+        cores = tuple(
+            layer.retrieval.cores
+            for layer in self.memory_layers
+            if isinstance(layer.retrieval, TuckerQueryKeyRetrieval)
+        )
+        if not cores:
             return self.embed_tokens.weight.new_zeros((), dtype=torch.float32)
+        return self.inference_cache("aux_loss", cores, lambda: self._aux_loss_by_device(cores))
+
+    def _aux_loss_by_device(self, cores: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        cores_by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for core in cores:
+            cores_by_device.setdefault(core.device, []).append(core)
         losses = [
-            tucker_aux_loss(torch.stack(cores), self.config.aux_loss_alpha, self.config.aux_loss_tau)
-            for cores in cores_by_device.values()
+            tucker_aux_loss(torch.stack(group), self.config.aux_loss_alpha, self.config.aux_loss_tau)
+            for group in cores_by_device.values()
         ]
         return sum(loss.to(losses[0].device) for loss in losses[1:]) + losses[0]
 
