@@ -55,6 +55,11 @@ class UltraMemConfig(PreTrainedConfig):
     projections as candidates, see `TuckerQueryKeyRetrieval.candidates`), h MCS cores (`mcs_cores`), E IVE expansion (`ive_expansion`),
     Dv value dim (`memory_value_dim`), N physical values per layer (`memory_num_values` = n^2 / E).
 
+    `memory_kernel` picks the memory ops (one of `MEMORY_KERNELS`): "torch" is the pure-PyTorch reference,
+    "embedding_bag" the reference with its lookup-reduce as one `F.embedding_bag` (the fast path on CPU,
+    training and prefill), "triton" the fused kernels of `ultramem.kernels`; "auto" takes embedding_bag on
+    CPU, Triton on CUDA when installed, the reference elsewhere.
+
     Example:
     ```python
     >>> from ultramem import UltraMemConfig, UltraMemForCausalLM
