@@ -174,12 +174,15 @@ def run_isolated(label: str, folder: Path, batch: int, args: argparse.Namespace)
         return pool.apply(decode, (label, folder, batch, args))
 
 
+SCALING_RUNS = ("disk-x1/16", "disk-x1/4", "disk")
+
+
 def summary_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per batch: UltraMem (disk) / dense, the async overlap, and the spread of times as the table grows."""
     by = {(r["run"], r["batch"]): r["ms"] for r in rows}
     table = []
     for batch in sorted({r["batch"] for r in rows}):
-        scaled = [by[(run, batch)] for run in ("disk-x1/16", "disk-x1/4", "disk") if (run, batch) in by]
+        scaled = [by[(run, batch)] for run in SCALING_RUNS if (run, batch) in by]
         ratio = lambda a, b: by[(a, batch)] / by[(b, batch)] if (a, batch) in by and (b, batch) in by else None  # noqa: E731
         table.append(
             {
@@ -211,15 +214,18 @@ SUMMARY_COLUMNS = [(k, k) for k in ("batch", "ultramem/dense", "sync/async", "16
 
 
 def plot(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
-    by_run: dict[str, list[dict[str, Any]]] = {}
-    for row in rows:
-        by_run.setdefault(row["run"], []).append(row)
-    batches = {label: ([r["batch"] for r in rs], [r["ms"] for r in rs]) for label, rs in by_run.items()}
+    """Step time against batch size (wall clock and process CPU time), and against the size of the tables."""
+    runs = list(dict.fromkeys(r["run"] for r in rows))
+    panels = []
+    for key, what in (("median_ms", "wall clock"), ("cpu_ms", "process CPU time")):
+        series = {run: ([r["batch"] for r in rows if r["run"] == run], [r[key] for r in rows if r["run"] == run]) for run in runs}
+        panels.append((f"decode step, {what}", "ms / step", series))
     scaling = {}
     for batch in args.batch_sizes:
-        points = sorted((r["table_gb"], r["ms"]) for r in rows if r["run"].startswith("disk") and r["run"] != "disk-sync" and r["batch"] == batch)
-        scaling[f"batch {batch}"] = ([p[0] for p in points], [p[1] for p in points])
-    panels = [("decode step", "ms / step", batches), ("value tables on disk, growing 16x", "ms / step", scaling)]
+        for key, what in (("median_ms", "wall"), ("cpu_ms", "CPU")):
+            points = sorted((r["table_gb"], r[key]) for r in rows if r["run"] in SCALING_RUNS and r["batch"] == batch)
+            scaling[f"batch {batch}, {what}"] = ([p[0] for p in points], [p[1] for p in points])
+    panels.append(("tables on disk growing 16x (x: GB)", "ms / step", scaling))
     common.plot_panels(args, panels, "batch size | value-table GB", f"memory_offload, {str(args.dtype)[6:]}, {args.device}")
 
 

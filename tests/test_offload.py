@@ -189,7 +189,8 @@ def test_bad_inputs_fail_with_one_clear_error(saved, tmp_path):
     torch.save(reference.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
     with pytest.raises(OffloadCheckpointError, match="needs the checkpoint in safetensors .* has neither"):
         UltraMemForCausalLM.from_pretrained(tmp_path / "bin", memory_offload="disk")
-    with pytest.raises(UltraMemConfigError, match=r"memory_offload='gpu' is invalid: must be one of \(None, 'cpu', 'disk'\)"):
+    invalid = r"memory_offload='gpu' is invalid: must be one of \(None, 'cpu', 'disk'\)"
+    with pytest.raises(UltraMemConfigError, match=invalid):
         UltraMemForCausalLM.from_pretrained(folder, memory_offload="gpu")
     with pytest.raises(RuntimeError, match="attaches the value tables in from_pretrained"):
         UltraMemForCausalLM(small_config(memory_offload="disk"))(**PROMPT)

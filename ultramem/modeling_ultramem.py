@@ -867,7 +867,8 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         if not hasattr(self.values, "lookup_reduce_async"):
             output = self(hidden_states, padding_mask, past_key_values=past_key_values)
             return lambda: output
-        finish = self.value_expansion.start(self.values, *self._selected_slots(hidden_states, padding_mask, past_key_values))
+        slots = self._selected_slots(hidden_states, padding_mask, past_key_values)
+        finish = self.value_expansion.start(self.values, *slots)
         return lambda: self.dropout(finish().view(hidden_states.shape))
 
     def _selected_slots(

@@ -58,7 +58,9 @@ def write_random_checkpoint(config: UltraMemConfig, folder: str | Path, dtype: t
     size = sum(total for _, total in headers)
     free = shutil.disk_usage(folder).free
     if size > free:
-        raise OSError(f"not enough disk space in {folder}: the checkpoint needs {size / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
+        raise OSError(
+            f"not enough disk space in {folder}: the checkpoint needs {size / 1e9:.1f} GB, {free / 1e9:.1f} GB free"
+        )
     files = [f"model-{i + 1:05d}-of-{len(layouts):05d}.safetensors" for i in range(len(layouts))]
     std = MemoryInitScales.from_config(config).value_std
     pool = (torch.randn((CHUNK_BYTES + POOL_SLACK_BYTES) // dtype.itemsize) * std).to(dtype).view(torch.uint8)
@@ -111,7 +113,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", type=Path, required=True, help="checkpoint folder")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--override", action="append", default=[], help="config field=json value, e.g. memory_num_keys=896")
+    parser.add_argument(
+        "--override", action="append", default=[], help="config field=json value, e.g. memory_num_keys=896"
+    )
     args = parser.parse_args(argv)
     overrides = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.override)}
     config = get_config(args.preset, **overrides)

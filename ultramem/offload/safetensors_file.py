@@ -114,7 +114,11 @@ def _resolve(path: str | Path, filename: str, hub: dict[str, Any]) -> Path | Non
     from transformers.utils import cached_file
 
     found = cached_file(
-        str(path), filename, _raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False, **hub
+        str(path),
+        filename,
+        _raise_exceptions_for_missing_entries=False,
+        _raise_exceptions_for_connection_errors=False,
+        **hub,
     )
     return Path(found) if found else None
 

@@ -136,12 +136,15 @@ class DiskValueStore(OffloadedValueStore):
     def _load(table, name, checkpoint, device, dtype) -> torch.Tensor:
         if checkpoint is None:
             raise OffloadCheckpointError(
-                "the 'disk' value store maps a checkpoint's table: load with from_pretrained(path, memory_offload='disk')"
+                "the 'disk' value store maps a checkpoint's table: "
+                "load with from_pretrained(path, memory_offload='disk')"
             )
         values = checkpoint.map(name)
         expected = (table.num_embeddings, table.embedding_dim)
         if tuple(values.shape) != expected:
-            raise OffloadCheckpointError(f"{name} is {tuple(values.shape)} in the checkpoint, the config needs {expected}")
+            raise OffloadCheckpointError(
+                f"{name} is {tuple(values.shape)} in the checkpoint, the config needs {expected}"
+            )
         return values
 
     def _will_read(self, rows: torch.Tensor) -> None:
