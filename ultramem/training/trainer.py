@@ -14,7 +14,6 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import logging
 
-from ultramem.training.errors import UsageError
 from ultramem.training.schedule import VALUE_GROUP, value_lr_multiplier, with_value_multiplier
 
 STAGING_PREFIX = ".incomplete-"
@@ -183,6 +182,7 @@ class UltraMemTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         from ultramem.parallel.checkpoint import sharded_tables
         from ultramem.parallel.resume import has_table_states, load_dense_weights
+        from ultramem.training.errors import UsageError
 
         if not sharded_tables(self.model):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
