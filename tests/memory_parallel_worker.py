@@ -147,5 +147,9 @@ def run(rank: int, world: int, init_file: str, out_dir: str, size: int) -> None:
     torch.set_num_threads(1)
     mesh = memory_parallel_mesh(size)
     results = {"model": model_checks(mesh, world, rank), "store": store_checks(mesh, rank)}
+    try:
+        memory_parallel_mesh(world + 1)
+    except ValueError as error:
+        results["size_error"] = str(error)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()

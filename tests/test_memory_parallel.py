@@ -28,6 +28,14 @@ def test_sharded_model_matches_one_process(ranks):
             assert max(errors.values()) < TOLERANCE, (key, errors)
 
 
+def test_a_size_not_dividing_the_world_is_refused(ranks):
+    _, results = ranks
+    world = len(results)
+    allowed = [size for size in range(1, world + 1) if world % size == 0]
+    expected = f"memory_parallel_size={world + 1} does not divide the world size {world}; allowed: {allowed}"
+    assert all(rank["size_error"] == expected for rank in results)
+
+
 def test_each_rank_holds_one_shard(ranks):
     size, results = ranks
     for rank in results:

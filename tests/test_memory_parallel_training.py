@@ -1,4 +1,4 @@
-"""`ultramem-train --memory_parallel` on 2 gloo processes (torchrun, DDP for the rest of the model) trains like one
+"""`ultramem-train --memory_parallel` on 2 gloo processes (torchrun or accelerate launch; DDP for the rest)
 process on the same global batch, keeps the 10x -> 1x value LR, and saves an ordinary checkpoint."""
 
 from __future__ import annotations
@@ -33,11 +33,19 @@ def _logits(folder) -> torch.Tensor:
         return model(input_ids=PROBE).logits
 
 
-@pytest.mark.parametrize("partitioning", ["number", "dimension"])
-def test_ddp_with_sharded_tables_matches_single_process(setup, partitioning):
+LAUNCHERS = {
+    "torchrun": python_module("torch.distributed.run", "--nproc_per_node", "2"),
+    "accelerate": python_module("accelerate.commands.launch", "--config_file", "ultramem/configs/accelerate/ddp.yaml"),
+}
+
+
+@pytest.mark.parametrize(
+    ("partitioning", "launcher"), [("number", "torchrun"), ("dimension", "torchrun"), ("auto", "accelerate")]
+)
+def test_ddp_with_sharded_tables_matches_single_process(setup, partitioning, launcher):
     folder, argv = setup
-    run_command(python_module("torch.distributed.run", "--nproc_per_node", "2", "-m", "ultramem.training",
-                              *argv(partitioning, GLOBAL_BATCH // 2, memory_parallel=partitioning)))  # fmt: skip
+    run_command([*LAUNCHERS[launcher], "-m", "ultramem.training",
+                 *argv(partitioning, GLOBAL_BATCH // 2, memory_parallel=partitioning)])  # fmt: skip
     assert losses(folder / partitioning) == pytest.approx(losses(folder / "single"), abs=LOSS_TOLERANCE)
     logs = training_logs(folder / partitioning)
     assert [entry["value_lr_multiplier"] for entry in logs] == pytest.approx(

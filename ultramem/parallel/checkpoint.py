@@ -18,7 +18,8 @@ from torch import nn
 
 from ultramem.parallel.sharded import ShardedValueStore
 
-DENSE_FILE, TABLES_FILE, INDEX_FILE = "model-dense.safetensors", "model-values.safetensors", "model.safetensors.index.json"
+DENSE_FILE, TABLES_FILE = "model-dense.safetensors", "model-values.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
 
 
@@ -33,7 +34,8 @@ def _layout(tables: dict[str, ShardedValueStore]) -> tuple[bytes, dict[str, int]
     for name, store in tables.items():
         weight = store.weight
         size = weight.numel() * weight.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[weight.dtype], "shape": list(weight.shape), "data_offsets": [position, position + size]}
+        dtype, shape = SAFETENSORS_DTYPES[weight.dtype], list(weight.shape)
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [position, position + size]}
         offsets[name], position = position, position + size
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
@@ -54,8 +56,10 @@ def _write_tables(tables: dict[str, ShardedValueStore], path: str, is_writer: bo
         mapped = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
     for name, store in tables.items():
         local = store.weight.to_local().detach().contiguous()
-        full = None if mapped is None else mapped[offsets[name] : offsets[name] + local.element_size() * store.weight.numel()]
-        full = None if full is None else full.view(local.dtype).view(store.weight.shape)
+        full = None
+        if mapped is not None:
+            full = mapped[offsets[name] : offsets[name] + local.element_size() * store.weight.numel()]
+            full = full.view(local.dtype).view(store.weight.shape)
         for shard, owner in enumerate(owners):
             if dist.get_rank() == owner and not is_writer:
                 dist.send(local, dst=0)
@@ -63,7 +67,8 @@ def _write_tables(tables: dict[str, ShardedValueStore], path: str, is_writer: bo
                 received = local if owner == 0 else torch.empty_like(local)
                 if owner != 0:
                     dist.recv(received, src=owner)
-                full.narrow(store.shard_dim, shard * local.shape[store.shard_dim], local.shape[store.shard_dim]).copy_(received)
+                width = local.shape[store.shard_dim]
+                full.narrow(store.shard_dim, shard * width, width).copy_(received)
     del mapped
 
 

@@ -61,9 +61,9 @@ class DimensionShardedValues(ShardedValueStore):
         slots = F.pad(groups * self.num_rows + rows, (0, 0, 0, padded - num_tokens))
         all_slots = all_gather(slots, self.group, "indices")  # (P*T', K)
         all_scores = all_gather(F.pad(scores, (0, 0, 0, 0, 0, padded - num_tokens)), self.group, "scores")
-        pooled = ops.lookup_reduce(
-            self.local_weight(), all_slots % self.num_rows, all_slots // self.num_rows, self._own_scores(all_scores), num_groups
-        )  # (P*T', E, Dv/P): this rank's columns for every rank's tokens
+        rows, groups = all_slots % self.num_rows, all_slots // self.num_rows
+        # (P*T', E, Dv/P): this rank's columns for every rank's tokens
+        pooled = ops.lookup_reduce(self.local_weight(), rows, groups, self._own_scores(all_scores), num_groups)
         split = [padded * pooled[0].numel()] * self.size
         returned = all_to_all(pooled.reshape(-1), split, split, self.group, "pooled")
         columns = returned.view(self.size, padded, num_groups, -1).permute(1, 2, 0, 3)  # (T', E, P, Dv/P)

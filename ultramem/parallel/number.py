@@ -81,7 +81,8 @@ class NumberShardedValues(ShardedValueStore):
         receive = exchange_counts(send, self.group)
         send_slots, send_pairs = send.T.tolist()
         receive_slots, receive_pairs = receive.T.tolist()
-        packed = all_to_all(pair_in_owner * self.rows_per_shard + local_rows, receive_slots, send_slots, self.group, "indices")
+        packed = pair_in_owner * self.rows_per_shard + local_rows
+        packed = all_to_all(packed, receive_slots, send_slots, self.group, "indices")
         num_cores = scores.shape[-1]
         slot_scores = scores.reshape(-1, num_cores)[order]
         received_scores = all_to_all(slot_scores, receive_slots, send_slots, self.group, "scores")
@@ -91,8 +92,8 @@ class NumberShardedValues(ShardedValueStore):
         target = first_received[source] + torch.div(packed, self.rows_per_shard, rounding_mode="floor")
         weight = self.local_weight()
         values = F.embedding(packed % self.rows_per_shard, weight).float()  # (R, Dv)
-        weighted = values.view(len(values), num_cores, weight.shape[1] // num_cores) * received_scores.float().unsqueeze(-1)
-        weighted = weighted.flatten(1)
+        chunks = values.view(len(values), num_cores, weight.shape[1] // num_cores)
+        weighted = (chunks * received_scores.float().unsqueeze(-1)).flatten(1)
         partial = weighted.new_zeros(sum(receive_pairs), weight.shape[1]).index_add(0, target, weighted)
         returned = all_to_all(partial, send_pairs, receive_pairs, self.group, "pooled")  # (pairs, Dv)
         pooled = returned.new_zeros(buckets, weight.shape[1]).index_add(0, pairs % buckets, returned)

@@ -75,5 +75,6 @@ def load_dense_weights(model: nn.Module, checkpoint: str) -> None:
         with safe_open(os.path.join(checkpoint, file), "pt") as handle:
             weights.update({key: handle.get_tensor(key) for key in handle.keys() if key not in skip})
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    if unexpected or set(missing) - skip - set(getattr(model, "_tied_weights_keys", None) or {}):
-        raise ValueError(f"checkpoint {checkpoint} does not match the model: missing {missing}, unexpected {unexpected}")
+    missing = set(missing) - skip - set(getattr(model, "_tied_weights_keys", None) or {})
+    if unexpected or missing:
+        raise ValueError(f"checkpoint {checkpoint} does not fit the model: missing {missing}, unexpected {unexpected}")

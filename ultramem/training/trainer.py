@@ -179,10 +179,16 @@ class UltraMemTrainer(AtomicCheckpointTrainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         from ultramem.parallel.checkpoint import sharded_tables
-        from ultramem.parallel.resume import load_dense_weights
+        from ultramem.parallel.resume import has_table_states, load_dense_weights
+        from ultramem.training.errors import UsageError
 
         if not sharded_tables(self.model):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if not has_table_states(resume_from_checkpoint):
+            raise UsageError(
+                f"--resume_from_checkpoint {resume_from_checkpoint} was written without --memory_parallel (no "
+                "value_tables/); resume it with --memory_parallel none"
+            )
         load_dense_weights(self.model, resume_from_checkpoint)  # the tables come with their optimizer state
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
