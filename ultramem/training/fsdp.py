@@ -22,12 +22,12 @@ from ultramem.training.errors import UsageError
 FSDP2_CONFIG = "ultramem/configs/accelerate/fsdp2.yaml"
 
 
-def _requested_plugin(trainer: Trainer) -> FullyShardedDataParallelPlugin | None:
-    """The FSDP plugin the launch asked for: the Trainer's `--fsdp` flags, else the `accelerate launch` config."""
+def _requested_version(trainer: Trainer) -> int | None:
+    """The FSDP version the launch asked for: the Trainer's `--fsdp` flags, else the `accelerate launch` config."""
     if trainer.args.fsdp_plugin_args is not None:
-        return FullyShardedDataParallelPlugin(**trainer.args.fsdp_plugin_args)
+        return int(trainer.args.fsdp_plugin_args.get("fsdp_version", 1))
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
-        return FullyShardedDataParallelPlugin()  # reads the FSDP_* variables `accelerate launch` sets
+        return int(os.environ.get("FSDP_VERSION", "1"))
     return None
 
 
@@ -51,19 +51,21 @@ class FSDPTrainer(Trainer):
             self.model.register_forward_hook(_plain_aux_loss)
 
     def create_accelerator_and_postprocess(self) -> None:
+        version = None if torch.cuda.is_available() else _requested_version(self)
+        if version is not None and version != 2:
+            raise UsageError(
+                f"--fsdp: FSDP{version} does not shard on CPU process groups (it would run as DDP); allowed: "
+                f"fsdp_version 2 (the default of --fsdp, or accelerate launch --config_file {FSDP2_CONFIG})"
+            )
         super().create_accelerator_and_postprocess()
         state = self.accelerator.state
-        if state.distributed_type != DistributedType.MULTI_CPU:
+        if version is None or state.distributed_type != DistributedType.MULTI_CPU:
             return
-        plugin = _requested_plugin(self)
-        if plugin is None:
-            return
-        if plugin.fsdp_version != 2:
-            raise UsageError(
-                f"--fsdp: FSDP{plugin.fsdp_version} does not shard on CPU process groups (it would run as DDP); "
-                f"allowed: fsdp_version 2 (--fsdp_config '{{\"fsdp_version\": 2}}' or accelerate launch "
-                f"--config_file {FSDP2_CONFIG})"
-            )
+        plugin = (
+            FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+            if self.args.fsdp_plugin_args is not None
+            else FullyShardedDataParallelPlugin()  # reads the FSDP_* variables `accelerate launch` sets
+        )
         state.distributed_type = DistributedType.FSDP
         state.fsdp_plugin = plugin
         self.is_fsdp_enabled = self._fsdp_on_cpu = True
