@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, StaticCache
 
-from ultramem.presets import build_model, get_config
+from ultramem.presets import get_config
+from ultramem.sizing import build_model
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -83,6 +84,15 @@ def parse_int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
     return values
+
+
+def parse_names(text: str, allowed: Iterable[str], flag: str) -> list[str]:
+    """'a,b' -> ['a', 'b']; every entry must be one of `allowed` (else exit naming the flag and the choices)."""
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        raise SystemExit(f"{flag}: unknown {unknown}; allowed: {', '.join(allowed)}")
+    return names
 
 
 def device_tag(device: torch.device) -> str:

@@ -10,10 +10,10 @@ On CPU (reduced sizes; Triton is skipped when it would only run in its interpret
 
 `lookup_reduce` is timed at the paper's UltraMem-x12 memory configurations (151M, 680M, 1.6B: heads,
 top-m, value dim, physical rows N, IVE groups E and MCS cores h read from `ultramem.presets`), at its
-own (E, h) and at E = h = 1, where `torch.nn.functional.embedding_bag` with per-sample weights can
-express it. Forward, backward and forward+backward are timed separately; forward bandwidth counts
-the bytes that must move (gathered rows, indices, scores, output) and is compared with a measured
-device-to-device copy. `tucker_candidate_topk` (the fused m x m scoring and top-m) is timed against
+own (E, h) and at E = h = 1: the PyTorch reference, `memory_ops.lookup_reduce_embedding_bag` (one
+`F.embedding_bag` with per-sample weights, the CPU path) and the Triton kernels. Forward, backward and
+forward+backward are timed separately; forward bandwidth counts the bytes that must move (gathered rows,
+indices, scores, output) and is compared with a measured device-to-device copy. `tucker_candidate_topk` (the fused m x m scoring and top-m) is timed against
 its PyTorch path at the same configurations. The table is printed last.
 """
 
@@ -28,7 +28,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 import _common as common
 from ultramem import kernels, memory_ops
@@ -101,11 +100,8 @@ def copy_bandwidth_gbps(device: torch.device, num_bytes: int, repeats: int) -> f
     return 2 * num_bytes / time_ms(lambda: target.copy_(source), device, repeats) / 1e6
 
 
-def lookup_impls(groups: int, cores: int, device: torch.device, interpreted: bool) -> dict:
-    """The implementations that can express this (E, h) on this device, by name."""
-
-    def embedding_bag(values, rows, groups_, scores, num_groups):
-        return F.embedding_bag(rows, values, per_sample_weights=scores[..., 0], mode="sum").unsqueeze(1)
+def lookup_impls(interpreted: bool) -> dict:
+    """The implementations that run on this device (Triton only compiled, not interpreted), by name."""
 
     def triton_mode(deterministic: bool):
         def run(*args):
@@ -118,9 +114,7 @@ def lookup_impls(groups: int, cores: int, device: torch.device, interpreted: boo
 
         return run
 
-    impls = {"torch": memory_ops.lookup_reduce}
-    if groups == 1 and cores == 1:
-        impls["embedding_bag"] = embedding_bag
+    impls = {"torch": memory_ops.lookup_reduce, "embedding_bag": memory_ops.lookup_reduce_embedding_bag}
     if kernels.triton_available() and not interpreted:
         impls["triton"] = triton_mode(False)
         impls["triton-deterministic"] = triton_mode(True)
@@ -166,7 +160,7 @@ def bench_lookup(shape: MemoryShape, groups: int, cores: int, dtype: torch.dtype
         scores = torch.randn(tokens, shape.slots, cores, device=device, dtype=dtype).requires_grad_()
         grad_out = torch.randn(tokens, groups, shape.value_dim, device=device, dtype=dtype)
         num_bytes = lookup_bytes(shape, tokens, groups, cores, values.element_size())
-        for impl, fn in lookup_impls(groups, cores, device, interpreted).items():
+        for impl, fn in lookup_impls(interpreted).items():
             result = Result("lookup_reduce", shape.name, groups, cores, str(dtype).removeprefix("torch."), tokens, impl)
             try:
                 result.forward_ms, result.backward_ms, result.fwd_bwd_ms = time_lookup(

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, MixtralConfig, PreTrainedConfig, TrainerCallback
 
-from ultramem import presets
+from ultramem import ablation, presets, sizing
 from ultramem.tokenization import load_tokenizer
 from ultramem.training.cli import run as train_run
 from ultramem.training.data import embedded_corpus_files, pack_blocks
@@ -79,7 +79,7 @@ def row_configs(scale: str) -> list[tuple[str, str, PreTrainedConfig]]:
     rows = [("comparison", name, presets.get_config(preset)) for name, preset in COMPARISON[scale].items()]
     # the ladder shares the presets' position limit, so its first and last rows are the PKM and UltraMem rows
     positions = rows[-1][2].max_position_embeddings
-    rows += [("ladder", name, config) for name, config in presets.ablation_ladder(scale, max_position_embeddings=positions)]
+    rows += [("ladder", name, config) for name, config in ablation.ablation_ladder(scale, max_position_embeddings=positions)]
     return rows
 
 
@@ -280,7 +280,7 @@ def train_argv(row: Row, seed: int, settings: dict[str, Any], data: dict[str, Pa
 def counts(config: dict[str, Any]) -> dict[str, float]:
     """Total/activated parameters, FLOPs per token (presets' meta-device count) and the sparse/dense split."""
     built = built_config(config)
-    result = dict(presets.count_parameters(built))
+    result = dict(sizing.count_parameters(built))
     if isinstance(built, MixtralConfig):  # total - activated = experts * (1 - k/E)
         experts, k = built.num_local_experts, built.num_experts_per_tok
         sparse = (result["total"] - result["activated"]) * experts / (experts - k)

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from ultramem.presets import count_parameters, get_config
+from ultramem.presets import get_config
+from ultramem.sizing import count_parameters
 
 import _common as common
 

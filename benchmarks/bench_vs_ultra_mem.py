@@ -6,7 +6,8 @@ D/2, causal query conv of kernel 5, query/key LayerNorm. Differences that remain
 setting): `ultra-mem` keeps one value table per core ("head") and runs one top-m per core, so its table
 is twice ours for the same rows read per token (2 x m each); it pools with `scatter` and reads
 `self.keys` without the key LayerNorm it computes. The ratio is `ultra-mem` time / ours, in training
-mode (their forward also counts its value-LR gradient scaling), float32.
+mode (their forward also counts its value-LR gradient scaling), float32. Ours runs `--memory-kernel` (default
+"auto": the `embedding_bag` lookup on CPU; "torch" times the reference).
 
 CPU (the only comparison this script makes; `pip install ultra-mem`, it pulls einx and einops):
 
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from ultramem import UltraMemConfig
+from ultramem.configuration_ultramem import MEMORY_KERNELS
 from ultramem.modeling_ultramem import UltraMemMemoryLayer
 
 import _common as common
@@ -53,18 +55,16 @@ SHAPES = {
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = common.make_parser(__doc__, DEFAULT_NAME)
     parser.add_argument("--shapes", default="tiny,small", help=f"comma-separated, from {', '.join(SHAPES)}")
+    parser.add_argument("--memory-kernel", default="auto", choices=MEMORY_KERNELS, help="config.memory_kernel of ours")
     args = parser.parse_args(argv)
     if args.device != "cpu":
         raise SystemExit("--device: this comparison runs on CPU only (ultra-mem's CUDA path is not compared)")
     common.resolve_common(args, DEFAULT_NAME)
-    args.shapes = [s for s in args.shapes.split(",") if s]
-    unknown = [s for s in args.shapes if s not in SHAPES]
-    if unknown or not args.shapes:
-        raise SystemExit(f"--shapes: unknown {unknown}; allowed: {', '.join(SHAPES)}")
+    args.shapes = common.parse_names(args.shapes, SHAPES, "--shapes")
     return args
 
 
-def ours(shape: LayerShape) -> nn.Module:
+def ours(shape: LayerShape, memory_kernel: str) -> nn.Module:
     config = UltraMemConfig(
         vocab_size=8,
         hidden_size=shape.hidden,
@@ -81,7 +81,7 @@ def ours(shape: LayerShape) -> nn.Module:
         tucker_rank=2,
         mcs_cores=2,
         query_conv_kernel_size=5,
-        memory_kernel="torch",
+        memory_kernel=memory_kernel,
     )
     layer = UltraMemMemoryLayer(config, 0)
     for module in layer.modules():
@@ -136,7 +136,8 @@ def bench_shape(shape: LayerShape, args: argparse.Namespace) -> list[dict[str, A
     torch.manual_seed(0)
     x = torch.randn(shape.batch, shape.seq_len, shape.hidden)
     rows = []
-    for label, build, is_ours in (("ultramem (this project)", ours, True), ("ultra-mem (PyPI)", theirs, False)):
+    builders = (("ultramem (this project)", lambda s: ours(s, args.memory_kernel), True), ("ultra-mem (PyPI)", theirs, False))
+    for label, build, is_ours in builders:
         layer = build(shape).train()
         row = {"shape": shape.name, "impl": label, "params_m": sum(p.numel() for p in layer.parameters()) / 1e6}
         row.update(time_layer(layer, x, is_ours, args))
@@ -156,7 +157,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     rows = [row for name in args.shapes for row in bench_shape(SHAPES[name], args)]
     payload = {
-        "settings": {"shapes": [asdict(SHAPES[s]) for s in args.shapes], "warmup": args.warmup, "iters": args.iters},
+        "settings": {
+            "shapes": [asdict(SHAPES[s]) for s in args.shapes],
+            "memory_kernel": args.memory_kernel,
+            "warmup": args.warmup,
+            "iters": args.iters,
+        },
         "ultra_mem_version": importlib.metadata.version("ultra-mem"),
         "rows": rows,
     }

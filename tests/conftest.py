@@ -44,6 +44,26 @@ def small_config(**overrides) -> UltraMemConfig:
     return UltraMemConfig(**kwargs)
 
 
+def assert_trains_like_the_reference(memory_kernel: str, input_ids: torch.Tensor) -> None:
+    """UltraMemForCausalLM with `memory_kernel` gives the loss and every gradient of memory_kernel='torch'."""
+    from ultramem import UltraMemForCausalLM
+
+    torch.manual_seed(0)
+    reference = UltraMemForCausalLM(small_config(memory_kernel="torch"))
+    other = UltraMemForCausalLM(small_config(memory_kernel=memory_kernel))
+    other.load_state_dict(reference.state_dict())
+    losses = []
+    for model in (reference, other):
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    other_params = dict(other.named_parameters())
+    for name, parameter in reference.named_parameters():
+        if parameter.grad is not None:
+            torch.testing.assert_close(other_params[name].grad, parameter.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.fixture
 def config() -> UltraMemConfig:
     return small_config()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ultramem import presets
+from ultramem import ablation
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_quality.py"
 spec = importlib.util.spec_from_file_location("bench_quality", SCRIPT)
@@ -32,7 +32,7 @@ def test_tiny_ladder_ends_are_the_comparison_models():
     rows = {row.name: bench_quality.config_key(row.config) for row in bench_quality.load_rows("tiny", "all")}
     assert rows["PKM x10"] == rows["PKM"]
     assert rows["+query conv"] == rows["UltraMem"]
-    assert len(set(rows.values())) == len(presets.LADDER_ROWS) + 2  # + Dense and MoE
+    assert len(set(rows.values())) == len(ablation.LADDER_ROWS) + 2  # + Dense and MoE
 
 
 def test_two_rows_train_and_report(tmp_path):

@@ -1,4 +1,4 @@
-"""CPU smoke tests of the speed benchmarks (benchmarks/bench_{decode,scaling,train,vs_ultra_mem,kernels}.py).
+"""CPU smoke tests of the speed benchmarks (benchmarks/bench_{decode,scaling,train,vs_ultra_mem,kernels,offload}.py).
 
 Each script runs end to end at tiny sizes and writes its JSON; no timing is asserted. The model paths they time
 without a GPU here (StaticCache decoding, the closed-form SVD) are checked in test_modeling.py.
@@ -138,3 +138,15 @@ def test_bench_kernels_times_with_the_shared_timer(bench, monkeypatch):
     monkeypatch.setattr(common, "time_calls", fake)
     assert bench("bench_kernels").time_ms(lambda: None, torch.device("cpu"), 3) == 2.0
     assert calls == [(1, 3, None)]
+
+
+def test_bench_offload_builds_loads_offloaded_and_cleans_up(bench, tmp_path):
+    args = ["--device", "cpu", "--runs", "tiny-dense,tiny-disk", "--batch-sizes", "1", "--new-tokens", "2", "--no-plot"]
+    checkpoints = tmp_path / "checkpoints"
+    payload = bench("bench_offload").main(
+        [*args, "--checkpoints", str(checkpoints), "--build", "--cleanup", "--results-dir", str(tmp_path), "--name", "o"]
+    )
+    rows = {r["run"]: r for r in read(tmp_path, "o")["rows"]}
+    assert rows["tiny-disk"]["offload"] == "disk" and rows["tiny-disk"]["rows_read_per_step"] > 0
+    assert all(r["ms"] > 0 and r["peak_rss_gb"] > 0 for r in rows.values()) and payload["summary"]
+    assert not any(checkpoints.iterdir())  # built by the run, deleted after it

@@ -5,16 +5,9 @@ from conftest import small_config
 from transformers import MixtralConfig
 
 from ultramem import UltraMemConfig, UltraMemConfigError
-from ultramem.presets import (
-    LADDER_ROWS,
-    PAPER_FIGURES,
-    PRESETS,
-    ablation_ladder,
-    count_parameters,
-    format_table,
-    get_config,
-    preset_table,
-)
+from ultramem.ablation import LADDER_ROWS, ablation_ladder
+from ultramem.presets import PAPER_FIGURES, PRESETS, format_table, get_config, preset_table
+from ultramem.sizing import count_parameters
 
 
 @pytest.mark.parametrize(
@@ -126,3 +119,15 @@ def test_ablation_ladder_changes_one_improvement_per_row():
         changed = {k for k, v in after.to_dict().items() if before.to_dict().get(k) != v}
         changed -= {"memory_num_keys", "memory_num_values", "memory_topk", "layer_types", "number_of_conv_states"}
         assert 1 <= len(changed) <= 3, (row, changed)
+
+
+def test_paper_presets_carry_the_papers_dropout():
+    """The paper trains with dropout 0.1 (Table "Training hyper-parameters"); the tiny CPU presets use none."""
+    for name in PRESETS:
+        config = get_config(name)
+        expected = 0.0 if name.startswith("tiny-") else 0.1
+        assert config.attention_dropout == expected, name
+        if not isinstance(config, MixtralConfig):  # Mixtral has attention dropout only
+            assert config.hidden_dropout == expected, name
+    assert all(config.hidden_dropout == 0.1 for _, config in ablation_ladder("151m"))
+    assert all(config.hidden_dropout == 0.0 for _, config in ablation_ladder("tiny"))

@@ -17,7 +17,8 @@ from ultramem.eval import tasks_path
 from ultramem.eval.benchmarks import BENCHMARKS, group_entries, select
 from ultramem.eval.cli import main as eval_main
 from ultramem.eval.local_data import LocalDataMissing, read_local
-from ultramem.presets import build_model, get_config
+from ultramem.presets import get_config
+from ultramem.sizing import build_model
 from ultramem.tokenization import load_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "eval"

@@ -16,7 +16,8 @@ from ultramem.eval.benchmarks import BENCHMARKS
 from ultramem.eval.report import ModelResult, write_results
 from ultramem.hub_cards import render_card
 from ultramem.hub_cards.push import main as push_main
-from ultramem.presets import build_model, count_parameters, get_config
+from ultramem.presets import get_config
+from ultramem.sizing import build_model, count_parameters
 from ultramem.tokenization import load_tokenizer
 
 REPO = "alice/tiny-ultramem"

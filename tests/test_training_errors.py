@@ -8,7 +8,7 @@ import subprocess
 import pytest
 from test_training_support import REPO, base_args, child_env, python_module, write_config, write_corpus
 
-from ultramem import presets
+from ultramem import presets, sizing
 from ultramem.training.cli import main
 
 
@@ -129,7 +129,7 @@ def test_a_presets_own_saved_config_is_no_contradiction(tmp_path):
     from ultramem.training.arguments import ModelArguments
     from ultramem.training.model_setup import build_config
 
-    presets.build_model(presets.get_config("tiny-dense")).save_pretrained(tmp_path / "saved")
+    sizing.build_model(presets.get_config("tiny-dense")).save_pretrained(tmp_path / "saved")
     args = ModelArguments(preset="tiny-dense", config_file=str(tmp_path / "saved" / "config.json"))
     assert build_config(args).to_dict() == presets.get_config("tiny-dense").to_dict()
 

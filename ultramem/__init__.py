@@ -6,6 +6,7 @@ Importing the package registers the config and models with the Auto classes.
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .configuration_ultramem import UltraMemConfig, UltraMemConfigError
+from . import offload  # noqa: F401 - registers the "cpu" and "disk" value stores
 from .modeling_ultramem import (
     UltraMemCausalLMOutputWithPast,
     UltraMemForCausalLM,

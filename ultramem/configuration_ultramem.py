@@ -9,10 +9,12 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
 # The allowed values of the mode fields, defined once: code compares with these names, never with string literals.
-MemoryKernel = Literal["auto", "triton", "torch"]
+MemoryKernel = Literal["auto", "triton", "torch", "embedding_bag"]
 RetrievalMode = Literal["product_key", "tucker"]
 MEMORY_KERNELS: tuple[MemoryKernel, ...] = get_args(MemoryKernel)
 RETRIEVAL_MODES: tuple[RetrievalMode, ...] = get_args(RetrievalMode)
+MemoryOffload = Literal["cpu", "disk"]
+MEMORY_OFFLOADS: tuple[MemoryOffload | None, ...] = (None, *get_args(MemoryOffload))
 PRODUCT_KEY: RetrievalMode = "product_key"  # PKM's product keys (the baseline)
 TUCKER: RetrievalMode = "tucker"  # UltraMem's Tucker-decomposed query-key retrieval (TDQKR)
 
@@ -24,6 +26,11 @@ class UltraMemConfigError(ValueError):
 def _require(condition: bool, field: str, value, allowed: str) -> None:
     if not condition:
         raise UltraMemConfigError(f"UltraMemConfig.{field}={value!r} is invalid: {allowed}.")
+
+
+def validate_memory_offload(value) -> None:
+    """`memory_offload` is also set by `from_pretrained` keywords after construction: checked again at load."""
+    _require(value in MEMORY_OFFLOADS, "memory_offload", value, f"must be one of {MEMORY_OFFLOADS}")
 
 
 @strict
@@ -116,8 +123,14 @@ class UltraMemConfig(PreTrainedConfig):
     value_lr_multiplier: float = 10.0
     value_lr_decay: bool = True
 
-    # Which implementation of the memory ops runs: "auto" = Triton on CUDA, PyTorch elsewhere
+    # Which implementation of the memory ops runs (MEMORY_KERNELS): "torch" = the PyTorch reference, "embedding_bag" =
+    # its lookup as one F.embedding_bag (fast on CPU), "triton" = fused kernels; "auto" = embedding_bag on CPU,
+    # Triton on CUDA when installed, the reference elsewhere
     memory_kernel: str = "auto"  # a MemoryKernel (typed str, as retrieval_mode)
+
+    # Where `from_pretrained` puts the value tables: None = with the other weights, "cpu" = host memory,
+    # "disk" = memory-mapped from the checkpoint's safetensors (ultramem.offload). A loading setting: never saved.
+    memory_offload: str | None = None
 
     # Derived, for the generation cache: blocks whose cache layer also holds query-conv states
     layer_types: list[str] | None = None
@@ -159,6 +172,12 @@ class UltraMemConfig(PreTrainedConfig):
             seen[a] = seen.get(a, 0) + 1
         return slots
 
+    def to_dict(self) -> dict:
+        """Without `memory_offload`: where this process keeps its tables is not part of what a checkpoint means."""
+        output = super().to_dict()
+        output.pop("memory_offload", None)
+        return output
+
     def validate_ultramem(self) -> None:
         """Check every field against what the model can build; raise `UltraMemConfigError` naming the field."""
         for field in (
@@ -187,6 +206,7 @@ class UltraMemConfig(PreTrainedConfig):
         _require(
             self.memory_kernel in MEMORY_KERNELS, "memory_kernel", self.memory_kernel, f"must be one of {MEMORY_KERNELS}"
         )
+        validate_memory_offload(self.memory_offload)
         for i, (a, b) in enumerate(self.memory_layers):
             for value in (a, b):
                 _require(
@@ -225,6 +245,14 @@ class UltraMemConfig(PreTrainedConfig):
             self.memory_topk,
             f"must be <= memory_num_keys={self.memory_num_keys} (keys per axis)",
         )
+        if self.tdqkr_signed_candidates and self.retrieval_mode == "tucker":
+            _require(
+                2 * self.memory_topk <= self.memory_num_keys,
+                "memory_topk",
+                self.memory_topk,
+                f"must be <= memory_num_keys / 2 = {self.memory_num_keys // 2} with tdqkr_signed_candidates=True "
+                "(the m largest and m smallest projections per axis must be disjoint)",
+            )
         _require(
             self.memory_num_keys**2 == self.ive_expansion * self.memory_num_values,
             "memory_num_values",

@@ -31,12 +31,10 @@ def _layer_statistics(
         approx = virtual_index[start : start + chunk]
         hits += (approx.unsqueeze(-1) == exact.unsqueeze(-2)).any(-1).sum()  # one host sync, at the end
 
-    expansion = layer.value_expansion
-    physical = virtual_index if expansion.virtual_to_physical is None else expansion.virtual_to_physical[virtual_index]
-    physical = physical % expansion.num_values
+    physical, _ = layer.value_expansion.physical_slots(virtual_index)
     return {
         "tdqkr_recall": hits.item() / max(virtual_index.numel(), 1),
-        "slot_usage": physical.unique().numel() / expansion.num_values,
+        "slot_usage": physical.unique().numel() / layer.value_expansion.num_values,
         "top1_score": scores.sum(-1).amax(-1).mean().item(),
     }
 

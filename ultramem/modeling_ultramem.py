@@ -17,11 +17,13 @@ One memory layer, for one token (paper section 3):
     out = sum_p W_p^T pooled_p                              one GEMM over the E projectors
 """
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import NormalDist
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
+from typing import Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -44,19 +46,41 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .configuration_ultramem import UltraMemConfig
-from .memory_ops import lookup_reduce, tucker_candidate_topk
+from .configuration_ultramem import UltraMemConfig, validate_memory_offload
+from .memory_ops import lookup_reduce, lookup_reduce_embedding_bag, tucker_candidate_topk
 
-TORCH_MEMORY_OPS = SimpleNamespace(lookup_reduce=lookup_reduce, tucker_candidate_topk=tucker_candidate_topk)
+class MemoryOps(Protocol):
+    """The memory layer's two compute kernels, with the contract of `memory_ops` (their reference).
 
-
-def select_memory_ops(memory_kernel: str, device: torch.device) -> ModuleType | SimpleNamespace:
-    """The module implementing `lookup_reduce` and `tucker_candidate_topk` for `config.memory_kernel`.
-
-    "torch" is the pure-PyTorch reference; "triton" the fused kernels of `ultramem.kernels`; "auto" picks
-    Triton on CUDA when it is installed, PyTorch elsewhere. A checkpoint loaded with `trust_remote_code`
-    without the `ultramem` package installed runs the PyTorch path.
+    Implementations: the pure-PyTorch reference (`memory_ops`), its `embedding_bag` lookup (fast on CPU) and
+    the Triton kernels (`ultramem.kernels`), chosen by `config.memory_kernel`. Where the value table lives is a separate axis: see `VALUE_STORES`.
     """
+
+    def lookup_reduce(
+        self, values: torch.Tensor, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor, num_groups: int
+    ) -> torch.Tensor: ...
+
+    def tucker_candidate_topk(
+        self, row_scores: torch.Tensor, col_scores: torch.Tensor, cores: torch.Tensor, topk: int
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+TORCH_MEMORY_OPS: MemoryOps = SimpleNamespace(lookup_reduce=lookup_reduce, tucker_candidate_topk=tucker_candidate_topk)
+EMBEDDING_BAG_MEMORY_OPS: MemoryOps = SimpleNamespace(
+    lookup_reduce=lookup_reduce_embedding_bag, tucker_candidate_topk=tucker_candidate_topk
+)
+
+
+def select_memory_ops(memory_kernel: str, device: torch.device) -> MemoryOps:
+    """The kernels implementing `MemoryOps` for `config.memory_kernel`.
+
+    "torch" is the pure-PyTorch reference; "embedding_bag" the same with the lookup as one `F.embedding_bag`
+    (pure PyTorch, fast on CPU); "triton" the fused kernels of `ultramem.kernels`; "auto" picks embedding_bag
+    on CPU, Triton on CUDA when it is installed, the reference elsewhere. A checkpoint loaded with
+    `trust_remote_code` without the `ultramem` package installed runs a PyTorch path.
+    """
+    if memory_kernel == "embedding_bag" or (memory_kernel == "auto" and device.type == "cpu"):
+        return EMBEDDING_BAG_MEMORY_OPS
     if memory_kernel == "torch" or (memory_kernel == "auto" and device.type != "cuda"):
         return TORCH_MEMORY_OPS
     try:
@@ -84,6 +108,30 @@ def expected_top_m_mean(num_candidates: int, top_m: int) -> float:
     return normal.pdf(normal.inv_cdf(1.0 - tail)) / tail
 
 
+@functools.cache
+def mcs_output_gain(num_keys: int, top_m: int, rank: int, num_cores: int, samples: int = 512) -> float:
+    """sqrt(E[S^2] / E[mean_i s_i^2]) over the top-m slots at init: the value scale that makes h cores match one.
+
+    Sampled (seeded, float64) with standard normal row/column scores (r, n) and random cores, the top-m
+    taken by the two-phase search over the signed rank-1 candidates; see `MemoryInitScales`.
+    """
+    if num_cores == 1:
+        return 1.0
+    generator = torch.Generator().manual_seed(0)
+    rows, cols = torch.randn(2, samples, rank, num_keys, generator=generator, dtype=torch.float64, device="cpu")
+    cores = torch.randn(samples, num_cores, rank, rank, generator=generator, dtype=torch.float64, device="cpu")
+    cores = cores / (num_cores * rank * rank) ** 0.5  # E||sum_i C^(i)||_F^2 = 1, as `TuckerQueryKeyRetrieval`
+    left, _, right_h = torch.linalg.svd(cores.sum(1))
+    candidates = []
+    for scores, vector in ((rows, left[..., :, 0]), (cols, right_h[..., 0, :])):
+        projected = torch.einsum("srn,sr->sn", scores, vector)
+        index = torch.cat([projected.topk(top_m).indices, (-projected).topk(top_m).indices], dim=-1)  # (S, 2m)
+        candidates.append(scores.gather(-1, index.unsqueeze(1).expand(-1, rank, -1)))  # (S, r, 2m)
+    per_core = torch.einsum("sax,siab,sby->sixy", candidates[0], cores, candidates[1]).flatten(-2)  # (S, h, 4m^2)
+    selected = per_core.gather(-1, per_core.sum(1).topk(top_m).indices.unsqueeze(1).expand(-1, num_cores, -1))
+    return (selected.sum(1).pow(2).mean() / selected.pow(2).mean()).sqrt().item()
+
+
 @dataclass(frozen=True)
 class MemoryInitScales:
     """Initial scales of a memory layer: appendix A when `improved_init`, PKM's init otherwise.
@@ -91,6 +139,16 @@ class MemoryInitScales:
     Improved: values ~ N(0, E / (2 m H L)), so the layer's output starts like an MLP's, N(0, 1/(2L));
     query/key LayerNorm gains make the mean selected score about 1 (see `expected_top_m_mean`); the
     projectors keep the pooled variance. PKM: values ~ N(0, 1/Dv), unit gains.
+
+    Multi-core scoring (both inits): chunk i of a selected value is weighted by core i's score
+    s_i = a^T C^(i) b (a, b the slot's row and column scores), not by the summed score S = sum_i s_i that
+    selected it. With C^(i) = C / h + D_i, where D_i is independent of the sum C for Gaussian cores,
+    s_i = S / h + a^T D_i b and, per output dimension,
+        E[mean_i s_i^2] = E[S^2] / h^2 + (1 - 1/h) / h * E[||a||^2 ||b||^2] / r^2        (E||C||_F^2 = 1)
+    The first term alone makes the output of h cores 1/h that of one core; the second depends on how the
+    top-m selects large ||a|| ||b||, which has no closed form for product scores. `mcs_output_gain`
+    estimates sqrt(E[S^2] / E[mean_i s_i^2]) once by sampling (as the paper does for the top-m mean) and
+    the values are scaled by it, so the output's scale at init does not depend on h.
     """
 
     value_std: float
@@ -100,8 +158,9 @@ class MemoryInitScales:
 
     @classmethod
     def from_config(cls, config: UltraMemConfig) -> "MemoryInitScales":
+        core_scale = mcs_output_gain(config.memory_num_keys, config.memory_topk, config.tucker_rank, config.mcs_cores)
         if not config.improved_init:
-            return cls(config.memory_value_dim**-0.5, config.initializer_range, 1.0, 1.0)
+            return cls(core_scale * config.memory_value_dim**-0.5, config.initializer_range, 1.0, 1.0)
         num_groups = config.ive_expansion
         activated = config.memory_topk * config.memory_heads
         top_mean = expected_top_m_mean(config.memory_num_keys**2, config.memory_topk)
@@ -110,7 +169,7 @@ class MemoryInitScales:
         else:
             query_gain = 1.0 / (math.sqrt(2.0) * top_mean)  # Var(s_row + s_col) = 2 g^2
         return cls(
-            value_std=math.sqrt(num_groups / (2 * activated * config.num_hidden_layers)),
+            value_std=core_scale * math.sqrt(num_groups / (2 * activated * config.num_hidden_layers)),
             projector_std=(num_groups * config.memory_value_dim) ** -0.5,
             query_gain=query_gain,
             key_gain=(config.memory_key_dim // config.tucker_rank) ** -0.5,
@@ -130,7 +189,13 @@ class ScaledLayerNorm(nn.LayerNorm):
 
 
 class MemoryValueTable(nn.Embedding):
-    """The physical value table V (N, Dv) of one memory layer."""
+    """The physical value table V (N, Dv) of one memory layer, held whole on this process's device.
+
+    This is the "local" value store. A value store is any module that answers `lookup_reduce` for the
+    selected rows; where its values live (this device, shards on other ranks, host memory, a memory-mapped
+    file) is its own business, and the memory layer only ever calls this one method. Stores are registered
+    in `VALUE_STORES` and swapped in by `UltraMemPreTrainedModel.set_value_store`.
+    """
 
     def __init__(self, num_values: int, value_dim: int, init_std: float):
         super().__init__(num_values, value_dim)
@@ -138,6 +203,77 @@ class MemoryValueTable(nn.Embedding):
 
     def init_ultramem(self) -> None:
         init.normal_(self.weight, std=self.init_std)
+
+    def lookup_reduce(
+        self, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor, num_groups: int, ops: MemoryOps
+    ) -> torch.Tensor:
+        """rows, groups (T, K), scores (T, K, h) -> (T, E, Dv): see `memory_ops.lookup_reduce`."""
+        return ops.lookup_reduce(self.weight, rows, groups, scores, num_groups)
+
+
+class ValueStore(Protocol):
+    """Where a memory layer's values live: the one interface the memory layer reads values through.
+
+    `from_table` builds the store from a layer's `MemoryValueTable` (taking its weight or only the part it
+    keeps; `name` is the weight's state-dict key, e.g. to find it in a checkpoint); `lookup_reduce` returns the pooled (T, E, Dv) values of the selected rows on the device of `scores`.
+    """
+
+    @classmethod
+    def from_table(cls, table: MemoryValueTable, name: str, **options) -> nn.Module: ...
+
+    def lookup_reduce(
+        self, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor, num_groups: int, ops: MemoryOps
+    ) -> torch.Tensor: ...
+
+
+class _LocalValueStore:
+    """The default store: the table itself."""
+
+    @classmethod
+    def from_table(cls, table: MemoryValueTable, name: str, **options) -> nn.Module:
+        if options:
+            raise TypeError(f"the local value store takes no options, got {sorted(options)}")
+        return table
+
+
+VALUE_STORES: dict[str, type[ValueStore]] = {"local": _LocalValueStore}
+"""Registry of value stores by name, as Transformers' `ALL_ATTENTION_FUNCTIONS` is for attention. The
+`ultramem` package registers the sharded (memory parallelism) and offloaded ("cpu", "disk") stores.
+
+A store may also offer `lookup_reduce_async(rows, groups, scores, num_groups, ops)`, same arguments, returning
+an object whose `result()` is what `lookup_reduce` returns: the memory layer then starts the read when block `a`
+starts and collects it after block `b` (the skip-layer window, see `UltraMemMemoryLayer.start`)."""
+
+
+class DeferredValueTable(nn.Module):
+    """Stands for a table that `from_pretrained(..., memory_offload=...)` attaches after loading (no parameter).
+
+    Having no `weight`, the loader never reads the checkpoint's table into memory nor initializes one; the
+    checkpoint's `values.weight` keys are left to the offloaded store (`UltraMemModel` ignores them on load).
+    """
+
+    def __init__(self, num_values: int, value_dim: int, offload: str):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.offload = num_values, value_dim, offload
+
+    def lookup_reduce(self, *args, **kwargs) -> torch.Tensor:
+        raise RuntimeError(
+            f"UltraMemConfig.memory_offload={self.offload!r} attaches the value tables in from_pretrained(path, "
+            "memory_offload=...); this model was built from a config and has none. Build it with memory_offload=None "
+            "and call model.set_value_store('cpu') to offload an in-memory model."
+        )
+
+
+def offload_store(offload: str) -> type[ValueStore]:
+    """The store class of `config.memory_offload`, from the `ultramem` package (also for `trust_remote_code` copies)."""
+    try:
+        from ultramem.offload import OFFLOAD_STORES
+    except ImportError as error:
+        raise ImportError(
+            f"UltraMemConfig.memory_offload={offload!r} needs the `ultramem` package installed (pip install ultramem); "
+            "without it load with memory_offload=None."
+        ) from error
+    return OFFLOAD_STORES[offload]
 
 
 class ValueProjector(nn.Linear):
@@ -229,7 +365,10 @@ class UltraMemAttention(nn.Module):
 
 
 class UltraMemDecoderLayer(GradientCheckpointingLayer):
-    """Pre-norm transformer block; adds the outputs of the memory layers that write after it."""
+    """Pre-norm transformer block; adds the outputs of the memory layers that write after it.
+
+    `memory_output` is positional: reentrant gradient checkpointing only treats positional tensors as inputs.
+    """
 
     def __init__(self, config: UltraMemConfig, layer_idx: int):
         super().__init__()
@@ -242,10 +381,10 @@ class UltraMemDecoderLayer(GradientCheckpointingLayer):
     def forward(
         self,
         hidden_states: torch.Tensor,
+        memory_output: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_values: Cache | None = None,
-        memory_output: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         attn_output, _ = self.self_attn(
@@ -314,6 +453,8 @@ class CausalDepthwiseConv(nn.Module):
                 window = updated.to(x.dtype)
         if window is None:
             window = F.pad(x, (context, 0))  # (B, D, k-1+T): zeros before the first token
+        if x.shape[-1] == 1:  # a decode step: one dot product per channel, a fraction of conv1d's cost on CPU
+            return ((window * self.weight[:, 0]).sum(-1) + self.bias).unsqueeze(1)  # (B, 1, D)
         return F.conv1d(window, self.weight, self.bias, groups=x.shape[1]).transpose(1, 2)  # (B, T, D)
 
 
@@ -353,6 +494,52 @@ class MemoryQuery(nn.Module):
         return query[..., 0, :, :], query[..., -1, :, :]  # row and column queries, (B, T, H, r, Dk/r)
 
 
+Derived = TypeVar("Derived")
+
+
+class InferenceCache(nn.Module):
+    """Tensors derived from parameters, kept between forwards of an eval-mode model while they cannot change.
+
+    For what every decode step would otherwise recompute from fixed weights (the LayerNorm'd keys, the cores'
+    singular vectors). An entry is reused only in eval mode with grad off (a graph through a cached tensor
+    would be stale) and outside torch.compile (which traces the computation instead), and only while its
+    parameters keep their storage, dtype, device and version counter, which every in-place write bumps
+    (optimizer steps, `load_state_dict`, `copy_`). An entry holds the storages it was computed from, so a
+    new tensor (after `.to()`, say) cannot reuse their address and pass for them. `train()` empties the
+    cache. Writes through `.data` bypass the version counter: call `clear()` after them.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entries: dict[str, tuple[tuple, tuple[torch.UntypedStorage, ...], object]] = {}
+
+    def forward(self, name: str, parameters: tuple[torch.Tensor, ...], compute: Callable[[], Derived]) -> Derived:
+        """compute(), or its cached result for `name` while `parameters` are unchanged."""
+        if self.training or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return compute()
+        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in parameters)
+        entry = self.entries.get(name)
+        if entry is None or entry[0] != key:
+            entry = self.entries[name] = (key, tuple(p.untyped_storage() for p in parameters), compute())
+        return entry[2]
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    def train(self, mode: bool = True) -> "InferenceCache":
+        if mode:
+            self.clear()
+        return super().train(mode)
+
+
+def normalized_keys(retrieval: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The LayerNorm'd row and column keys of a retrieval module, (H, r, n, Dk/r) each; cached at inference."""
+    parameters = (retrieval.row_keys, retrieval.col_keys, *retrieval.key_norm.parameters())
+    return retrieval.inference_cache(
+        "keys", parameters, lambda: (retrieval.key_norm(retrieval.row_keys), retrieval.key_norm(retrieval.col_keys))
+    )
+
+
 def key_norm(config: UltraMemConfig, scales: MemoryInitScales) -> nn.Module:
     """LayerNorm on each key part (trick 2), or the identity when `qk_layernorm` is off."""
     if not config.qk_layernorm:
@@ -378,14 +565,16 @@ class ProductKeyRetrieval(nn.Module):
         self.row_keys = nn.Parameter(torch.empty(shape))
         self.col_keys = nn.Parameter(torch.empty(shape))
         self.key_norm = key_norm(config, scales)
+        self.inference_cache = InferenceCache()
 
     def init_ultramem(self) -> None:
         init_keys(self)
 
     def axis_scores(self, row_query: torch.Tensor, col_query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Row and column scores of every key: (B, T, H, r, n) each."""
-        row = torch.einsum("bthrd,hrnd->bthrn", row_query, self.key_norm(self.row_keys))
-        col = torch.einsum("bthrd,hrnd->bthrn", col_query, self.key_norm(self.col_keys))
+        row_keys, col_keys = normalized_keys(self)
+        row = torch.einsum("bthrd,hrnd->bthrn", row_query, row_keys)
+        col = torch.einsum("bthrd,hrnd->bthrn", col_query, col_keys)
         return row, col
 
     def grid_scores(self, row_scores: torch.Tensor, col_scores: torch.Tensor) -> torch.Tensor:
@@ -393,7 +582,7 @@ class ProductKeyRetrieval(nn.Module):
         return row_scores[..., 0, :, None] + col_scores[..., 0, None, :]
 
     def forward(
-        self, row_query: torch.Tensor, col_query: torch.Tensor, ops: ModuleType | SimpleNamespace
+        self, row_query: torch.Tensor, col_query: torch.Tensor, ops: MemoryOps
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Virtual addresses (B, T, H, m) and their scores (B, T, H, m, 1)."""
         row_scores, col_scores = self.axis_scores(row_query, col_query)
@@ -406,16 +595,28 @@ class ProductKeyRetrieval(nn.Module):
         return rows * self.num_keys + cols, scores.unsqueeze(-1)
 
 
+def _polar(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Radius and angle of (x, y) with finite gradients at the origin (radius 0, angle 0, zero gradient there).
+
+    `hypot` and `atan2` have 0/0 gradients at (0, 0): a pure rotation or reflection, or a zero core, would give
+    NaN gradients through the aux loss. The origin is replaced by (1, 0) in both branches of the `where`.
+    """
+    origin = (x == 0) & (y == 0)
+    x_safe, y_safe = torch.where(origin, 1.0, x), torch.where(origin, 0.0, y)
+    radius = torch.where(origin, 0.0, torch.hypot(x_safe, y_safe))
+    return radius, torch.atan2(y_safe, x_safe)
+
+
 def svd_2x2(matrices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Closed-form SVD of 2x2 matrices (..., 2, 2): singular values (..., 2) descending, leading u and t (..., 2).
 
     matrices = R(phi) diag(q + r, q - r) R(-theta), with q and r the norms of the rotation and reflection
-    parts. The signs of u and t are arbitrary (callers normalize them).
+    parts. The signs of u and t are arbitrary (callers normalize them). Gradients are finite everywhere
+    (see `_polar`); where the SVD is differentiable they are those of `torch.linalg.svd`.
     """
     a, b, c, d = matrices[..., 0, 0], matrices[..., 0, 1], matrices[..., 1, 0], matrices[..., 1, 1]
-    q = torch.hypot((a + d) / 2, (c - b) / 2)
-    r = torch.hypot((a - d) / 2, (c + b) / 2)
-    rotation, reflection = torch.atan2((c - b) / 2, (a + d) / 2), torch.atan2((c + b) / 2, (a - d) / 2)
+    q, rotation = _polar((a + d) / 2, (c - b) / 2)
+    r, reflection = _polar((a - d) / 2, (c + b) / 2)
     phi, theta = (rotation + reflection) / 2, (rotation - reflection) / 2
     u = torch.stack([phi.cos(), phi.sin()], dim=-1)
     t = torch.stack([theta.cos(), -theta.sin()], dim=-1)
@@ -453,10 +654,8 @@ class TuckerQueryKeyRetrieval(nn.Module):
     """Tucker Decomposed Query-Key Retrieval (TDQKR) with multi-core scoring (MCS).
 
     Scores are S_row^T C S_col with a rank-r Tucker core C = sum_i C^(i). The top-m is approximated in
-    two phases through the rank-1 SVD C ~ u t^T: m rows by u^T S_row and m columns by t^T S_col, then
-    the exact scores of the m x m candidates pick the final m. Sign convention: (u, t) and (-u, -t) give
-    the same rank-1 core; we flip both so that u's largest-magnitude entry is positive, so the selected
-    rows and columns are those with large positive projections.
+    two phases through the rank-1 SVD C ~ sigma u t^T: m rows by a = u^T S_row and m columns by
+    b = t^T S_col, then the exact scores of the m x m candidates pick the final m (see `candidates`).
     """
 
     def __init__(self, config: UltraMemConfig, scales: MemoryInitScales):
@@ -471,6 +670,7 @@ class TuckerQueryKeyRetrieval(nn.Module):
             torch.empty(config.memory_heads, config.mcs_cores, config.tucker_rank, config.tucker_rank)
         )
         self.key_norm = key_norm(config, scales)
+        self.inference_cache = InferenceCache()
         self.signed_candidates = config.tdqkr_signed_candidates
 
     def init_ultramem(self) -> None:
@@ -480,41 +680,54 @@ class TuckerQueryKeyRetrieval(nn.Module):
 
     def axis_scores(self, row_query: torch.Tensor, col_query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """S_row and S_col for every key: (B, T, H, r, n) each."""
-        row = torch.einsum("bthrd,hrnd->bthrn", row_query, self.key_norm(self.row_keys))
-        col = torch.einsum("bthrd,hrnd->bthrn", col_query, self.key_norm(self.col_keys))
+        row_keys, col_keys = normalized_keys(self)
+        row = torch.einsum("bthrd,hrnd->bthrn", row_query, row_keys)
+        col = torch.einsum("bthrd,hrnd->bthrn", col_query, col_keys)
         return row, col
 
     def grid_scores(self, row_scores: torch.Tensor, col_scores: torch.Tensor) -> torch.Tensor:
         """Exact Tucker score of every cell of the n x n grid, (..., n, n); for diagnostics only."""
         return torch.einsum("...an,...ab,...bk->...nk", row_scores, self.cores.sum(1), col_scores)
 
-    def candidates(self, projected: torch.Tensor) -> torch.Tensor:
-        """Indices of the candidate keys along one axis from its rank-1 projection (..., n) -> (..., m').
+    def candidates(self, row_projected: torch.Tensor, col_projected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Candidate rows and columns (..., m') from the rank-1 projections a (..., n) and b (..., n).
 
-        The paper keeps the top-m (m' = m). The rank-1 score a_i * b_j is also large where a_i and b_j
-        are both very negative, which that misses: with `tdqkr_signed_candidates` the m most negative
-        are kept too (m' = 2m), which makes the two-phase top-m exact for a rank-1 core.
+        sigma a_x b_y is large where a_x and b_y are both large, or both very negative. The SVD's sign is
+        arbitrary ((u, t) and (-u, -t) are the same rank-1 core), so picking the positive quadrant after a sign
+        normalisation makes retrieval jump when the normalisation flips (a tiny rotation of the core can
+        change every selected slot). Both quadrants are considered instead, which is sign-invariant:
+        by default each token takes the quadrant, (top-m a, top-m b) or (bottom-m a, bottom-m b), whose best
+        rank-1 score is higher (m' = m, the paper's m^2 candidates); with `tdqkr_signed_candidates` the m
+        largest and m smallest of each axis are all kept (m' = 2m, 4 m^2 candidates, exact for rank-1 cores).
+        Measured in README "Decisions" (`benchmarks/bench_retrieval.py`).
         """
-        top = projected.topk(self.topk, dim=-1).indices
-        if not self.signed_candidates:
-            return top
-        return torch.cat([top, projected.topk(self.topk, dim=-1, largest=False).indices], dim=-1)
+        row_top, col_top = row_projected.topk(self.topk, dim=-1), col_projected.topk(self.topk, dim=-1)
+        row_bottom = row_projected.topk(self.topk, dim=-1, largest=False)
+        col_bottom = col_projected.topk(self.topk, dim=-1, largest=False)
+        if self.signed_candidates:
+            return torch.cat([row_top.indices, row_bottom.indices], -1), torch.cat([col_top.indices, col_bottom.indices], -1)
+        best_positive = row_top.values[..., :1] * col_top.values[..., :1]  # (..., 1)
+        best_negative = row_bottom.values[..., :1] * col_bottom.values[..., :1]
+        positive = best_positive >= best_negative
+        return torch.where(positive, row_top.indices, row_bottom.indices), torch.where(
+            positive, col_top.indices, col_bottom.indices
+        )
 
     @torch.no_grad()
     def leading_singular_vectors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """u, t of the rank-1 SVD of each head's summed core: (H, r) each, sign-normalized."""
+        """u, t of the rank-1 SVD of each head's summed core: (H, r) each, of arbitrary (joint) sign."""
         _, u, t = core_svd(self.cores.sum(1).float())
-        sign = u.gather(-1, u.abs().argmax(-1, keepdim=True)).sign()
-        return (u * sign).to(self.cores.dtype), (t * sign).to(self.cores.dtype)
+        return u.to(self.cores.dtype), t.to(self.cores.dtype)
 
     def forward(
-        self, row_query: torch.Tensor, col_query: torch.Tensor, ops: ModuleType | SimpleNamespace
+        self, row_query: torch.Tensor, col_query: torch.Tensor, ops: MemoryOps
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Virtual addresses (B, T, H, m) and per-core scores (B, T, H, m, h)."""
         row_scores, col_scores = self.axis_scores(row_query, col_query)  # (B, T, H, r, n)
-        u, t = self.leading_singular_vectors()
-        row_index = self.candidates(torch.einsum("bthrn,hr->bthn", row_scores.detach(), u))  # (B, T, H, m')
-        col_index = self.candidates(torch.einsum("bthrn,hr->bthn", col_scores.detach(), t))
+        u, t = self.inference_cache("singular_vectors", (self.cores,), self.leading_singular_vectors)
+        row_index, col_index = self.candidates(
+            torch.einsum("bthrn,hr->bthn", row_scores.detach(), u), torch.einsum("bthrn,hr->bthn", col_scores.detach(), t)
+        )  # (B, T, H, m') each
         rank, num_candidates = row_scores.shape[-2], row_index.shape[-1]
         row_candidates = row_scores.gather(-1, row_index.unsqueeze(-2).expand(-1, -1, -1, rank, -1))
         col_candidates = col_scores.gather(-1, col_index.unsqueeze(-2).expand(-1, -1, -1, rank, -1))
@@ -571,16 +784,27 @@ class ImplicitValueExpansion(nn.Module):
         if self.virtual_to_physical is not None:
             init.copy_(self.virtual_to_physical, ive_shuffle(self.virtual_to_physical.numel(), self.seed))
 
-    def forward(
-        self, values: torch.Tensor, virtual_index: torch.Tensor, scores: torch.Tensor, ops: ModuleType | SimpleNamespace
-    ) -> torch.Tensor:
-        """values (N, Dv), virtual_index (T, K), scores (T, K, h) -> output (T, D)."""
+    def physical_slots(self, virtual_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Virtual addresses (...) -> physical rows in [0, N) and IVE groups in [0, E), same shape."""
         if self.virtual_to_physical is not None:
             virtual_index = self.virtual_to_physical[virtual_index]
-        rows = virtual_index % self.num_values
-        groups = torch.div(virtual_index, self.num_values, rounding_mode="floor")
-        pooled = ops.lookup_reduce(values, rows, groups, scores, self.num_groups)  # (T, E, Dv)
+        return virtual_index % self.num_values, torch.div(virtual_index, self.num_values, rounding_mode="floor")
+
+    def forward(
+        self, values: ValueStore, virtual_index: torch.Tensor, scores: torch.Tensor, ops: MemoryOps
+    ) -> torch.Tensor:
+        """virtual_index (T, K), scores (T, K, h) -> output (T, D), reading the rows from the value store."""
+        rows, groups = self.physical_slots(virtual_index)
+        pooled = values.lookup_reduce(rows, groups, scores, self.num_groups, ops)  # (T, E, Dv)
         return self.projector(pooled.flatten(1).to(scores.dtype))
+
+    def start(
+        self, values: ValueStore, virtual_index: torch.Tensor, scores: torch.Tensor, ops: MemoryOps
+    ) -> Callable[[], torch.Tensor]:
+        """`forward` with the store's asynchronous lookup: returns a call that waits for the rows and projects."""
+        rows, groups = self.physical_slots(virtual_index)
+        pending = values.lookup_reduce_async(rows, groups, scores, self.num_groups, ops)
+        return lambda: self.projector(pending.result().flatten(1).to(scores.dtype))
 
 
 class UltraMemMemoryLayer(GradientCheckpointingLayer):
@@ -597,7 +821,11 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         self.query = MemoryQuery(config, scales, self.read_block, state_idx)
         retrieval_cls = TuckerQueryKeyRetrieval if config.retrieval_mode == "tucker" else ProductKeyRetrieval
         self.retrieval = retrieval_cls(config, scales)
-        self.values = MemoryValueTable(config.memory_num_values, config.memory_value_dim, scales.value_std)
+        self.values = (
+            DeferredValueTable(config.memory_num_values, config.memory_value_dim, config.memory_offload)
+            if config.memory_offload
+            else MemoryValueTable(config.memory_num_values, config.memory_value_dim, scales.value_std)
+        )
         self.value_expansion = ImplicitValueExpansion(config, scales)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
@@ -606,7 +834,7 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         padding_mask: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
-        ops: ModuleType | SimpleNamespace | None = None,
+        ops: MemoryOps | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Virtual addresses (B, T, H, m) and scores (B, T, H, m, h) for the residual stream (B, T, D)."""
         ops = ops or select_memory_ops(self.config.memory_kernel, hidden_states.device)
@@ -622,21 +850,40 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         padding_mask: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
     ) -> torch.Tensor:
-        batch, length, hidden = hidden_states.shape
+        slots = self._selected_slots(hidden_states, padding_mask, past_key_values)
+        return self.dropout(self.value_expansion(self.values, *slots).view(hidden_states.shape))
+
+    def start(
+        self,
+        hidden_states: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+    ) -> Callable[[], torch.Tensor]:
+        """Start the layer at its read block; the returned call gives its output, wanted after the write block.
+
+        A store with `lookup_reduce_async` (the offloaded ones) reads its rows in the background while the
+        blocks in between compute; any other store runs `forward` now (gradient checkpointing included).
+        """
+        if not hasattr(self.values, "lookup_reduce_async"):
+            output = self(hidden_states, padding_mask, past_key_values=past_key_values)
+            return lambda: output
+        finish = self.value_expansion.start(self.values, *self._selected_slots(hidden_states, padding_mask, past_key_values))
+        return lambda: self.dropout(finish().view(hidden_states.shape))
+
+    def _selected_slots(
+        self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None, past_key_values: Cache | None
+    ) -> tuple[torch.Tensor, torch.Tensor, MemoryOps]:
+        """Virtual addresses (B*T, H*m), scores (B*T, H*m, h) and the memory ops, for the value lookup."""
+        batch, length, _ = hidden_states.shape
         ops = select_memory_ops(self.config.memory_kernel, hidden_states.device)
         virtual_index, scores = self.retrieve(hidden_states, padding_mask, past_key_values, ops)
-        output = self.value_expansion(
-            self.values.weight,
-            virtual_index.reshape(batch * length, -1),  # (B*T, H*m)
-            scores.reshape(batch * length, virtual_index.shape[-2] * virtual_index.shape[-1], -1),
-            ops,
-        )
-        return self.dropout(output.view(batch, length, hidden))
+        num_slots = virtual_index.shape[-2] * virtual_index.shape[-1]
+        return virtual_index.reshape(batch * length, num_slots), scores.reshape(batch * length, num_slots, -1), ops
 
     def aux_loss(self) -> torch.Tensor:
         if isinstance(self.retrieval, TuckerQueryKeyRetrieval):
             return tucker_aux_loss(self.retrieval.cores, self.config.aux_loss_alpha, self.config.aux_loss_tau)
-        return self.values.weight.new_zeros((), dtype=torch.float32)
+        return self.norm.weight.new_zeros((), dtype=torch.float32)
 
 
 class UltraMemPreTrainedModel(PreTrainedModel):
@@ -662,11 +909,56 @@ class UltraMemPreTrainedModel(PreTrainedModel):
         if hasattr(module, "init_ultramem"):
             module.init_ultramem()
 
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """Parameters; `exclude_embeddings` drops the token embedding and the LM head, as `ultramem.presets` and
+        the paper count, and keeps the value tables (Transformers' default drops every `nn.Embedding`)."""
+        total = super().num_parameters(only_trainable=only_trainable)
+        if exclude_embeddings:
+            modules = (self.get_input_embeddings(), self.get_output_embeddings())
+            weights = {id(m.weight): m.weight for m in modules if m is not None}  # tied weights count once
+            total -= sum(w.numel() for w in weights.values() if w.requires_grad or not only_trainable)
+        return total
+
     def get_value_table_names(self) -> list[str]:
         """Names of the memory value tables, for the optimizer's value-LR parameter group."""
         return [
             f"{name}.values.weight" for name, module in self.named_modules() if isinstance(module, UltraMemMemoryLayer)
         ]
+
+    def set_value_store(self, store: str, **options) -> None:
+        """Put every memory layer's values in the value store `store` of `VALUE_STORES` (see `ValueStore`).
+
+        Parameter names do not change (`...values.weight`), so optimizer groups and checkpoints keep their keys.
+        """
+        if store not in VALUE_STORES:
+            raise ValueError(f"value store {store!r} is not registered; choose one of {sorted(VALUE_STORES)}")
+        self._install_value_store(VALUE_STORES[store], **options)
+
+    def _install_value_store(self, store: type[ValueStore], **options) -> None:
+        for name, layer in self.named_modules():
+            if isinstance(layer, UltraMemMemoryLayer):
+                if not isinstance(layer.values, (MemoryValueTable, DeferredValueTable)):
+                    raise ValueError(f"{name}.values is already a {type(layer.values).__name__} store")
+                layer.values = store.from_table(layer.values, f"{name}.values.weight", **options)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, plus `memory_offload="cpu" | "disk"` (a config field set like any other).
+
+        With it, the value tables are left out of the load (`DeferredValueTable`) and then attached as the
+        offloaded stores of `ultramem.offload`, read from the checkpoint's safetensors; everything else goes
+        where `device_map` / `dtype` say. The checkpoint is checked first, so a bad one fails before any load.
+        """
+        config = kwargs.get("config")
+        offload = kwargs.get("memory_offload", getattr(config, "memory_offload", None))
+        if not offload:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        validate_memory_offload(offload)
+        store = offload_store(offload)
+        checkpoint = store.find_checkpoint(pretrained_model_name_or_path, **kwargs)
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        model._install_value_store(store, checkpoint=checkpoint, device=model.device, dtype=model.dtype)
+        return model
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Also map AutoConfig and AutoModel in `auto_map` (Transformers writes only the saved class)."""
@@ -688,7 +980,10 @@ class UltraMemModel(UltraMemPreTrainedModel):
         self.memory_layers = nn.ModuleList([UltraMemMemoryLayer(config, j) for j in range(config.num_memory_layers)])
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.inference_cache = InferenceCache()
         self.gradient_checkpointing = False
+        if config.memory_offload:  # the tables are attached after loading (`DeferredValueTable`)
+            self._keys_to_ignore_on_load_unexpected = [r"memory_layers\.\d+\.values\.weight$"]
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -698,15 +993,30 @@ class UltraMemModel(UltraMemPreTrainedModel):
         self.embed_tokens = value
 
     def aux_loss(self) -> torch.Tensor:
-        """TDQKR aux loss summed over memory layers (zero without Tucker memory layers), in one batched SVD."""
-        cores = [
+        """TDQKR aux loss summed over memory layers (zero without Tucker memory layers).
+
+        One batched SVD per device the cores live on (one in all for a model on one device; several when
+        `device_map` spreads the memory layers), summed on the device of the first memory layer. It runs at
+        every forward, decode steps included; cached at inference (see `InferenceCache`).
+        """
+        cores = tuple(
             layer.retrieval.cores
             for layer in self.memory_layers
             if isinstance(layer.retrieval, TuckerQueryKeyRetrieval)
-        ]
+        )
         if not cores:
             return self.embed_tokens.weight.new_zeros((), dtype=torch.float32)
-        return tucker_aux_loss(torch.stack(cores), self.config.aux_loss_alpha, self.config.aux_loss_tau)
+        return self.inference_cache("aux_loss", cores, lambda: self._aux_loss_by_device(cores))
+
+    def _aux_loss_by_device(self, cores: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        cores_by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for core in cores:
+            cores_by_device.setdefault(core.device, []).append(core)
+        losses = [
+            tucker_aux_loss(torch.stack(group), self.config.aux_loss_alpha, self.config.aux_loss_tau)
+            for group in cores_by_device.values()
+        ]
+        return sum(loss.to(losses[0].device) for loss in losses[1:]) + losses[0]
 
     @merge_with_config_defaults
     @capture_outputs
@@ -730,32 +1040,37 @@ class UltraMemModel(UltraMemPreTrainedModel):
             past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            past_key_values=past_key_values,
-            position_ids=position_ids,
-        )
-        # 2D padding mask of the current tokens, for the query convolutions
-        padding_mask = None
-        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
-            padding_mask = attention_mask[:, -inputs_embeds.shape[1] :]
+        # `generate` with a static cache passes the masks already built, keyed by layer type: the causal mask,
+        # and for "hybrid" layers the (B, T) padding mask of the current tokens (None for one-token steps)
+        if isinstance(attention_mask, dict):
+            causal_mask, padding_mask = attention_mask["full_attention"], attention_mask.get("linear_attention")
+        else:
+            causal_mask = create_causal_mask(
+                config=self.config,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+                position_ids=position_ids,
+            )
+            # (B, T) padding mask of the current tokens for the query convolutions, also on one-token steps
+            padding_mask = None
+            if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+                padding_mask = attention_mask[:, -inputs_embeds.shape[1] :]
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-        pending: dict[int, torch.Tensor] = {}  # memory layer -> output waiting for its write block
+        pending: dict[int, Callable[[], torch.Tensor]] = {}  # memory layer -> its output, wanted at its write block
         for block_idx, decoder_layer in enumerate(self.layers):
             for memory_layer in self.memory_layers:
-                if memory_layer.read_block == block_idx:  # runs as soon as its input exists
-                    pending[memory_layer.memory_idx] = memory_layer(hidden_states, padding_mask, past_key_values)
-            writes = [pending.pop(layer.memory_idx) for layer in self.memory_layers if layer.write_block == block_idx]
+                if memory_layer.read_block == block_idx:  # starts as soon as its input exists
+                    pending[memory_layer.memory_idx] = memory_layer.start(hidden_states, padding_mask, past_key_values)
+            writes = [pending.pop(layer.memory_idx)() for layer in self.memory_layers if layer.write_block == block_idx]
             hidden_states = decoder_layer(
                 hidden_states,
+                torch.stack(writes).sum(0) if writes else None,  # (B, T, D); positional, see the layer
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 past_key_values=past_key_values,
-                memory_output=torch.stack(writes).sum(0) if writes else None,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
@@ -814,7 +1129,7 @@ class UltraMemForCausalLM(UltraMemPreTrainedModel, GenerationMixin):
         loss = lm_loss = None
         if labels is not None:
             lm_loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-            loss = lm_loss + aux_loss.to(lm_loss.dtype)
+            loss = lm_loss + aux_loss.to(lm_loss.device, lm_loss.dtype)
         return UltraMemCausalLMOutputWithPast(
             loss=loss,
             lm_loss=lm_loss,

@@ -1,4 +1,4 @@
-"""Named configs: the paper's Table "Model parameter setting", tiny CPU models, and the ablation ladder.
+"""Named configs: the paper's Table "Model parameter setting" and tiny CPU models.
 
 Conventions (see docs/DECISIONS.md): memory placement pairs are 0-based (paper "3:5" -> (2, 4)); the paper's
 "Top-m" column "16x2" is m=16 values per head times H=2 heads; its "Knum" is sqrt(N physical values),
@@ -10,7 +10,13 @@ Two rows of the paper's table are inconsistent with their own parameter column a
 and "PKM-1.6B-x12" lists Knum 1792, which gives 8.2B parameters instead of 21.44B with its full value
 dim of 2048; Knum 3104 reproduces 21.44B.
 
-Run `python -m ultramem.presets` for the table, side by side with the paper's figures.
+Dropout: the paper trains with dropout 0.1 (its Table "Training hyper-parameters"), which every paper-scale
+preset and the 151M ablation ladder carry (attention and residual dropout; Mixtral has attention dropout
+only). The tiny presets train for a few dozen steps on CPU, far from overfitting, and keep dropout 0.
+
+Run `python -m ultramem.presets` for the table, side by side with the paper's figures. Building a model from
+any of these configs and counting its parameters is `ultramem.sizing`; the paper's ablation ladder is
+`ultramem.ablation`.
 """
 
 from __future__ import annotations
@@ -19,13 +25,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from transformers import MixtralConfig, MixtralForCausalLM, PreTrainedConfig, PreTrainedModel
+from transformers import MixtralConfig, PreTrainedConfig
 
-from .configuration_ultramem import PRODUCT_KEY, TUCKER, UltraMemConfig
-from .modeling_ultramem import UltraMemForCausalLM
+from .configuration_ultramem import PRODUCT_KEY, UltraMemConfig
+from .sizing import count_parameters
 
 VOCAB_SIZE = 50432
+PAPER_DROPOUT = 0.1
 
 
 @dataclass(frozen=True)
@@ -34,18 +40,21 @@ class Backbone:
     intermediate_size: int
     num_attention_heads: int
     num_hidden_layers: int
+    dropout: float = PAPER_DROPOUT
 
-    def kwargs(self) -> dict[str, int]:
+    def kwargs(self) -> dict[str, int | float]:
         return dict(
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
             num_attention_heads=self.num_attention_heads,
             num_hidden_layers=self.num_hidden_layers,
+            attention_dropout=self.dropout,
+            hidden_dropout=self.dropout,
         )
 
 
 BACKBONES = {
-    "tiny": Backbone(256, 1024, 4, 4),
+    "tiny": Backbone(256, 1024, 4, 4, dropout=0.0),
     "151m": Backbone(1024, 4096, 16, 12),
     "680m": Backbone(1536, 6144, 16, 24),
     "1.6b": Backbone(2048, 8192, 16, 32),
@@ -101,6 +110,7 @@ def _pkm(scale: str, topk: int, heads: int, key_dim: int, knum: int, block: int)
 def _moe(scale: str, experts: int, paper_expert_inner: int) -> dict[str, Any]:
     backbone = BACKBONES[scale]
     return dict(
+        attention_dropout=backbone.dropout,  # Mixtral has no residual dropout
         hidden_size=backbone.hidden_size,
         # SwiGLU: 3 matrices of 2/3 the width; a multiple of 8 keeps grouped-GEMM strides 16-byte aligned
         intermediate_size=8 * round(paper_expert_inner * 2 / 3 / 8),
@@ -179,136 +189,6 @@ def get_config(name: str, **overrides: Any) -> PreTrainedConfig:
     if kind == "mixtral":
         return MixtralConfig(rope_theta=10000.0, tie_word_embeddings=False, **kwargs)
     return UltraMemConfig(**kwargs)
-
-
-def build_model(config: PreTrainedConfig) -> PreTrainedModel:
-    """A randomly initialised model for a preset's config.
-
-    `save_pretrained` writes no tokenizer: save `ultramem.tokenization.load_tokenizer()` into the same folder (or
-    run `python -m ultramem.tokenization FOLDER`), or `AutoTokenizer`, `pipeline` and lm-eval cannot load it.
-    """
-    if isinstance(config, MixtralConfig):
-        return MixtralForCausalLM(config)
-    return UltraMemForCausalLM(config)
-
-
-def count_parameters(config: PreTrainedConfig) -> dict[str, float]:
-    """Total and activated parameters and FLOPs per token, embeddings and head excluded, on the meta device.
-
-    Activated parameters are those a token multiplies: all dense weights, all keys (scored in full), and
-    H*m value rows per memory layer; for MoE, the shared weights plus k of the experts. FLOPs per token
-    = 2 x activated parameters (attention over the context excluded), as in the paper's FLOPs column.
-    """
-    with torch.device("meta"):
-        model = build_model(config)
-    excluded = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
-    params = {name: p for name, p in model.named_parameters() if id(p) not in excluded}
-    total = sum(p.numel() for p in params.values())
-    activated = total
-    memory_slots = physical_values = 0
-    if isinstance(config, MixtralConfig):
-        expert_params = sum(p.numel() for name, p in params.items() if ".experts." in name)
-        activated = total - expert_params + expert_params * config.num_experts_per_tok // config.num_local_experts
-    else:
-        for layer in model.model.memory_layers:
-            table = layer.values.weight
-            activated += config.memory_heads * config.memory_topk * table.shape[1] - table.numel()
-            physical_values += table.shape[0]
-            memory_slots += config.memory_num_keys**2
-    return {
-        "total": total,
-        "activated": activated,
-        "flops_per_token": 2 * activated,
-        "memory_slots": memory_slots,
-        "physical_values": physical_values,
-    }
-
-
-# The paper's ablation ladder (Table "Ablation study of model improvements"): each row changes exactly
-# one improvement of the previous row. Sizes that an improvement changes are derived from the row above.
-LADDER_ROWS: tuple[str, ...] = (
-    "PKM x10",
-    "+rm softmax",
-    "+half vdim+proj",
-    "+share query",
-    "+split big mem&skip",
-    "+query/key LN",
-    "+IVE",
-    "+TDQKR",
-    "+MCS",
-    "+improved init",
-    "+value lr decay",
-    "+query conv",
-)
-
-
-def _ladder_step(row: str, previous: dict[str, Any], skip_layers: list[list[int]]) -> dict[str, Any]:
-    config = dict(previous)
-    if row == "+rm softmax":
-        config["memory_score_softmax"] = False
-    elif row == "+half vdim+proj":  # half Dv, twice the values and twice the top-m: same activated params
-        config["memory_value_dim"] //= 2
-        config["value_projection"] = True
-        config["memory_num_keys"] = round(config["memory_num_keys"] * math.sqrt(2))
-        config["memory_topk"] *= 2
-    elif row == "+share query":
-        config["share_query"] = True
-    elif row == "+split big mem&skip":  # same total values and activated values, spread over skip layers
-        parts = len(skip_layers)
-        config["memory_layers"] = skip_layers
-        config["memory_num_keys"] = round(config["memory_num_keys"] / math.sqrt(parts))
-        config["memory_topk"] = max(1, config["memory_topk"] // parts)
-    elif row == "+query/key LN":
-        config["qk_layernorm"] = True
-    elif row == "+IVE":  # E = 4 virtual blocks: keys per axis x sqrt(E), same physical values
-        config["ive_expansion"] = 4
-        config["memory_num_keys"] *= 2
-    elif row == "+TDQKR":
-        config["retrieval_mode"] = TUCKER
-        config["tucker_rank"] = 2
-    elif row == "+MCS":
-        config["mcs_cores"] = 2
-    elif row == "+improved init":
-        config["improved_init"] = True
-    elif row == "+value lr decay":
-        config["value_lr_decay"] = True
-    elif row == "+query conv":
-        config["use_query_conv"] = True
-    config.pop("memory_num_values", None)
-    return config
-
-
-def ablation_ladder(scale: str = "tiny", **overrides: Any) -> list[tuple[str, UltraMemConfig]]:
-    """The ablation ladder at `scale` ("tiny" or "151m"), as (row name, config) pairs.
-
-    The first row is PKM in one memory layer in parallel with the middle block, with ~10x the dense
-    parameters at "151m" (the paper's PKM-151M-x10) and ~5x at "tiny"; the last row is full UltraMem
-    (at "tiny", exactly the `tiny-ultramem` preset). `overrides` apply to every row (e.g. max_position_embeddings).
-    """
-    backbone = BACKBONES[scale]
-    blocks = backbone.num_hidden_layers
-    if scale == "tiny":
-        skip_layers, knum, key_dim, heads, topk = [[0, 1], [2, 3]], 256, 64, 2, 16
-    else:
-        skip_layers, knum, key_dim, heads, topk = [[2, 4], [5, 7], [8, 10]], 1224, 256, 2, 16
-    row_config: dict[str, Any] = dict(
-        **backbone.kwargs(),
-        **PKM_SWITCHES,
-        vocab_size=VOCAB_SIZE,
-        memory_layers=[[blocks // 2, blocks // 2]],
-        memory_heads=heads,
-        memory_topk=topk,
-        memory_key_dim=key_dim,
-        memory_num_keys=knum,
-        memory_value_dim=backbone.hidden_size,
-        **overrides,
-    )
-    ladder = []
-    for row in LADDER_ROWS:
-        if row != LADDER_ROWS[0]:
-            row_config = _ladder_step(row, row_config, skip_layers)
-        ladder.append((row, UltraMemConfig(**row_config)))
-    return ladder
 
 
 def _describe(name: str, config: PreTrainedConfig) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from typing import Any
 from transformers import AutoConfig, MixtralConfig, PreTrainedConfig
 
 from ultramem.configuration_ultramem import UltraMemConfig
-from ultramem.presets import count_parameters
+from ultramem.sizing import count_parameters
 
 
 class CheckpointError(ValueError):
@@ -53,7 +53,7 @@ def load_config(folder: Path) -> PreTrainedConfig:
 
 
 def parameter_counts(config: PreTrainedConfig) -> dict[str, Any] | None:
-    """`ultramem.presets.count_parameters` for the architectures it knows (UltraMem/PKM/dense, Mixtral), else None."""
+    """`ultramem.sizing.count_parameters` for the architectures it knows (UltraMem/PKM/dense, Mixtral), else None."""
     return count_parameters(config) if isinstance(config, (UltraMemConfig, MixtralConfig)) else None
 
 

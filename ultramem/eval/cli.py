@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--memory-offload",
+        choices=["cpu", "disk"],
+        help="keep the value tables in host memory or memory-mapped from the checkpoint (models larger than memory)",
+    )
     return parser
 
 
@@ -106,7 +111,12 @@ def evaluate(checkpoints: list[Path], benchmarks: list[Benchmark], args: argpars
     for checkpoint in tqdm(checkpoints, desc="checkpoints", unit="model"):
         output = simple_evaluate(
             model="hf",
-            model_args={"pretrained": str(checkpoint), "trust_remote_code": True, "dtype": args.dtype},
+            model_args={
+                "pretrained": str(checkpoint),
+                "trust_remote_code": True,
+                "dtype": args.dtype,
+                **({"memory_offload": args.memory_offload} if args.memory_offload else {}),
+            },
             tasks=[groups[key] for key in ready],
             task_manager=task_manager,
             limit=args.limit,

@@ -67,6 +67,18 @@ class UltraMemTrainingArguments(TrainingArguments):
     diagnostics_batch_size: int = field(
         default=4, metadata={"help": "Validation blocks used for the memory diagnostics at each log (0: off)."}
     )
+    memory_parallel: str = field(
+        default="none",
+        metadata={
+            "help": "Shard the value tables over the data-parallel ranks: none, number (rows), dimension (columns) "
+            "or auto (the smaller predicted communication volume).",
+            "choices": ["none", "number", "dimension", "auto"],
+        },
+    )
+    memory_parallel_size: int | None = field(
+        default=None,
+        metadata={"help": "Ranks per shard group (tables replicated across groups); default: the world size."},
+    )
 
     def __post_init__(self) -> None:
         if self.lr_scheduler_type == "cosine_with_min_lr" and not self.lr_scheduler_kwargs:

@@ -17,7 +17,7 @@ from ultramem.training.arguments import DataArguments, ModelArguments, UltraMemT
 from ultramem.training.data import load_raw_datasets, tokenize_and_pack
 from ultramem.training.errors import UsageError
 from ultramem.training.fsdp import ShardingReport
-from ultramem.training.model_setup import build_config, build_model, max_positions
+from ultramem.training.model_setup import build_config, build_model, max_positions, shard_value_tables
 from ultramem.training.trainer import UltraMemTrainer
 
 SHIPPED_DEEPSPEED_CONFIGS = ("zero2", "zero3")
@@ -129,6 +129,7 @@ def run(argv: list[str], callbacks: list[TrainerCallback] | None = None) -> dict
         )
     set_seed(training_args.seed)
     model = build_model(model_args, config)
+    shard_value_tables(model, training_args, data_args.block_size)
     diagnostics_count = min(training_args.diagnostics_batch_size, len(blocks["validation"]))
     trainer = UltraMemTrainer(
         model=model,

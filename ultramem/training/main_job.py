@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ultramem import presets
+from ultramem import presets, sizing
 from ultramem.training.cli import run
 
 MODELS = ("tiny-ultramem", "tiny-dense")
@@ -76,7 +76,7 @@ def comparison_table(results: list[RunResult]) -> str:
     """Validation loss and perplexity of every run, side by side, with parameter counts."""
     lines = [f"{'model':<15}{'params':>10}{'activated':>11}{'val loss':>10}{'perplexity':>12}{'time (s)':>10}"]
     for result in results:
-        counts = presets.count_parameters(presets.get_config(result.preset))
+        counts = sizing.count_parameters(presets.get_config(result.preset))
         lines.append(
             f"{result.preset:<15}{counts['total'] / 1e6:>9.2f}M{counts['activated'] / 1e6:>10.2f}M"
             f"{result.eval_loss:>10.4f}{result.perplexity:>12.1f}{result.seconds:>10.0f}"

@@ -9,7 +9,7 @@ from typing import Any
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from ultramem.training.arguments import ModelArguments
+from ultramem.training.arguments import ModelArguments, UltraMemTrainingArguments
 from ultramem.training.errors import UsageError
 
 
@@ -110,3 +110,24 @@ def build_model(args: ModelArguments, config: PretrainedConfig) -> PreTrainedMod
 def max_positions(config: PretrainedConfig) -> int | None:
     """Longest sequence the model accepts, when its config says."""
     return getattr(config, "max_position_embeddings", None)
+
+
+def shard_value_tables(model: PreTrainedModel, args: UltraMemTrainingArguments, block_size: int) -> None:
+    """Apply `--memory_parallel` (see `ultramem.parallel`); its errors become one-line usage errors."""
+    if args.memory_parallel == "none":
+        return
+    from ultramem.parallel import apply_memory_parallel
+
+    if args.deepspeed or args.fsdp:
+        engine = f"--deepspeed {args.deepspeed}" if args.deepspeed else f"--fsdp {args.fsdp}"
+        raise UsageError(
+            f"--memory_parallel {args.memory_parallel} with {engine}: the engine would partition the sharded value "
+            "tables again; allowed: DDP launches (torchrun, accelerate launch --config_file "
+            "ultramem/configs/accelerate/ddp.yaml), or --memory_parallel none"
+        )
+    _ = args.device  # sets up the launcher's process group
+    tokens = args.per_device_train_batch_size * block_size
+    try:
+        apply_memory_parallel(model, args.memory_parallel, args.memory_parallel_size, tokens)
+    except ValueError as error:
+        raise UsageError(f"--memory_parallel {args.memory_parallel}: {error}") from error

@@ -153,3 +153,42 @@ class UltraMemTrainer(AtomicCheckpointTrainer, FSDPTrainer):
         if "loss" in logs and self.model.training:
             logs.update(self._training_log_extras())
         super().log(logs, start_time)
+
+    # Sharded value tables (--memory_parallel): their shards and optimizer state live in DCP checkpoints.
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """With sharded value tables, `save_pretrained` writes the rest and every rank streams its shards in."""
+        from ultramem.parallel.checkpoint import save_value_tables, sharded_tables
+
+        tables = sharded_tables(self.model)
+        if not tables:
+            return super()._save(output_dir, state_dict)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        dense = {name: tensor for name, tensor in self.model.state_dict().items() if name not in tables}
+        super()._save(output_dir, state_dict=dense)
+        save_value_tables(self.model, output_dir, self.args.should_save)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """With sharded value tables, their weights and optimizer state go to a DCP checkpoint of their own."""
+        from ultramem.parallel.checkpoint import sharded_tables
+        from ultramem.parallel.resume import save_table_states, tables_left_out_of
+
+        if not sharded_tables(self.model):
+            return super()._save_optimizer_and_scheduler(output_dir)
+        with tables_left_out_of(self.optimizer, self.model):
+            super()._save_optimizer_and_scheduler(output_dir)
+        save_table_states(self.model, self.optimizer, output_dir)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        from ultramem.parallel.checkpoint import sharded_tables
+        from ultramem.parallel.resume import load_dense_weights
+
+        if not sharded_tables(self.model):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_dense_weights(self.model, resume_from_checkpoint)  # the tables come with their optimizer state
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        from ultramem.parallel.resume import has_table_states, load_table_states
+
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and has_table_states(checkpoint):
+            load_table_states(self.model, self.optimizer, checkpoint)

@@ -1,0 +1,172 @@
+"""Memory parallelism on CPU (gloo): bytes each rank sends per lookup, measured and predicted by the paper's
+formulas, and the step time of number-wise (pooling at the source or the owner) and dimension-wise stores.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_memory_parallel.py            # P = 1, 2, 4; plot + JSON
+    OMP_NUM_THREADS=1 python benchmarks/bench_memory_parallel.py --large    # + a table too big to replicate
+
+A step is one lookup-reduce forward and backward of one memory layer for `--tokens` tokens per rank, K = H*m
+uniform random slots per token. `--large` trains a sharded table (and its AdamW state) on 4 processes whose
+replicated copies would not fit this machine, and reports each rank's peak resident memory.
+Writes benchmarks/results/memory_parallel_cpu.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ultramem.modeling_ultramem import TORCH_MEMORY_OPS, VALUE_STORES
+from ultramem.parallel import count_bytes
+from ultramem.parallel.setup import memory_parallel_mesh
+from ultramem.parallel.volume import VOLUMES, LookupShape
+
+RESULTS = Path(__file__).resolve().parent / "results"
+STORES = {"number": ("number", {"pool_at": "source"}), "number_owner": ("number", {"pool_at": "owner"}),
+          "dimension": ("dimension", {})}  # fmt: skip
+
+
+def _store(key: str, rows: int, value_dim: int, mesh, std: float = 0.02):
+    """A sharded store built from a random local shard: no rank ever allocates the whole table."""
+    name, options = STORES[key]
+    cls = VALUE_STORES[name]
+    local_shape = [rows, value_dim]
+    local_shape[cls.shard_dim] //= mesh.size(1)
+    return cls.from_local(torch.randn(local_shape) * std, mesh, **options)
+
+
+def _lookups(shape: LookupShape, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    indices = torch.randint(0, rows, (shape.tokens, shape.slots))
+    groups = torch.randint(0, shape.num_groups, (shape.tokens, shape.slots))
+    return indices, groups, torch.randn(shape.tokens, shape.slots, shape.num_cores, requires_grad=True)
+
+
+def measure(args: argparse.Namespace, mesh) -> list[dict]:
+    """Median step time and bytes sent per partitioning and value dim on this rank."""
+    size, found = mesh.size(1), []
+    for value_dim in args.value_dims:
+        shape = LookupShape(args.tokens, args.slots, value_dim, args.cores, args.groups)
+        for key in STORES:
+            store = _store(key, args.rows, value_dim, mesh)
+            times = []
+            for step in range(args.steps + 1):
+                lookups = _lookups(shape, args.rows)
+                dist.barrier()
+                start = time.perf_counter()
+                with count_bytes() as sent:
+                    pooled = store.lookup_reduce(*lookups, shape.num_groups, TORCH_MEMORY_OPS)
+                    forward = sum(sent.values())
+                    pooled.square().sum().backward()
+                times.append(time.perf_counter() - start)
+            found.append({
+                "P": size, "value_dim": value_dim, "partitioning": key, "step_seconds": statistics.median(times[1:]),
+                "forward_bytes": forward, "step_bytes": sum(sent.values()),
+                "predicted_forward_bytes": sum(VOLUMES[key](shape, size).values()),
+            })  # fmt: skip
+    return found
+
+
+def train_large(args: argparse.Namespace, mesh) -> dict:
+    """AdamW on a number-wise sharded table too big to replicate; peak resident memory of this rank."""
+    store = _store("number", args.large_rows, args.large_value_dim, mesh)
+    optimizer = torch.optim.AdamW(store.parameters(), lr=1e-3)
+    shape = LookupShape(args.tokens, args.slots, args.large_value_dim, args.cores, args.groups)
+    start = time.perf_counter()
+    for _ in range(args.large_steps):
+        pooled = store.lookup_reduce(*_lookups(shape, args.large_rows), shape.num_groups, TORCH_MEMORY_OPS)
+        pooled.square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    table_bytes = args.large_rows * args.large_value_dim * 4
+    return {
+        "rows": args.large_rows, "value_dim": args.large_value_dim, "P": mesh.size(1),
+        "table_gib": table_bytes / 2**30, "replicated_weight_grad_adamw_gib_all_ranks": 4 * table_bytes * mesh.size(1) / 2**30,
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "seconds_per_step": (time.perf_counter() - start) / args.large_steps,
+    }  # fmt: skip
+
+
+def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str, large: bool) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    torch.manual_seed(rank)
+    mesh = memory_parallel_mesh(world)
+    result = train_large(args, mesh) if large else measure(args, mesh)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def launch(world: int, args: argparse.Namespace, large: bool = False) -> list:
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(worker, args=(world, f"{folder}/init", args, folder, large), nprocs=world)
+        return [json.loads(Path(folder, f"rank{rank}.json").read_text()) for rank in range(world)]
+
+
+def plot(rows: list[dict], args: argparse.Namespace, path: Path) -> None:
+    """Like the paper's figure: number / dimension volume over P and value dim (ratio 1 marked), plus the
+    measured bytes against the predicted ones."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes, dims = list(range(2, 65)), [2**k for k in range(4, 12)]
+    ratio = [[sum(VOLUMES["number"](LookupShape(args.tokens, args.slots, d, args.cores, args.groups), p).values())
+              / sum(VOLUMES["dimension"](LookupShape(args.tokens, args.slots, d, args.cores, args.groups), p).values())
+              for p in sizes] for d in dims]  # fmt: skip
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    image = left.contourf(sizes, dims, ratio, levels=20, cmap="coolwarm")
+    left.contour(sizes, dims, ratio, levels=[1.0], colors="black")
+    left.set(xlabel="P (shard group size)", ylabel="value dim", yscale="log", title=f"number / dimension bytes (K={args.slots}, h={args.cores}, E={args.groups})")
+    figure.colorbar(image, ax=left)
+    for key in STORES:
+        points = [row for row in rows if row["partitioning"] == key and row["P"] > 1]
+        right.scatter([row["predicted_forward_bytes"] for row in points], [row["forward_bytes"] for row in points], label=key)
+    limit = max(row["forward_bytes"] for row in rows) * 1.1
+    right.plot([0, limit], [0, limit], color="gray", linewidth=0.8)
+    right.set(xlabel="predicted bytes / rank / forward", ylabel="measured", title="measured vs paper formulas", xscale="log", yscale="log")
+    right.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--value-dims", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--rows", type=int, default=1 << 16)
+    parser.add_argument("--tokens", type=int, default=512, help="tokens per rank and step")
+    parser.add_argument("--slots", type=int, default=32, help="K = memory heads x top-m")
+    parser.add_argument("--cores", type=int, default=2)
+    parser.add_argument("--groups", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--large", action="store_true")
+    parser.add_argument("--large-rows", type=int, default=1_600_000)
+    parser.add_argument("--large-value-dim", type=int, default=256)
+    parser.add_argument("--large-steps", type=int, default=3)
+    args = parser.parse_args()
+    rows = [row for size in args.sizes for row in launch(size, args)[0]]  # rank 0's view (ranks are symmetric)
+    result = {"arguments": vars(args), "rows": rows}
+    if args.large:
+        result["large"] = launch(4, args, large=True)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "memory_parallel_cpu.json").write_text(json.dumps(result, indent=2))
+    plot(rows, args, RESULTS / "memory_parallel_cpu.png")
+    print(f"{'P':>3} {'Dv':>5} {'partitioning':<13} {'fwd bytes':>11} {'predicted':>11} {'step bytes':>11} {'ms/step':>8}")
+    for row in rows:
+        print(f"{row['P']:>3} {row['value_dim']:>5} {row['partitioning']:<13} {row['forward_bytes']:>11} "
+              f"{row['predicted_forward_bytes']:>11.0f} {row['step_bytes']:>11} {1000 * row['step_seconds']:>8.1f}")  # fmt: skip
+    for rank, entry in enumerate(result.get("large", [])):
+        print(f"large rank {rank}: {entry}")
+
+
+if __name__ == "__main__":
+    main()

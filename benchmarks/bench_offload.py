@@ -1,0 +1,257 @@
+"""Decoding with value tables larger than memory (issue 11): `memory_offload="disk"` / `"cpu"` at the paper's sizes.
+
+Each run loads a random-weight checkpoint (written once by `ultramem.offload.random_checkpoint`, streamed, never
+held in memory) in its own process, evicts the checkpoint file from the page cache first (a cold start: every
+selected row comes from disk), prefills a 16-token prompt, and times 32 greedy decoding steps (DynamicCache).
+It reports the time per step (one token for each of the batch's sequences), tokens/s, the peak resident memory
+of the process (VmHWM: anonymous memory plus the mapped file pages it touched) and the value rows read.
+
+CPU, this machine (24 GB RAM; ultramem-1.6b-x12 is 43.9 GB in bf16; checkpoints built when missing, and those
+built by the run deleted after it with --cleanup):
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_offload.py --device cpu --checkpoints /tmp/offload_bench --build --cleanup
+
+Runs (`--runs`): `dense` = dense-1.6b in memory; `disk` / `disk-sync` = ultramem-1.6b-x12 with its tables
+memory-mapped, lookups in the skip-layer window on a background thread / blocking (the overlap, measured);
+`disk-x1/16`, `disk-x1/4` = the same model with 16x / 4x fewer value rows (the time as the table grows 16x).
+
+GPU (not run: no GPU in the session that wrote this): the tables in pinned host memory with a model larger than
+an 80 GB GPU (`cpu-offload-gpu`: 2.25x the rows of ultramem-1.6b-x12, 89 GB of tables, needs ~100 GB host RAM),
+against ultramem-1.6b-x12 in pinned host memory and fully on the GPU, where it fits:
+
+    python benchmarks/bench_offload.py --device cuda --checkpoints /data/offload --build \\
+        --runs gpu-resident,cpu-offload,cpu-offload-gpu --name offload_h100
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import shutil
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import _common as common
+
+DEFAULT_NAME = "offload"
+
+
+@dataclass(frozen=True)
+class Run:
+    preset: str
+    offload: str | None
+    asynchronous: bool = True
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def checkpoint(self) -> str:
+        """Folder name of the checkpoint: the preset, and the overridden fields."""
+        return self.preset + "".join(f"-{k}{v}" for k, v in sorted(self.overrides.items()))
+
+
+RUNS: dict[str, Run] = {
+    "dense": Run("dense-1.6b", None),
+    "disk": Run("ultramem-1.6b-x12", "disk"),
+    "disk-sync": Run("ultramem-1.6b-x12", "disk", asynchronous=False),
+    "disk-x1/16": Run("ultramem-1.6b-x12", "disk", overrides={"memory_num_keys": 896}),
+    "disk-x1/4": Run("ultramem-1.6b-x12", "disk", overrides={"memory_num_keys": 1792}),
+    "gpu-resident": Run("ultramem-1.6b-x12", None),
+    "cpu-offload": Run("ultramem-1.6b-x12", "cpu"),
+    "cpu-offload-gpu": Run("ultramem-1.6b-x12", "cpu", overrides={"memory_num_keys": 5376}),
+    "tiny-dense": Run("tiny-dense", None),  # smoke runs (CI)
+    "tiny-disk": Run("tiny-ultramem", "disk"),
+}
+CPU_RUNS = ["dense", "disk", "disk-sync", "disk-x1/16", "disk-x1/4"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = common.make_parser(__doc__, DEFAULT_NAME)
+    parser.add_argument("--checkpoints", type=Path, required=True, help="folder of the random checkpoints")
+    parser.add_argument("--build", action="store_true", help="write missing checkpoints (streamed, random weights)")
+    parser.add_argument("--cleanup", action="store_true", help="delete the checkpoints this run built after use")
+    parser.add_argument("--runs", default=",".join(CPU_RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
+    parser.add_argument("--batch-sizes", type=common.parse_int_list, default=[1, 8])
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    args = parser.parse_args(argv)
+    args.dtype = args.dtype or "bfloat16"
+    args.statistic = args.statistic or "median"  # wall clock: waiting for the disk is the cost measured here
+    common.resolve_common(args, DEFAULT_NAME)
+    args.runs = common.parse_names(args.runs, RUNS, "--runs")
+    return args
+
+
+def ensure_checkpoint(run: Run, args: argparse.Namespace) -> tuple[Path, bool]:
+    """The run's checkpoint folder, written when missing and --build; returns (folder, built now)."""
+    from ultramem.offload.random_checkpoint import write_random_checkpoint
+    from ultramem.presets import get_config
+
+    folder = args.checkpoints / run.checkpoint
+    if (folder / "model.safetensors.index.json").is_file():
+        return folder, False
+    if not args.build:
+        raise SystemExit(f"{folder}: no checkpoint; pass --build to write it")
+    start = time.perf_counter()
+    write_random_checkpoint(get_config(run.preset, **run.overrides), folder, args.dtype)
+    seconds = time.perf_counter() - start
+    size = sum(file.stat().st_size for file in folder.glob("*.safetensors"))
+    print(f"built {folder}: {size / 1e9:.1f} GB in {seconds:.0f} s ({size / 1e6 / seconds:.0f} MB/s)")
+    return folder, True
+
+
+def process_memory_gb() -> dict[str, float]:
+    """Peak and current resident memory of this process, from /proc (kB)."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmHWM", "RssAnon", "RssFile"):
+            fields[key] = int(value.split()[0]) / 2**20
+    return {"peak_rss_gb": fields["VmHWM"], "rss_anon_gb": fields["RssAnon"], "rss_file_gb": fields["RssFile"]}
+
+
+def decode(label: str, folder: Path, batch: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One run in this (fresh) process: cold load, prefill, `new_tokens` timed greedy steps."""
+    import ultramem  # noqa: F401 - registers the stores
+    from ultramem import UltraMemForCausalLM
+
+    run = RUNS[label]
+    torch.manual_seed(0)
+    for file in folder.glob("*.safetensors"):  # cold: no page of the checkpoint cached
+        with open(file, "rb") as handle:
+            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    start = time.perf_counter()
+    model = UltraMemForCausalLM.from_pretrained(
+        folder, dtype=args.dtype, device_map=str(args.device), memory_offload=run.offload
+    ).eval()
+    load_s = time.perf_counter() - start
+    stores = [layer.values for layer in model.model.memory_layers]
+    for store in stores:
+        store.asynchronous = run.asynchronous
+    tokens = torch.randint(1, model.config.vocab_size, (batch, args.prompt_tokens), device=args.device)
+    wall, cpu = [], []
+    with torch.no_grad():
+        output = model(input_ids=tokens, use_cache=True, logits_to_keep=1)
+        cache = output.past_key_values
+        for _ in range(args.new_tokens):
+            next_tokens = output.logits[:, -1:].argmax(-1)
+            common.synchronize(args.device)
+            start, start_cpu = time.perf_counter(), time.process_time()
+            output = model(input_ids=next_tokens, past_key_values=cache, use_cache=True)
+            common.synchronize(args.device)
+            wall.append((time.perf_counter() - start) * 1e3)
+            cpu.append((time.process_time() - start_cpu) * 1e3)
+    times = {"median_ms": statistics.median(wall), "mean_ms": statistics.mean(wall), "cpu_ms": statistics.median(cpu)}
+    ms = times[{"median": "median_ms", "min": "median_ms", "cpu": "cpu_ms"}[args.statistic]]
+    tables = [s for s in stores if hasattr(s, "table")]
+    return {
+        "run": label,
+        "preset": run.checkpoint,
+        "offload": run.offload or "none",
+        "asynchronous": run.asynchronous,
+        "batch": batch,
+        "table_gb": sum(s.table.numel() * s.table.element_size() for s in tables) / 1e9,
+        "load_s": load_s,
+        "ms": ms,
+        **times,
+        "tokens_per_s": batch * 1e3 / times["median_ms"],
+        "rows_read_per_step": sum(s.rows_read for s in tables) / (args.new_tokens + 1),
+        **process_memory_gb(),
+        "load_avg_1min": os.getloadavg()[0],  # a shared machine: other jobs' load stretches the wall clock
+        "step_ms": wall,
+        "device_peak_gb": torch.cuda.max_memory_allocated() / 1e9 if args.device.type == "cuda" else None,
+    }
+
+
+def run_isolated(label: str, folder: Path, batch: int, args: argparse.Namespace) -> dict[str, Any]:
+    """`decode` in a fresh process, so each peak-memory figure is its own."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(decode, (label, folder, batch, args))
+
+
+def summary_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per batch: UltraMem (disk) / dense, the async overlap, and the spread of times as the table grows."""
+    by = {(r["run"], r["batch"]): r["ms"] for r in rows}
+    table = []
+    for batch in sorted({r["batch"] for r in rows}):
+        scaled = [by[(run, batch)] for run in ("disk-x1/16", "disk-x1/4", "disk") if (run, batch) in by]
+        ratio = lambda a, b: by[(a, batch)] / by[(b, batch)] if (a, batch) in by and (b, batch) in by else None  # noqa: E731
+        table.append(
+            {
+                "batch": batch,
+                "ultramem/dense": ratio("disk", "dense"),
+                "sync/async": ratio("disk-sync", "disk"),
+                "16x table spread": max(scaled) / min(scaled) - 1 if len(scaled) > 1 else None,
+                "offload/resident (gpu)": ratio("cpu-offload", "gpu-resident"),
+            }
+        )
+    return table
+
+
+COLUMNS = [
+    ("run", "run"),
+    ("batch", "batch"),
+    ("table_gb", "tables GB"),
+    ("ms", "ms/step"),
+    ("median_ms", "wall ms"),
+    ("tokens_per_s", "tok/s"),
+    ("peak_rss_gb", "peak RSS GB"),
+    ("rss_file_gb", "file RSS GB"),
+    ("rows_read_per_step", "rows/step"),
+    ("load_s", "load s"),
+    ("cpu_ms", "CPU ms"),
+    ("load_avg_1min", "loadavg"),
+]
+SUMMARY_COLUMNS = [(k, k) for k in ("batch", "ultramem/dense", "sync/async", "16x table spread", "offload/resident (gpu)")]
+
+
+def plot(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    by_run: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_run.setdefault(row["run"], []).append(row)
+    batches = {label: ([r["batch"] for r in rs], [r["ms"] for r in rs]) for label, rs in by_run.items()}
+    scaling = {}
+    for batch in args.batch_sizes:
+        points = sorted((r["table_gb"], r["ms"]) for r in rows if r["run"].startswith("disk") and r["run"] != "disk-sync" and r["batch"] == batch)
+        scaling[f"batch {batch}"] = ([p[0] for p in points], [p[1] for p in points])
+    panels = [("decode step", "ms / step", batches), ("value tables on disk, growing 16x", "ms / step", scaling)]
+    common.plot_panels(args, panels, "batch size | value-table GB", f"memory_offload, {str(args.dtype)[6:]}, {args.device}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    rows = []
+    for label in args.runs:
+        folder, built = ensure_checkpoint(RUNS[label], args)
+        for batch in args.batch_sizes:
+            row = run_isolated(label, folder, batch, args)
+            print(common.format_table([row], COLUMNS))
+            rows.append(row)
+        if built and args.cleanup and not any(RUNS[r].checkpoint == RUNS[label].checkpoint for r in args.runs[args.runs.index(label) + 1 :]):
+            shutil.rmtree(folder)
+    payload = {
+        "settings": {
+            "runs": {label: vars(RUNS[label]) for label in args.runs},
+            "batch_sizes": args.batch_sizes,
+            "new_tokens": args.new_tokens,
+            "prompt_tokens": args.prompt_tokens,
+            "cache": "DynamicCache",
+            "page_cache": "checkpoint evicted (POSIX_FADV_DONTNEED) before each run: cold reads",
+            "memory": "peak_rss_gb = VmHWM of the run's own process (anonymous + touched file pages)",
+        },
+        "rows": rows,
+        "summary": summary_rows(rows),
+    }
+    if not args.no_plot:
+        plot(args, rows)
+    common.finish(args, payload, common.format_table(rows, COLUMNS) + "\n\n" + common.format_table(payload["summary"], SUMMARY_COLUMNS))
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Which TDQKR candidate rule: the paper's sign-normalised quadrant, a quadrant per token, or signed candidates.
+
+The SVD's sign is arbitrary, so the paper's "top-m of u^T S_row and t^T S_col" needs a sign convention; ours was
+"u's largest-magnitude entry is positive", which flips (and changes every selection) when a core crosses
+|u_0| = |u_1|. Three rules, measured at `tiny-ultramem` shape on CPU:
+
+  sign-normalised   the rule before the fix: positive quadrant after the sign normalisation, m^2 candidates
+  per-token         the quadrant (++ or --) with the higher best rank-1 score, per token: m^2 candidates
+  signed            `tdqkr_signed_candidates=True`: m largest and m smallest per axis, 4 m^2 candidates
+
+Metrics: jump (fraction of selected slots changed by a 2e-4 rad rotation of every core across the tie), recall
+of the exact top-m over all n^2 cells at init and with rank-1 cores, memory-layer forward time, and the validation
+loss of a small byte-level model trained on the shipped corpus (same seeds, same data for every rule).
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_retrieval.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import statistics
+import time
+from types import MethodType
+
+import torch
+
+from ultramem import UltraMemForCausalLM
+from ultramem.diagnostics import retrieval_diagnostics
+from ultramem.modeling_ultramem import core_svd
+from ultramem.presets import get_config
+from ultramem.training.data import embedded_corpus_files
+
+RULES = ("sign-normalised", "per-token", "signed")
+
+
+def _sign_normalised_candidates(self, row_projected, col_projected):
+    """The rule before the fix: flip (u, t) so u's largest-magnitude entry is positive, keep the top-m of each axis."""
+    _, u, _ = core_svd(self.cores.sum(1).float())
+    sign = u.gather(-1, u.abs().argmax(-1, keepdim=True)).sign()  # (H, 1)
+    sign = sign.view(*([1] * (row_projected.dim() - 2)), -1, 1).to(row_projected.dtype)
+    return (row_projected * sign).topk(self.topk).indices, (col_projected * sign).topk(self.topk).indices
+
+
+def build(rule: str, seed: int, **overrides) -> UltraMemForCausalLM:
+    config = get_config("tiny-ultramem", tdqkr_signed_candidates=rule == "signed", **overrides)
+    torch.manual_seed(seed)
+    model = UltraMemForCausalLM(config)
+    if rule == "sign-normalised":
+        for layer in model.model.memory_layers:
+            layer.retrieval.candidates = MethodType(_sign_normalised_candidates, layer.retrieval)
+    return model
+
+
+def rotation(angle: float) -> torch.Tensor:
+    cos, sin = torch.tensor(angle).cos(), torch.tensor(angle).sin()
+    return torch.stack([torch.stack([cos, -sin]), torch.stack([sin, cos])])
+
+
+@torch.no_grad()
+def jump(rule: str, hidden: torch.Tensor) -> float:
+    """Fraction of selected slots changed when every core's u rotates by 2e-4 rad across |u_0| = |u_1|."""
+    layer = build(rule, seed=0).eval().model.memory_layers[0]
+    selections = []
+    for angle in (-1e-4, 1e-4):
+        core = rotation(3 * torch.pi / 4 + angle) @ torch.diag(torch.tensor([1.0, 0.3])) @ rotation(0.5).T
+        layer.retrieval.cores.copy_(core.expand_as(layer.retrieval.cores) / layer.retrieval.cores.shape[1])
+        selections.append(layer.retrieve(hidden)[0].sort(-1).values)
+    return (selections[0] != selections[1]).float().mean().item()
+
+
+@torch.no_grad()
+def recall(rule: str, input_ids: torch.Tensor, rank_one: bool) -> float:
+    model = build(rule, seed=0).eval()
+    if rank_one:
+        generator = torch.Generator().manual_seed(1)
+        for layer in model.model.memory_layers:
+            cores = layer.retrieval.cores  # (H, h, r, r)
+            u, t = torch.randn(2, cores.shape[0], cores.shape[-1], generator=generator)
+            cores.copy_((torch.einsum("ha,hb->hab", u, t) / cores.shape[1]).unsqueeze(1).expand_as(cores))
+    return retrieval_diagnostics(model, input_ids)["tdqkr_recall"]
+
+
+@torch.no_grad()
+def forward_ms(rule: str, hidden: torch.Tensor, repeats: int) -> float:
+    layer = build(rule, seed=0).eval().model.memory_layers[0]
+    layer(hidden)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        layer(hidden)
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def byte_blocks(split: str, count: int, length: int) -> torch.Tensor:
+    """`count` blocks of `length` bytes, evenly spaced over the shipped Gutenberg slice."""
+    with lzma.open(embedded_corpus_files()[split], "rt", encoding="utf-8") as handle:
+        data = torch.tensor(list("".join(json.loads(line)["text"] for line in handle).encode("utf-8")))
+    starts = torch.linspace(0, len(data) - length - 1, count).long()
+    return torch.stack([data[s : s + length] for s in starts.tolist()])
+
+
+def train_loss(rule: str, seed: int, train: torch.Tensor, valid: torch.Tensor, steps: int, batch: int) -> float:
+    """Validation loss after `steps` AdamW steps of a byte-level tiny-ultramem (vocab 256, context 128)."""
+    model = build(rule, seed, vocab_size=256, bos_token_id=None, eos_token_id=None, pad_token_id=None).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))
+    for step in range(steps):
+        ids = train[order[(step * batch + torch.arange(batch)) % len(train)]]
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        return statistics.fmean(model(block, labels=block).lm_loss.item() for block in valid.split(8))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    config = get_config("tiny-ultramem")
+    hidden = torch.randn(8, 128, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    input_ids = torch.randint(1, config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    train, valid = byte_blocks("train", 4096, 128), byte_blocks("validation", 64, 128)
+    print(f"tiny-ultramem (n={config.memory_num_keys}, m={config.memory_topk}, H={config.memory_heads}); "
+          f"loss: byte-level, {args.steps} steps x {args.batch_size} x 128 tokens, seeds 0..{args.seeds - 1}")
+    print(f"{'rule':<16}{'jump':>7}{'recall':>8}{'recall r1':>10}{'fwd ms':>8}  valid loss per seed (mean)")
+    for rule in RULES:
+        losses = [train_loss(rule, seed, train, valid, args.steps, args.batch_size) for seed in range(args.seeds)]
+        print(
+            f"{rule:<16}{jump(rule, hidden):>7.3f}{recall(rule, input_ids, False):>8.3f}"
+            f"{recall(rule, input_ids, True):>10.3f}{forward_ms(rule, hidden, args.repeats):>8.1f}  "
+            f"{' '.join(f'{loss:.4f}' for loss in losses)} ({statistics.fmean(losses):.4f})",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

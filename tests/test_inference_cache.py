@@ -1,0 +1,129 @@
+"""InferenceCache: the LayerNorm'd keys, the cores' singular vectors and the aux loss are reused at inference only
+while the weights they come from are unchanged, and a cached forward is the uncached one bit for bit."""
+
+import pytest
+import torch
+from conftest import small_config
+
+from ultramem import UltraMemForCausalLM
+
+INPUT_IDS = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1))
+
+
+def _model(seed: int = 0, **overrides) -> UltraMemForCausalLM:
+    torch.manual_seed(seed)
+    return UltraMemForCausalLM(small_config(**overrides)).eval()
+
+
+def _cached_logits(model: UltraMemForCausalLM) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=INPUT_IDS).logits
+
+
+def _uncached_logits(model: UltraMemForCausalLM) -> torch.Tensor:
+    """Grad mode bypasses the cache: the same computation from the current weights."""
+    with torch.enable_grad():
+        return model(input_ids=INPUT_IDS).logits.detach()
+
+
+def _caches(model: UltraMemForCausalLM) -> list:
+    return [layer.retrieval.inference_cache for layer in model.model.memory_layers] + [model.model.inference_cache]
+
+
+def _count_key_norm_calls(model: UltraMemForCausalLM) -> list[int]:
+    calls = [0]
+    for layer in model.model.memory_layers:
+        layer.retrieval.key_norm.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+@pytest.mark.parametrize("retrieval_mode", ["tucker", "product_key"])
+def test_eval_no_grad_reuses_the_cache_and_matches_uncached(retrieval_mode):
+    pkm = dict(tucker_rank=1, mcs_cores=1) if retrieval_mode == "product_key" else {}
+    model = _model(retrieval_mode=retrieval_mode, **pkm)
+    calls = _count_key_norm_calls(model)
+    first = _cached_logits(model)
+    filled = calls[0]
+    assert filled > 0
+    second = _cached_logits(model)
+    assert calls[0] == filled  # keys not normalized again
+    assert torch.equal(first, second)
+    assert torch.equal(second, _uncached_logits(model))
+    expected = {"keys", "singular_vectors"} if retrieval_mode == "tucker" else {"keys"}
+    assert set(model.model.memory_layers[0].retrieval.inference_cache.entries) == expected
+
+
+def test_train_empties_the_cache_and_training_forwards_bypass_it():
+    model = _model()
+    calls = _count_key_norm_calls(model)
+    _cached_logits(model)
+    model.train()
+    assert not any(cache.entries for cache in _caches(model))
+    with torch.no_grad():
+        before = calls[0]
+        model(input_ids=INPUT_IDS)
+    assert calls[0] > before and not any(cache.entries for cache in _caches(model))
+    model(input_ids=INPUT_IDS, labels=INPUT_IDS).loss.backward()
+    retrieval = model.model.memory_layers[0].retrieval
+    assert retrieval.row_keys.grad is not None and retrieval.cores.grad is not None
+
+
+def test_optimizer_step_invalidates_the_cache():
+    model = _model()
+    stale = _cached_logits(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(input_ids=INPUT_IDS, labels=INPUT_IDS).loss.backward()  # eval mode: grads, the cache is bypassed
+    optimizer.step()
+    fresh = _cached_logits(model)
+    assert not torch.allclose(fresh, stale)
+    assert torch.equal(fresh, _uncached_logits(model))
+
+
+def test_load_state_dict_invalidates_the_cache():
+    model, other = _model(seed=0), _model(seed=1)
+    _cached_logits(model)
+    model.load_state_dict(other.state_dict())
+    assert torch.equal(_cached_logits(model), _cached_logits(other))
+
+
+@pytest.mark.parametrize("parameter", ["row_keys", "col_keys", "key_norm.weight", "key_norm.bias", "cores"])
+def test_in_place_edit_invalidates_the_cache(parameter):
+    model = _model()
+    stale = _cached_logits(model)
+    with torch.no_grad():
+        for layer in model.model.memory_layers:
+            layer.retrieval.get_parameter(parameter).add_(0.5)
+    fresh = _cached_logits(model)
+    assert not torch.allclose(fresh, stale)
+    assert torch.equal(fresh, _uncached_logits(model))
+
+
+def test_dtype_change_invalidates_the_cache():
+    model = _model()
+    _cached_logits(model)
+    model.to(torch.float64)
+    assert _cached_logits(model).dtype == torch.float64
+    assert torch.equal(_cached_logits(model), _uncached_logits(model))
+
+
+def test_aux_loss_is_cached_and_follows_the_cores():
+    model = _model()
+    with torch.no_grad():
+        aux = model.model.aux_loss()
+        assert model.model.aux_loss() is aux  # the cached tensor
+        model.model.memory_layers[0].retrieval.cores.mul_(3.0)
+        cached = model.model.aux_loss()
+    assert cached is not aux and torch.equal(cached, model.model.aux_loss().detach())
+
+
+def test_replacing_a_parameter_invalidates_the_cache():
+    """A new tensor has another storage (the cache keeps the old one alive, so its address cannot be reused)."""
+    model = _model()
+    stale = _cached_logits(model)
+    with torch.no_grad():
+        for layer in model.model.memory_layers:
+            retrieval = layer.retrieval
+            retrieval.row_keys = torch.nn.Parameter(retrieval.row_keys.detach() * 2)
+    fresh = _cached_logits(model)
+    assert not torch.allclose(fresh, stale)
+    assert torch.equal(fresh, _uncached_logits(model))

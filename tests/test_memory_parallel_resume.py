@@ -1,0 +1,68 @@
+"""Trainer checkpoints of sharded tables (DCP): resume after a kill, and resharded resume (2 -> 1 process,
+number -> dimension, 2 -> 4 processes) continue the loss sequence of the uninterrupted run."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from test_training_support import base_args, losses, python_module, run_command, write_config, write_corpus
+
+STEPS, SAVE_AT, KILL_AT, GLOBAL_BATCH = 10, 5, 7, 4
+LOSS_TOLERANCE = 1e-5
+
+# The real CLI, SIGKILLed on every rank at the end of step KILL_AT (after checkpoint SAVE_AT was written).
+KILL_AFTER_STEP = f"""
+import os, signal, sys
+from transformers import TrainerCallback
+from ultramem.training.cli import run
+
+class Kill(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == {KILL_AT}:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+run(sys.argv[1:], callbacks=[Kill()])
+"""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("memory_parallel_resume")
+    config, corpus = write_config(folder), write_corpus(folder)
+
+    def argv(name: str, processes: int, **flags) -> list[str]:
+        return base_args(config, corpus, folder / name, max_steps=STEPS, save_strategy="steps", save_steps=SAVE_AT,
+                         per_device_train_batch_size=GLOBAL_BATCH // processes, diagnostics_batch_size=0, **flags)  # fmt: skip
+
+    def torchrun(processes: int, *args: str) -> list[str]:
+        return python_module("torch.distributed.run", "--nproc_per_node", str(processes), *args)
+
+    run_command(torchrun(2, "-m", "ultramem.training", *argv("straight", 2, memory_parallel="number")))
+    return folder, argv, torchrun
+
+
+def test_resume_after_a_kill_continues_the_loss_sequence(runs):
+    folder, argv, torchrun = runs
+    script = folder / "kill.py"
+    script.write_text(KILL_AFTER_STEP)
+    killed = torchrun(2, str(script), *argv("killed", 2, memory_parallel="number"))
+    with pytest.raises(AssertionError):
+        run_command(killed)
+    assert not (folder / "killed" / f"checkpoint-{STEPS}").exists()
+    run_command(torchrun(2, "-m", "ultramem.training", *argv("killed", 2, memory_parallel="number",
+                                                             resume_from_checkpoint="true")))  # fmt: skip
+    # steps 1..SAVE_AT come from the checkpoint's log history, the rest from the resumed run
+    assert losses(folder / "killed") == pytest.approx(losses(folder / "straight"), abs=LOSS_TOLERANCE)
+
+
+@pytest.mark.parametrize(
+    ("name", "processes", "partitioning"), [("one", 1, "none"), ("dimension", 2, "dimension"), ("four", 4, "number")]
+)
+def test_resharded_resume_continues_the_loss_sequence(runs, name, processes, partitioning):
+    folder, argv, torchrun = runs
+    checkpoint = folder / name / f"checkpoint-{SAVE_AT}"
+    shutil.copytree(folder / "straight" / f"checkpoint-{SAVE_AT}", checkpoint)
+    args = ["ultramem.training", *argv(name, processes, memory_parallel=partitioning, resume_from_checkpoint=checkpoint)]
+    run_command(torchrun(processes, "-m", *args) if processes > 1 else python_module(*args))
+    assert losses(folder / name) == pytest.approx(losses(folder / "straight"), abs=LOSS_TOLERANCE)

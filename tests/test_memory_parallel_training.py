@@ -1,0 +1,59 @@
+"""`ultramem-train --memory_parallel` on 2 gloo processes (torchrun, DDP for the rest of the model) trains like one
+process on the same global batch, keeps the 10x -> 1x value LR, and saves an ordinary checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_training_support import base_args, losses, python_module, run_command, training_logs, write_config
+from test_training_support import write_corpus
+from transformers import AutoModelForCausalLM
+
+STEPS, GLOBAL_BATCH = 10, 4
+LOSS_TOLERANCE = 1e-5  # absolute, per step: fp32 reduction order differs between 1 and 2 processes
+PROBE = torch.arange(64).reshape(2, 32) * 97 % 50000
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("memory_parallel_training")
+    config, corpus = write_config(folder, aux_loss_alpha=10.0), write_corpus(folder)
+
+    def argv(name: str, batch: int, **flags) -> list[str]:
+        return base_args(config, corpus, folder / name, max_steps=STEPS, per_device_train_batch_size=batch,
+                         diagnostics_batch_size=0, **flags)  # fmt: skip
+
+    run_command(python_module("ultramem.training", *argv("single", GLOBAL_BATCH)))
+    return folder, argv
+
+
+def _logits(folder) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    with torch.no_grad():
+        return model(input_ids=PROBE).logits
+
+
+@pytest.mark.parametrize("partitioning", ["number", "dimension"])
+def test_ddp_with_sharded_tables_matches_single_process(setup, partitioning):
+    folder, argv = setup
+    run_command(python_module("torch.distributed.run", "--nproc_per_node", "2", "-m", "ultramem.training",
+                              *argv(partitioning, GLOBAL_BATCH // 2, memory_parallel=partitioning)))  # fmt: skip
+    assert losses(folder / partitioning) == pytest.approx(losses(folder / "single"), abs=LOSS_TOLERANCE)
+    logs = training_logs(folder / partitioning)
+    assert [entry["value_lr_multiplier"] for entry in logs] == pytest.approx(
+        [10.0 - 9.0 * step / (STEPS - 1) for step in range(STEPS)]
+    )
+    for entry in logs[1:]:
+        assert entry["value_learning_rate"] / entry["learning_rate"] == pytest.approx(entry["value_lr_multiplier"])
+    # the checkpoint written from the shards loads in one process and gives the single-process model's logits
+    torch.testing.assert_close(_logits(folder / partitioning), _logits(folder / "single"), rtol=1e-4, atol=1e-4)
+
+
+def test_memory_parallel_without_a_process_group_is_a_usage_error(setup):
+    folder, argv = setup
+    command = python_module("ultramem.training", *argv("alone", GLOBAL_BATCH, memory_parallel="number"))
+    with pytest.raises(AssertionError) as failure:
+        run_command(command)
+    message = str(failure.value)
+    assert "ultramem-train: error: --memory_parallel number: memory_parallel needs an initialized" in message
+    assert "allowed choice is memory_parallel='none'" in message

@@ -1,0 +1,156 @@
+"""Retrieval, init and bookkeeping of the memory layers: continuity, init scales, SVD gradients, counts."""
+
+import pytest
+import torch
+from conftest import small_config
+
+from ultramem import UltraMemForCausalLM
+
+
+def _memory_output_std(config, seeds: int = 32) -> float:
+    """Std of the first memory layer's output at init for unit-variance inputs, averaged over seeds.
+
+    Each head's summed core is rescaled to ||C||_F = 1, its expected norm at init, so that the chi-square
+    spread of a 2x2 core's norm does not swamp the comparison (the split between the h cores stays random).
+    """
+    stds = []
+    for seed in range(seeds):
+        torch.manual_seed(seed)
+        layer = UltraMemForCausalLM(config).model.memory_layers[0]
+        cores = layer.retrieval.cores  # (H, h, r, r)
+        with torch.no_grad():
+            cores /= cores.sum(1, keepdim=True).norm(dim=(-2, -1), keepdim=True)
+        hidden = torch.randn(2, 32, config.hidden_size, generator=torch.Generator().manual_seed(100 + seed))
+        with torch.no_grad():
+            stds.append(layer(hidden).std().item())
+    return sum(stds) / len(stds)
+
+
+@pytest.mark.parametrize("improved_init", [True, False])
+def test_memory_output_scale_at_init_does_not_depend_on_mcs_cores(improved_init):
+    """Each value chunk is weighted by one core's score (about S/h): the init compensates (`MemoryInitScales`)."""
+    kwargs = dict(improved_init=improved_init, memory_num_keys=32, memory_value_dim=16, memory_layers=[[0, 1]])
+    one, two = (_memory_output_std(small_config(mcs_cores=h, **kwargs)) for h in (1, 2))
+    assert two / one == pytest.approx(1.0, abs=0.1), two / one
+
+
+def _rotation(angle: float) -> torch.Tensor:
+    cos, sin = torch.tensor(angle).cos(), torch.tensor(angle).sin()
+    return torch.stack([torch.stack([cos, -sin]), torch.stack([sin, cos])])
+
+
+@pytest.mark.parametrize(
+    "name, matrix",
+    [
+        ("rotation", 1.7 * _rotation(0.3)),
+        ("reflection", 1.3 * _rotation(0.4) @ torch.diag(torch.tensor([1.0, -1.0]))),
+        ("zero", torch.zeros(2, 2)),
+        ("rank one", torch.outer(torch.tensor([0.6, -0.8]), torch.tensor([1.0, 2.0]))),
+        ("generic", torch.tensor([[0.3, -1.2], [0.7, 0.5]])),
+    ],
+)
+def test_svd_2x2_gradients_are_finite_and_match_linalg(name, matrix):
+    """The closed form used on accelerators: finite gradients everywhere, torch.linalg.svd's where defined."""
+    from ultramem.modeling_ultramem import svd_2x2
+
+    closed = matrix.double().requires_grad_()
+    singular, u, t = svd_2x2(closed)
+    (singular.sum() + 0.7 * singular[0] + u.sum() + t.sum()).backward()
+    assert torch.isfinite(closed.grad).all()
+    torch.testing.assert_close(singular, torch.linalg.svdvals(matrix.double()))
+
+    # The nuclear norm is differentiable wherever the matrix is invertible (rotation, reflection, generic);
+    # the leading singular value where the two singular values differ (rank one, generic).
+    checks = {"nuclear norm": ("rotation", "reflection", "generic"), "leading value": ("rank one", "generic")}
+    for check, weights in zip(checks, ((1.0, 1.0), (1.0, 0.0))):
+        if name not in checks[check]:
+            continue
+        grads = []
+        for svd in (lambda x: svd_2x2(x)[0], torch.linalg.svdvals):
+            x = matrix.double().requires_grad_()
+            (svd(x) * torch.tensor(weights, dtype=torch.float64)).sum().backward()
+            grads.append(x.grad)
+        torch.testing.assert_close(grads[0], grads[1], msg=check)
+
+
+def test_signed_candidates_need_two_m_keys_per_axis():
+    """With fewer than 2m keys per axis the top-m and bottom-m candidates would share keys: duplicate slots."""
+    from ultramem import UltraMemConfigError
+
+    with pytest.raises(UltraMemConfigError, match=r"memory_topk=4 .*<= memory_num_keys / 2 = 3"):
+        small_config(tdqkr_signed_candidates=True, memory_num_keys=6, memory_num_values=9)
+    model = UltraMemForCausalLM(small_config(tdqkr_signed_candidates=True, memory_num_keys=8)).eval()
+    with torch.no_grad():
+        virtual_index, _ = model.model.memory_layers[0].retrieve(torch.randn(2, 5, 32))  # (B, T, H, m)
+    assert (virtual_index.sort(-1).values.diff(dim=-1) > 0).all()  # no slot selected twice
+
+
+def test_aux_loss_with_memory_layers_on_different_devices():
+    """`device_map` may put memory layers on different devices: the aux loss must not stack their cores.
+
+    CPU-only stand-in for two accelerators: one layer on the meta device, the others on CPU.
+    """
+    model = UltraMemForCausalLM(small_config())
+    model.model.memory_layers[0].to("meta")
+    loss = model.model.aux_loss()  # the formula itself: test_modeling.py::test_aux_loss_formula_and_loss_sum
+    assert loss.device.type == "meta" and loss.shape == ()
+
+
+@pytest.mark.parametrize("tie_word_embeddings", [False, True])
+def test_non_embedding_parameters_match_the_presets(tie_word_embeddings):
+    """Value tables are parameters, not embeddings; the token embedding and the LM head are (tiny: 20.52M)."""
+    from ultramem.presets import count_parameters, get_config
+
+    config = get_config("tiny-ultramem", tie_word_embeddings=tie_word_embeddings)
+    with torch.device("meta"):
+        model = UltraMemForCausalLM(config)
+    expected = count_parameters(config)["total"]
+    assert model.num_parameters(exclude_embeddings=True) == expected
+    assert model.model.num_parameters(exclude_embeddings=True) == expected
+    embeddings = config.vocab_size * config.hidden_size * (1 if tie_word_embeddings else 2)
+    assert model.num_parameters() == expected + embeddings
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_static_cache_generation_equals_dynamic(compiled):
+    """`cache_implementation="static"` (mask dict per layer type, static conv states) and compiled decoding
+    (`compile_config`; Dynamo with the eager backend, so CPU stays fast) equal dynamic-cache generation."""
+    from test_modeling import _left_padded_batch, _model
+    from transformers import CompileConfig
+
+    config = small_config(vocab_size=211)
+    model = _model(config, seed=7)
+    input_ids, attention_mask = _left_padded_batch(config.vocab_size, [9, 6, 3], seed=4)
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    dynamic = model.generate(input_ids, **kwargs)
+    if compiled:
+        torch._dynamo.reset()
+        model.generation_config.compile_config = CompileConfig(backend="eager", fullgraph=True, mode=None)
+        model.generation_config.compile_config._compile_all_devices = True
+    static = model.generate(input_ids, cache_implementation="static", **kwargs)
+    again = model.generate(input_ids, cache_implementation="static", **kwargs)  # the static cache is reset and reused
+    assert torch.equal(static, dynamic) and torch.equal(again, dynamic)
+    assert hasattr(model, "_compiled_call") == compiled  # the decode steps did go through torch.compile
+
+
+def _core_across_sign_tie(angle: float) -> torch.Tensor:
+    """A rank-2 core whose leading left singular vector is at 135 degrees + `angle`: |u_0| = |u_1| at angle 0."""
+    left = _rotation(3 * torch.pi / 4 + angle)
+    return left @ torch.diag(torch.tensor([1.0, 0.3])) @ _rotation(0.5).T
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_selection_is_continuous_in_the_core(signed):
+    """A 2e-4 rad rotation of a core across |u_0| = |u_1| (entries of opposite sign) changes few selected slots."""
+    config = small_config(memory_num_keys=64, memory_topk=8, mcs_cores=1, memory_layers=[[0, 1]], tdqkr_signed_candidates=signed)
+    torch.manual_seed(0)
+    layer = UltraMemForCausalLM(config).eval().model.memory_layers[0]
+    hidden = torch.randn(4, 64, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    selections = []
+    for angle in (-1e-4, 1e-4):
+        with torch.no_grad():
+            layer.retrieval.cores.copy_(_core_across_sign_tie(angle).expand_as(layer.retrieval.cores))
+            virtual_index, _ = layer.retrieve(hidden)  # (B, T, H, m)
+        selections.append(virtual_index.sort(-1).values)
+    changed = (selections[0] != selections[1]).float().mean().item()
+    assert changed < 0.01

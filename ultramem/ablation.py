@@ -1,0 +1,96 @@
+"""The paper's ablation ladder (Table "Ablation study of model improvements") as configs of this model."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .configuration_ultramem import TUCKER, UltraMemConfig
+from .presets import BACKBONES, PKM_SWITCHES, VOCAB_SIZE
+
+
+# The paper's ablation ladder (Table "Ablation study of model improvements"): each row changes exactly
+# one improvement of the previous row. Sizes that an improvement changes are derived from the row above.
+LADDER_ROWS: tuple[str, ...] = (
+    "PKM x10",
+    "+rm softmax",
+    "+half vdim+proj",
+    "+share query",
+    "+split big mem&skip",
+    "+query/key LN",
+    "+IVE",
+    "+TDQKR",
+    "+MCS",
+    "+improved init",
+    "+value lr decay",
+    "+query conv",
+)
+
+
+def _ladder_step(row: str, previous: dict[str, Any], skip_layers: list[list[int]]) -> dict[str, Any]:
+    config = dict(previous)
+    if row == "+rm softmax":
+        config["memory_score_softmax"] = False
+    elif row == "+half vdim+proj":  # half Dv, twice the values and twice the top-m: same activated params
+        config["memory_value_dim"] //= 2
+        config["value_projection"] = True
+        config["memory_num_keys"] = round(config["memory_num_keys"] * math.sqrt(2))
+        config["memory_topk"] *= 2
+    elif row == "+share query":
+        config["share_query"] = True
+    elif row == "+split big mem&skip":  # same total values and activated values, spread over skip layers
+        parts = len(skip_layers)
+        config["memory_layers"] = skip_layers
+        config["memory_num_keys"] = round(config["memory_num_keys"] / math.sqrt(parts))
+        config["memory_topk"] = max(1, config["memory_topk"] // parts)
+    elif row == "+query/key LN":
+        config["qk_layernorm"] = True
+    elif row == "+IVE":  # E = 4 virtual blocks: keys per axis x sqrt(E), same physical values
+        config["ive_expansion"] = 4
+        config["memory_num_keys"] *= 2
+    elif row == "+TDQKR":
+        config["retrieval_mode"] = TUCKER
+        config["tucker_rank"] = 2
+    elif row == "+MCS":
+        config["mcs_cores"] = 2
+    elif row == "+improved init":
+        config["improved_init"] = True
+    elif row == "+value lr decay":
+        config["value_lr_decay"] = True
+    elif row == "+query conv":
+        config["use_query_conv"] = True
+    config.pop("memory_num_values", None)
+    return config
+
+
+def ablation_ladder(scale: str = "tiny", **overrides: Any) -> list[tuple[str, UltraMemConfig]]:
+    """The ablation ladder at `scale` ("tiny" or "151m"), as (row name, config) pairs.
+
+    The first row is PKM in one memory layer in parallel with the middle block, with ~10x the dense
+    parameters at "151m" (the paper's PKM-151M-x10) and ~5x at "tiny"; the last row is full UltraMem
+    (at "tiny", exactly the `tiny-ultramem` preset). `overrides` apply to every row (e.g. max_position_embeddings).
+    """
+    backbone = BACKBONES[scale]
+    blocks = backbone.num_hidden_layers
+    if scale == "tiny":
+        skip_layers, knum, key_dim, heads, topk = [[0, 1], [2, 3]], 256, 64, 2, 16
+    else:
+        skip_layers, knum, key_dim, heads, topk = [[2, 4], [5, 7], [8, 10]], 1224, 256, 2, 16
+    row_config: dict[str, Any] = dict(
+        **backbone.kwargs(),
+        **PKM_SWITCHES,
+        vocab_size=VOCAB_SIZE,
+        memory_layers=[[blocks // 2, blocks // 2]],
+        memory_heads=heads,
+        memory_topk=topk,
+        memory_key_dim=key_dim,
+        memory_num_keys=knum,
+        memory_value_dim=backbone.hidden_size,
+        **overrides,
+    )
+    ladder = []
+    for row in LADDER_ROWS:
+        if row != LADDER_ROWS[0]:
+            row_config = _ladder_step(row, row_config, skip_layers)
+        ladder.append((row, UltraMemConfig(**row_config)))
+    return ladder

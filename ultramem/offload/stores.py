@@ -1,0 +1,162 @@
+"""The offloaded value stores: a table in host memory ("cpu") or memory-mapped from a safetensors file ("disk").
+
+Both answer the memory layer's `lookup_reduce` the same way: the selected rows are deduplicated and sorted
+(each row, and so each page of a mapped file, is read once and in file order), gathered on the host, pooled
+into the IVE groups by the PyTorch reference (`memory_ops.lookup_reduce`), and only the pooled (T, E, Dv)
+result goes to the model's device. `lookup_reduce_async` does the host part in one background thread, so
+it overlaps the blocks between a memory layer's read and write blocks; on CUDA the copy runs on a side stream.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..memory_ops import lookup_reduce
+from .safetensors_file import OffloadCheckpointError, SafetensorsCheckpoint, advise_will_need
+
+# One reader: lookups overlap the model's blocks, and each other only through this queue (host cores are few).
+_READER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ultramem-offload")
+
+
+class PendingLookup:
+    """A lookup started on the host: `result()` is the pooled (T, E, Dv) tensor, ready on the caller's stream."""
+
+    def __init__(self, future: Future):
+        self.future = future
+
+    def result(self) -> torch.Tensor:
+        pooled, copied = self.future.result()
+        if copied is not None:  # a side-stream copy to a CUDA device: order it before the caller's next kernels
+            stream = torch.cuda.current_stream(pooled.device)
+            stream.wait_event(copied)
+            pooled.record_stream(stream)
+        return pooled
+
+
+class OffloadedValueStore(nn.Module):
+    """A (N, Dv) table outside the accelerator, read row by row; `model.to(device)` leaves it where it is.
+
+    The table is a plain attribute (no parameter or buffer), and a state-dict hook puts it back under the
+    table's key, so `save_pretrained` of an offloaded model writes an ordinary checkpoint. `rows_read` counts
+    the distinct rows gathered (for tests and benchmarks); `asynchronous=False` makes every lookup blocking.
+    """
+
+    def __init__(self, table: torch.Tensor, name: str):
+        super().__init__()
+        self.table = table
+        self.name = name
+        self.asynchronous = True
+        self.rows_read = 0
+        self.register_state_dict_post_hook(_table_into_state_dict)
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.table.shape[0]
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.table.shape[1]
+
+    @classmethod
+    def from_table(
+        cls,
+        table: nn.Module,
+        name: str,
+        checkpoint: SafetensorsCheckpoint | None = None,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> OffloadedValueStore:
+        """`ValueStore.from_table`: the table is `checkpoint`'s tensor `name` (else `table`'s weight); `device` and
+        `dtype` are the model's."""
+        return cls(cls._load(table, name, checkpoint, device, dtype), name)
+
+    @staticmethod
+    def find_checkpoint(path: Any, **from_pretrained_kwargs: Any) -> SafetensorsCheckpoint:
+        """Checked before the rest of the model loads, so a bad checkpoint fails first."""
+        return SafetensorsCheckpoint.find(path, **from_pretrained_kwargs)
+
+    def lookup_reduce(self, rows, groups, scores, num_groups, ops=None) -> torch.Tensor:
+        """rows, groups (T, K), scores (T, K, h) -> (T, E, Dv) on the device of `scores` (ops: host reference)."""
+        return self._start(rows, groups, scores, num_groups, background=False).result()
+
+    def lookup_reduce_async(self, rows, groups, scores, num_groups, ops=None) -> PendingLookup:
+        return self._start(rows, groups, scores, num_groups, background=self.asynchronous)
+
+    def _start(self, rows, groups, scores, num_groups, background: bool) -> PendingLookup:
+        device = scores.device
+        host = rows.cpu(), groups.cpu(), scores.cpu()  # on a GPU this waits for retrieval, not for later blocks
+        if background:
+            return PendingLookup(_READER.submit(self._pooled_on, device, *host, num_groups))
+        done: Future = Future()
+        done.set_result(self._pooled_on(device, *host, num_groups))
+        return PendingLookup(done)
+
+    def _will_read(self, rows: torch.Tensor) -> None:
+        """Called before the rows are gathered (a disk store starts their reads here)."""
+
+    def _pooled_on(self, device: torch.device, rows, groups, scores, num_groups) -> tuple[torch.Tensor, Any]:
+        unique, inverse = torch.unique(rows, return_inverse=True)  # sorted: each row once, in file order
+        self.rows_read += unique.numel()
+        self._will_read(unique)
+        pooled = lookup_reduce(self.table.index_select(0, unique), inverse, groups, scores, num_groups)
+        if device.type != "cuda":
+            return pooled.to(device), None
+        stream = _side_stream(device)
+        with torch.cuda.stream(stream):
+            pooled = pooled.pin_memory().to(device, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        return pooled, copied
+
+
+class HostValueStore(OffloadedValueStore):
+    """memory_offload="cpu": the whole table in host memory (pinned when the model is on a GPU)."""
+
+    @staticmethod
+    def _load(table, name, checkpoint, device, dtype) -> torch.Tensor:
+        """The checkpoint's table, read once (or an in-memory table's weight), in the model's dtype."""
+        values = checkpoint.read(name) if checkpoint is not None else table.weight.detach().cpu()
+        values = values.to(dtype) if dtype is not None else values
+        if device is not None and torch.device(device).type == "cuda":
+            values = values.pin_memory()
+        return values
+
+
+class DiskValueStore(OffloadedValueStore):
+    """memory_offload="disk": the table stays in the checkpoint file, memory-mapped; only selected rows are read.
+
+    It keeps the file's dtype (a mapping cannot be cast); the pooled result is cast where it is projected.
+    """
+
+    @staticmethod
+    def _load(table, name, checkpoint, device, dtype) -> torch.Tensor:
+        if checkpoint is None:
+            raise OffloadCheckpointError(
+                "the 'disk' value store maps a checkpoint's table: load with from_pretrained(path, memory_offload='disk')"
+            )
+        values = checkpoint.map(name)
+        expected = (table.num_embeddings, table.embedding_dim)
+        if tuple(values.shape) != expected:
+            raise OffloadCheckpointError(f"{name} is {tuple(values.shape)} in the checkpoint, the config needs {expected}")
+        return values
+
+    def _will_read(self, rows: torch.Tensor) -> None:
+        """Queue the reads of all selected rows at once (the disk serves them in parallel), then fault them in."""
+        advise_will_need(self.table, rows)
+
+
+def _table_into_state_dict(module: OffloadedValueStore, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    state_dict[prefix + "weight"] = module.table
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]

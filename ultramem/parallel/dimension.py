@@ -1,0 +1,70 @@
+"""Dimension-wise memory parallelism: each rank owns Dv/P columns of every row (paper appendix).
+
+All ranks' indices and scores are gathered, each rank runs the ordinary lookup-reduce (PyTorch or Triton) on
+its column slice for every token, and an all-to-all returns each token's pooled slices to its rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from ultramem.modeling_ultramem import MemoryOps
+from ultramem.parallel.comm import all_gather, all_to_all
+from ultramem.parallel.sharded import ShardedValueStore
+
+
+def check_dimension_split(value_dim: int, num_cores: int, size: int) -> None:
+    """Each rank's Dv/P columns must lie within one MCS core's chunk or hold whole chunks."""
+    if value_dim % size or not (num_cores % size == 0 or size % num_cores == 0):
+        raise ValueError(
+            f"memory_parallel='dimension' splits memory_value_dim={value_dim} with mcs_cores={num_cores} over "
+            f"{size} ranks: the size must divide {value_dim} and divide or be a multiple of {num_cores}; "
+            "choose another memory_parallel_size, or memory_parallel='number'"
+        )
+
+
+class DimensionShardedValues(ShardedValueStore):
+    """Columns split in P slices of Dv/P; a lookup is an all-gather of indices and scores and one all-to-all."""
+
+    shard_dim = 1
+
+    def __init__(self, weight: DTensor, mesh: DeviceMesh, num_cores: int | None = None):
+        super().__init__(weight, mesh)
+        self.num_rows = weight.shape[0]
+
+    @classmethod
+    def check_fits(cls, shape: torch.Size, size: int, num_cores: int | None = None, **options: Any) -> None:
+        check_dimension_split(shape[1], num_cores or 1, size)
+
+    def _own_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """The scores of the MCS cores whose columns this rank holds."""
+        num_cores = scores.shape[-1]
+        check_dimension_split(self.weight.shape[1], num_cores, self.size)
+        if num_cores % self.size == 0:
+            width = num_cores // self.size
+            return scores[..., self.rank * width : (self.rank + 1) * width]
+        core = self.rank // (self.size // num_cores)
+        return scores[..., core : core + 1]
+
+    def lookup_reduce(
+        self, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor, num_groups: int, ops: MemoryOps
+    ) -> torch.Tensor:
+        """rows, groups (T, K), scores (T, K, h) -> (T, E, Dv), as `memory_ops.lookup_reduce` on the whole table."""
+        num_tokens = rows.shape[0]
+        counts = all_gather(torch.tensor([num_tokens], device=rows.device), self.group, "counts")
+        padded = int(counts.max())  # ranks may hold different token counts (eval); pad with zero scores
+        slots = F.pad(groups * self.num_rows + rows, (0, 0, 0, padded - num_tokens))
+        all_slots = all_gather(slots, self.group, "indices")  # (P*T', K)
+        all_scores = all_gather(F.pad(scores, (0, 0, 0, 0, 0, padded - num_tokens)), self.group, "scores")
+        pooled = ops.lookup_reduce(
+            self.local_weight(), all_slots % self.num_rows, all_slots // self.num_rows, self._own_scores(all_scores), num_groups
+        )  # (P*T', E, Dv/P): this rank's columns for every rank's tokens
+        split = [padded * pooled[0].numel()] * self.size
+        returned = all_to_all(pooled.reshape(-1), split, split, self.group, "pooled")
+        columns = returned.view(self.size, padded, num_groups, -1).permute(1, 2, 0, 3)  # (T', E, P, Dv/P)
+        return columns.reshape(padded, num_groups, -1)[:num_tokens]

@@ -1,0 +1,99 @@
+"""Number-wise memory parallelism: each rank owns N/P rows; lookups are routed to the owners (paper appendix).
+
+Two ways to pool. At the source (the paper): the row indices go to their owners, the owners send the rows
+back and the source does the weighted-sum pooling. At the owner: the scores travel with the indices and each
+owner returns one partial pooled row per (token, IVE group) it serves, which moves fewer bytes whenever
+several of a token's slots at one owner share a group (H*m large against E*P).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from ultramem.modeling_ultramem import MemoryOps
+from ultramem.parallel.comm import all_to_all, exchange_counts
+from ultramem.parallel.sharded import ShardedValueStore
+
+POOL_AT = ("source", "owner")
+
+
+class NumberShardedValues(ShardedValueStore):
+    """Rows split in P contiguous blocks of N/P; a lookup is an all-to-all of indices and one of rows back."""
+
+    shard_dim = 0
+
+    def __init__(self, weight: DTensor, mesh: DeviceMesh, pool_at: str = "source"):
+        super().__init__(weight, mesh)
+        if pool_at not in POOL_AT:
+            raise ValueError(f"pool_at={pool_at!r}: allowed: {', '.join(POOL_AT)}")
+        self.pool_at = pool_at
+        self.rows_per_shard = weight.shape[0] // self.size
+
+    @classmethod
+    def check_fits(cls, shape: torch.Size, size: int, **options: Any) -> None:
+        if shape[0] % size:
+            raise ValueError(
+                f"memory_parallel='number' splits the {shape[0]} value rows over {size} ranks, which does not "
+                f"divide them; use a memory_parallel_size dividing {shape[0]}, or memory_parallel='dimension'"
+            )
+
+    def lookup_reduce(
+        self, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor, num_groups: int, ops: MemoryOps
+    ) -> torch.Tensor:
+        """rows, groups (T, K), scores (T, K, h) -> (T, E, Dv), as `memory_ops.lookup_reduce` on the whole table."""
+        owner = torch.div(rows.reshape(-1), self.rows_per_shard, rounding_mode="floor")  # (T*K,)
+        order = torch.argsort(owner, stable=True)  # slots grouped by owner, in rank order
+        local_rows = (rows.reshape(-1) - owner * self.rows_per_shard)[order]
+        if self.pool_at == "owner":
+            return self._pool_at_owner(rows.shape[0], owner, order, local_rows, groups, scores, num_groups)
+        send = torch.bincount(owner, minlength=self.size)
+        send_list, receive_list = send.tolist(), exchange_counts(send, self.group).tolist()
+        received = all_to_all(local_rows, receive_list, send_list, self.group, "indices")
+        looked_up = F.embedding(received, self.local_weight())  # (R, Dv) rows asked of this rank
+        returned = all_to_all(looked_up, send_list, receive_list, self.group, "values")  # (T*K, Dv), sorted
+        gathered = returned[torch.argsort(order)]  # back in slot order
+        slots = torch.arange(rows.numel(), device=rows.device).view_as(rows)
+        return ops.lookup_reduce(gathered, slots, groups, scores, num_groups)
+
+    def _pool_at_owner(
+        self,
+        num_tokens: int,
+        owner: torch.Tensor,
+        order: torch.Tensor,
+        local_rows: torch.Tensor,
+        groups: torch.Tensor,
+        scores: torch.Tensor,
+        num_groups: int,
+    ) -> torch.Tensor:
+        """Send (row, partial-sum id, scores) to the owners; they return one pooled row per (token, group) served."""
+        token = torch.arange(num_tokens, device=owner.device).repeat_interleave(groups.shape[1])
+        buckets = num_tokens * num_groups
+        pairs, slot_pair = torch.unique(owner * buckets + token * num_groups + groups.reshape(-1), return_inverse=True)
+        pair_counts = torch.bincount(torch.div(pairs, buckets, rounding_mode="floor"), minlength=self.size)
+        first_pair = torch.cumsum(pair_counts, 0) - pair_counts
+        pair_in_owner = (slot_pair - first_pair[owner])[order]
+        send = torch.stack([torch.bincount(owner, minlength=self.size), pair_counts], dim=1)  # (P, 2)
+        receive = exchange_counts(send, self.group)
+        send_slots, send_pairs = send.T.tolist()
+        receive_slots, receive_pairs = receive.T.tolist()
+        packed = all_to_all(pair_in_owner * self.rows_per_shard + local_rows, receive_slots, send_slots, self.group, "indices")
+        num_cores = scores.shape[-1]
+        slot_scores = scores.reshape(-1, num_cores)[order]
+        received_scores = all_to_all(slot_scores, receive_slots, send_slots, self.group, "scores")
+        # pair id inside this rank's output: offset of the source's block + the id the source gave
+        source = torch.repeat_interleave(torch.arange(self.size, device=owner.device), torch.tensor(receive_slots))
+        first_received = torch.cumsum(receive[:, 1], 0) - receive[:, 1]
+        target = first_received[source] + torch.div(packed, self.rows_per_shard, rounding_mode="floor")
+        weight = self.local_weight()
+        values = F.embedding(packed % self.rows_per_shard, weight).float()  # (R, Dv)
+        weighted = values.view(len(values), num_cores, weight.shape[1] // num_cores) * received_scores.float().unsqueeze(-1)
+        weighted = weighted.flatten(1)
+        partial = weighted.new_zeros(sum(receive_pairs), weight.shape[1]).index_add(0, target, weighted)
+        returned = all_to_all(partial, send_pairs, receive_pairs, self.group, "pooled")  # (pairs, Dv)
+        pooled = returned.new_zeros(buckets, weight.shape[1]).index_add(0, pairs % buckets, returned)
+        return pooled.view(num_tokens, num_groups, -1).to(weight.dtype)

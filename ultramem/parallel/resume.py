@@ -1,0 +1,79 @@
+"""Trainer checkpoints of the value tables and their optimizer state with `torch.distributed.checkpoint` (DCP).
+
+Every rank writes only its shards; DCP records the global shapes, so a checkpoint resumes at another world
+size, with the other partitioning, or in one process (plain tensors) and each rank reads only what it holds.
+The tables' optimizer state is kept out of the Trainer's `optimizer.pt` (rank 0's copy would hold only its
+shard) and lives here beside the weights.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from torch import nn
+
+TABLES_DIR = "value_tables"
+
+
+def _tables(model: nn.Module) -> dict[str, nn.Parameter]:
+    names = set(model.get_value_table_names())
+    return {name: param for name, param in model.named_parameters() if name in names}
+
+
+def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Each table under its own name and its optimizer state under `<name>/<key>`."""
+    entries = {}
+    for name, param in _tables(model).items():
+        entries[name] = param.data
+        for key, value in optimizer.state.get(param, {}).items():
+            entries[f"{name}/{key}"] = value
+    return entries
+
+
+@contextmanager
+def tables_left_out_of(optimizer: torch.optim.Optimizer, model: nn.Module) -> Iterator[None]:
+    """The optimizer without the tables' state while the Trainer pickles it."""
+    held = {param: optimizer.state.pop(param) for param in _tables(model).values() if param in optimizer.state}
+    try:
+        yield
+    finally:
+        optimizer.state.update(held)
+
+
+def save_table_states(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: str) -> None:
+    """Every rank writes its shards of the tables and of their optimizer state to `checkpoint/value_tables`."""
+    dcp.save(_state_dict(model, optimizer), checkpoint_id=os.path.join(checkpoint, TABLES_DIR))
+
+
+def has_table_states(checkpoint: str) -> bool:
+    return os.path.isdir(os.path.join(checkpoint, TABLES_DIR))
+
+
+def load_table_states(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: str) -> None:
+    """Read this process's part of the tables and their optimizer state, whatever partitioning wrote them."""
+    path = os.path.join(checkpoint, TABLES_DIR)
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    for name, param in _tables(model).items():
+        state = optimizer.state[param]
+        for key in (entry.split("/", 1)[1] for entry in saved if entry.startswith(f"{name}/")):
+            if key not in state:
+                state[key] = torch.zeros_like(param) if saved[f"{name}/{key}"].size == param.shape else torch.zeros(())
+    dcp.load(_state_dict(model, optimizer), checkpoint_id=path, no_dist=not dist.is_initialized())  # in place
+
+
+def load_dense_weights(model: nn.Module, checkpoint: str) -> None:
+    """Load every weight of the checkpoint's safetensors files but the value tables (they come from DCP)."""
+    skip = set(model.get_value_table_names())
+    weights = {}
+    for file in sorted(f for f in os.listdir(checkpoint) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(checkpoint, file), "pt") as handle:
+            weights.update({key: handle.get_tensor(key) for key in handle.keys() if key not in skip})
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or set(missing) - skip - set(getattr(model, "_tied_weights_keys", None) or {}):
+        raise ValueError(f"checkpoint {checkpoint} does not match the model: missing {missing}, unexpected {unexpected}")

@@ -1,0 +1,103 @@
+"""The `memory_parallel` setting: validate it against the config and world, build the mesh, install the stores.
+
+It only changes where the values live during training or loading; a saved checkpoint means the same thing.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ultramem.parallel.dimension import check_dimension_split
+from ultramem.parallel.number import NumberShardedValues
+from ultramem.parallel.volume import VOLUMES, LookupShape
+
+MEMORY_PARALLEL_CHOICES = ("none", "number", "dimension", "auto")
+logger = logging.getLogger(__name__)
+
+
+def memory_parallel_mesh(size: int | None = None) -> DeviceMesh:
+    """A (replicate, shard) mesh over all ranks: tables are split inside groups of `size` consecutive ranks."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            "memory_parallel needs an initialized torch.distributed process group (launch with torchrun, "
+            "accelerate launch or deepspeed); without one the only allowed choice is memory_parallel='none'"
+        )
+    world = dist.get_world_size()
+    size = size or world
+    if size < 1 or world % size:
+        allowed = [d for d in range(1, world + 1) if world % d == 0]
+        raise ValueError(f"memory_parallel_size={size} does not divide the world size {world}; allowed: {allowed}")
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device, (world // size, size), mesh_dim_names=("replicate", "shard"))
+
+
+def lookup_shape(config, tokens: int) -> LookupShape:
+    """The formulas' inputs for an UltraMem config and `tokens` per rank per memory layer call."""
+    return LookupShape(
+        tokens=tokens,
+        slots=config.memory_heads * config.memory_topk,
+        value_dim=config.memory_value_dim,
+        num_cores=config.mcs_cores if config.retrieval_mode == "tucker" else 1,
+        num_groups=config.ive_expansion,
+        value_bytes=torch.empty((), dtype=config.dtype or torch.float32).element_size(),
+    )
+
+
+def fitting_partitionings(config, size: int) -> dict[str, str]:
+    """Partitioning -> why it does not fit ('' when it fits), for a shard group of `size` ranks."""
+    reasons = {}
+    shape = lookup_shape(config, 1)
+    for name, check in (
+        ("number", lambda: NumberShardedValues.check_fits(torch.Size([config.memory_num_values, 0]), size)),
+        ("dimension", lambda: check_dimension_split(shape.value_dim, shape.num_cores, size)),
+    ):
+        try:
+            check()
+            reasons[name] = ""
+        except ValueError as error:
+            reasons[name] = str(error)
+    return reasons
+
+
+def plan_memory_parallel(config, mode: str, size: int, tokens: int) -> tuple[str, dict[str, str]]:
+    """(value store name, its options) for `mode`; `auto` and the number-wise pooling site follow the volumes."""
+    if mode not in MEMORY_PARALLEL_CHOICES:
+        raise ValueError(f"memory_parallel={mode!r}: allowed: {', '.join(MEMORY_PARALLEL_CHOICES)}")
+    reasons = fitting_partitionings(config, size)
+    if mode != "auto" and reasons[mode]:
+        raise ValueError(reasons[mode])
+    shape = lookup_shape(config, tokens)
+    volumes = {name: sum(formula(shape, size).values()) for name, formula in VOLUMES.items()}
+    family = {"number": ("number", "number_owner"), "dimension": ("dimension",), "auto": tuple(VOLUMES)}[mode]
+    candidates = [name for name in family if not reasons[name.removesuffix("_owner")]]
+    if not candidates:
+        raise ValueError(f"memory_parallel='auto' with memory_parallel_size={size}: {'; '.join(reasons.values())}")
+    choice = min(candidates, key=volumes.__getitem__)
+    logger.warning(
+        "memory_parallel=%s over %d ranks: %s (predicted bytes sent per rank and memory layer forward, %d tokens: %s)",
+        mode, size, choice, tokens, ", ".join(f"{name} {volumes[name]:.0f}" for name in VOLUMES),
+    )  # fmt: skip
+    if choice == "dimension":
+        return "dimension", {"num_cores": shape.num_cores}
+    return "number", {"pool_at": "owner" if choice == "number_owner" else "source"}
+
+
+def apply_memory_parallel(model: torch.nn.Module, mode: str, size: int | None = None, tokens: int = 1) -> str:
+    """Shard every value table of `model` per `mode` over a mesh of `size` ranks; returns the store chosen.
+
+    `tokens` (per rank and step) feeds `auto`. The tables leave DDP's gradient all-reduce: their shards'
+    gradients are made data-parallel means by the stores themselves.
+    """
+    if mode not in MEMORY_PARALLEL_CHOICES:
+        raise ValueError(f"memory_parallel={mode!r}: allowed: {', '.join(MEMORY_PARALLEL_CHOICES)}")
+    if mode == "none":
+        return "local"
+    mesh = memory_parallel_mesh(size)
+    store, options = plan_memory_parallel(model.config, mode, mesh.size(1), tokens)
+    model.set_value_store(store, mesh=mesh, **options)
+    model._ddp_params_and_buffers_to_ignore = model.get_value_table_names()
+    return store
