@@ -1,13 +1,15 @@
-"""Two processes on CPU (gloo): DDP (torchrun), ZeRO-2 (deepspeed launcher) and ZeRO-3 (accelerate launch with the
-shipped config) train like one process on the same global batch; ZeRO-3 partitions every value table."""
+"""Two processes on CPU (gloo): DDP (torchrun), ZeRO-2 (deepspeed launcher), ZeRO-3 and FSDP2 (accelerate launch with
+the shipped configs) train like one process on the same global batch; ZeRO-3 and FSDP2 shard the parameters."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 import torch
-from test_training_support import base_args, losses, python_module, run_command, training_logs, write_config
+from test_training_support import REPO, base_args, child_env, losses, python_module, run_command, training_logs
+from test_training_support import write_config
 from test_training_support import write_corpus
 from transformers import AutoModelForCausalLM
 
@@ -107,3 +109,32 @@ def test_zero3_consolidated_checkpoint_gives_the_training_ranks_logits(zero3):
     with torch.no_grad():
         logits = model(input_ids=torch.arange(64).reshape(2, 32) * 97 % 50000).logits
     torch.testing.assert_close(logits, torch.load(zero3 / "rank0_logits.pt"), rtol=1e-5, atol=1e-5)
+
+
+def test_fsdp2_config_shards_every_parameter(setup):
+    """accelerate launch with the shipped FSDP2 config, 2 CPU processes (gloo): parameters are sharded DTensors."""
+    folder, argv = setup
+    result = run_command(["accelerate", "launch", "--config_file", "ultramem/configs/accelerate/fsdp2.yaml",
+                          "-m", "ultramem.training", *argv("fsdp2", GLOBAL_BATCH // 2)])  # fmt: skip
+    report = [line for line in result.stdout.splitlines() if line.startswith("ultramem-train: FSDP2 shards")]
+    assert len(report) == 1 and "over 2 processes ((Shard(dim=0),))" in report[0], result.stdout[-3000:]
+    sharded, total = (int(word) for word in report[0].split()[3:6:2])
+    assert sharded == total > 0
+    assert losses(folder / "fsdp2") == pytest.approx(losses(folder / "single"), abs=LOSS_TOLERANCE)
+    assert AutoModelForCausalLM.from_pretrained(folder / "fsdp2", trust_remote_code=True).num_parameters() > 0
+
+
+def test_torchrun_fsdp_flag_shards_for_real_or_refuses_fsdp1(setup):
+    """`torchrun ... --fsdp "full_shard auto_wrap"` used to train as DDP on CPU; it now shards (FSDP2, the default
+    version), and FSDP1, which cannot shard there, is refused in one line."""
+    folder, argv = setup
+    launch = python_module("torch.distributed.run", "--nproc_per_node", "2", "-m", "ultramem.training")
+    result = run_command([*launch, *argv("torchrun-fsdp", GLOBAL_BATCH // 2), "--fsdp", "full_shard auto_wrap"])
+    assert "ultramem-train: FSDP2 shards" in result.stdout, result.stdout[-3000:]
+    assert losses(folder / "torchrun-fsdp") == pytest.approx(losses(folder / "single"), abs=LOSS_TOLERANCE)
+    command = [*launch, *argv("fsdp1", GLOBAL_BATCH // 2), "--fsdp", "full_shard auto_wrap",
+               "--fsdp_config", '{"version": 1}']  # fmt: skip
+    result = subprocess.run(command, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=240)
+    errors = {line for line in result.stderr.splitlines() if line.startswith("ultramem-train: error:")}
+    assert result.returncode != 0 and len(errors) == 1, result.stderr[-3000:]
+    assert "--fsdp: FSDP1 does not shard on CPU process groups (it would run as DDP)" in errors.pop()

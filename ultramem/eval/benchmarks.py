@@ -52,6 +52,38 @@ def select(names: str) -> list[Benchmark]:
     return list(dict.fromkeys(chosen))
 
 
+LOCAL_LOADER = "ultramem.eval.local_data.load_local"
+
+
+def task_name(bench: Benchmark, offline: bool) -> str:
+    """The shipped one-benchmark group: `ultramem_<key>` (Hub data) or `ultramem_<key>_offline` (local copies)."""
+    return f"ultramem_{bench.key}_offline" if offline else f"ultramem_{bench.key}"
+
+
+def task_yaml(bench: Benchmark, offline: bool) -> str:
+    """The YAML of `task_name(bench, offline)`: its `ultramem_paper` entry (task or group and shots), alone; offline,
+    every task in it reads the local copies (a group-level `custom_dataset`, as in `ultramem_paper_offline`)."""
+    import yaml
+
+    source = "local copies (--metadata '{\"data_dir\": ...}')" if offline else "the Hub datasets"
+    header = f"# {bench.title} of the ultramem_paper group, alone, on {source}. Generated: ultramem.eval.benchmarks.\n"
+    body = yaml.safe_dump({"group": task_name(bench, offline), "task": [group_entries()[bench.task]]}, sort_keys=False)
+    loader = f"custom_dataset: !function {LOCAL_LOADER}\n" if offline else ""
+    return header + body + loader + "metadata:\n  version: 1.0\n"
+
+
+def write_task_yamls(folder: Path | None = None) -> list[Path]:
+    """(Re)write the shipped one-benchmark YAMLs from `ultramem_paper.yaml`; a test checks they are current."""
+    folder = Path(tasks_path()) if folder is None else folder
+    paths = []
+    for bench in BENCHMARKS:
+        for offline in (False, True):
+            path = folder / f"{task_name(bench, offline)}.yaml"
+            path.write_text(task_yaml(bench, offline), encoding="utf-8")
+            paths.append(path)
+    return paths
+
+
 def group_entries() -> dict[str, dict[str, Any]]:
     """The entries of the shipped `ultramem_paper` group (task or group name plus shot settings), by lm-eval name."""
     from lm_eval.tasks._yaml_loader import load_yaml

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
 from tqdm.auto import tqdm
 
 from ultramem.eval import tasks_path
-from ultramem.eval.benchmarks import Benchmark, group_entries, select
+from ultramem.eval.benchmarks import Benchmark, select, task_name
 from ultramem.eval.checkpoint import (
     load_config,
     parameter_counts,
@@ -36,9 +34,6 @@ from ultramem.eval.report import (
     scores_from_lm_eval,
     write_results,
 )
-
-LOCAL_LOADER = "ultramem.eval.local_data.load_local"
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ultramem-eval", description=__doc__.split("\n\n")[0])
@@ -76,20 +71,6 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--data-dir {args.data_dir}: not a folder")
 
 
-def _write_groups(folder: Path, benchmarks: list[Benchmark], offline: bool) -> dict[str, str]:
-    """One group YAML per benchmark, wrapping its `ultramem_paper` entry (task/group + shots); offline, every
-    task in it reads local files (a group-level override). Returns benchmark key -> group name."""
-    entries = group_entries()
-    names = {}
-    for bench in benchmarks:
-        names[bench.key] = f"ultramem_run_{bench.key}"
-        text = yaml.safe_dump({"group": names[bench.key], "task": [entries[bench.task]]}, sort_keys=False)
-        if offline:
-            text += f"custom_dataset: !function {LOCAL_LOADER}\n"
-        (folder / f"{names[bench.key]}.yaml").write_text(text, encoding="utf-8")
-    return names
-
-
 def _available(task_manager: Any, groups: dict[str, str], offline: bool) -> tuple[list[str], dict[str, str]]:
     """Split benchmarks into those whose data loads and those missing (key -> reason), by building their tasks."""
     ready, missing = [], {}
@@ -119,45 +100,44 @@ def evaluate(checkpoints: list[Path], benchmarks: list[Benchmark], args: argpars
 
     offline = args.data_dir is not None
     results = []
-    with tempfile.TemporaryDirectory(prefix="ultramem-eval-") as tmp:
-        groups = _write_groups(Path(tmp), benchmarks, offline)
-        metadata = {"data_dir": str(args.data_dir.resolve())} if offline else None
-        task_manager = TaskManager(include_path=[tasks_path(), tmp], metadata=metadata)
-        ready, missing = _available(task_manager, groups, offline)
-        for key, reason in missing.items():
-            print(f"ultramem-eval: benchmark {key} not scored: {reason}", file=sys.stderr)
-        if not ready:
-            raise LocalDataMissing("no benchmark data could be read: " + "; ".join(missing.values()))
-        for checkpoint in tqdm(checkpoints, desc="checkpoints", unit="model"):
-            output = simple_evaluate(
-                model="hf",
-                model_args={
-                    "pretrained": str(checkpoint),
-                    "trust_remote_code": True,
-                    "dtype": args.dtype,
-                    **({"memory_offload": args.memory_offload} if args.memory_offload else {}),
-                },
-                tasks=[groups[key] for key in ready],
-                task_manager=task_manager,
-                limit=args.limit,
-                gen_kwargs={"max_gen_toks": args.max_gen_toks} if args.max_gen_toks else None,
-                batch_size=args.batch_size,
-                device=args.device,
+    groups = {bench.key: task_name(bench, offline) for bench in benchmarks}  # each can fail alone
+    metadata = {"data_dir": str(args.data_dir.resolve())} if offline else None
+    task_manager = TaskManager(include_path=tasks_path(), metadata=metadata)
+    ready, missing = _available(task_manager, groups, offline)
+    for key, reason in missing.items():
+        print(f"ultramem-eval: benchmark {key} not scored: {reason}", file=sys.stderr)
+    if not ready:
+        raise LocalDataMissing("no benchmark data could be read: " + "; ".join(missing.values()))
+    for checkpoint in tqdm(checkpoints, desc="checkpoints", unit="model"):
+        output = simple_evaluate(
+            model="hf",
+            model_args={
+                "pretrained": str(checkpoint),
+                "trust_remote_code": True,
+                "dtype": args.dtype,
+                **({"memory_offload": args.memory_offload} if args.memory_offload else {}),
+            },
+            tasks=[groups[key] for key in ready],
+            task_manager=task_manager,
+            limit=args.limit,
+            gen_kwargs={"max_gen_toks": args.max_gen_toks} if args.max_gen_toks else None,
+            batch_size=args.batch_size,
+            device=args.device,
+        )
+        params_b, flops_g = _size(checkpoint)
+        lm_eval_part = {k: output.get(k, {}) for k in ("results", "groups", "n-shot", "n-samples")}
+        results.append(
+            ModelResult(
+                name=checkpoint.absolute().name,
+                checkpoint=str(checkpoint.absolute()),
+                params_b=params_b,
+                flops_g=flops_g,
+                scores=scores_from_lm_eval(output, [b for b in benchmarks if b.key in ready]),
+                missing=dict(missing),
+                lm_eval=lm_eval_part,
+                val_loss=validation_loss(checkpoint),
             )
-            params_b, flops_g = _size(checkpoint)
-            lm_eval_part = {k: output.get(k, {}) for k in ("results", "groups", "n-shot", "n-samples")}
-            results.append(
-                ModelResult(
-                    name=checkpoint.absolute().name,
-                    checkpoint=str(checkpoint.absolute()),
-                    params_b=params_b,
-                    flops_g=flops_g,
-                    scores=scores_from_lm_eval(output, [b for b in benchmarks if b.key in ready]),
-                    missing=dict(missing),
-                    lm_eval=lm_eval_part,
-                    val_loss=validation_loss(checkpoint),
-                )
-            )
+        )
     return results
 
 

@@ -16,6 +16,7 @@ from ultramem.tokenization import load_tokenizer
 from ultramem.training.arguments import DataArguments, ModelArguments, UltraMemTrainingArguments
 from ultramem.training.data import load_raw_datasets, tokenize_and_pack
 from ultramem.training.errors import UsageError
+from ultramem.training.fsdp import ShardingReport
 from ultramem.training.model_setup import build_config, build_model, max_positions, shard_value_tables
 from ultramem.training.trainer import UltraMemTrainer
 
@@ -137,7 +138,7 @@ def run(argv: list[str], callbacks: list[TrainerCallback] | None = None) -> dict
         eval_dataset=blocks["validation"],
         processing_class=tokenizer,
         data_collator=default_data_collator,
-        callbacks=callbacks,
+        callbacks=[ShardingReport(), *(callbacks or [])],
         diagnostics_input_ids=torch.tensor(blocks["validation"][:diagnostics_count]["input_ids"]),
     )
     resume = training_args.resume_from_checkpoint

@@ -14,6 +14,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.utils import logging
 
 from ultramem.training.checkpointing import AtomicCheckpointTrainer
+from ultramem.training.fsdp import FSDPTrainer
 from ultramem.training.schedule import VALUE_GROUP, value_lr_multiplier, with_value_multiplier
 
 logger = logging.get_logger(__name__)
@@ -25,7 +26,7 @@ def value_table_names(model: nn.Module) -> set[str]:
     return set(getter()) if getter is not None else set()
 
 
-class UltraMemTrainer(AtomicCheckpointTrainer):
+class UltraMemTrainer(AtomicCheckpointTrainer, FSDPTrainer):
     """Trains any causal LM; for UltraMem it adds the value-LR group, aux/LM loss logs and memory diagnostics.
 
     `diagnostics_input_ids` is a fixed batch of validation tokens on which `retrieval_diagnostics` runs at
@@ -134,10 +135,10 @@ class UltraMemTrainer(AtomicCheckpointTrainer):
     def _memory_diagnostics(self) -> dict[str, float]:
         if self.diagnostics_input_ids is None or self.args.diagnostics_batch_size <= 0:
             return {}
-        if is_deepspeed_zero3_enabled():
-            # retrieval_diagnostics reads memory weights outside their modules' forward, where ZeRO-3 has them
-            # partitioned (and its hooks re-partition gathered ones): not available under ZeRO-3.
-            logger.warning_once("memory diagnostics are skipped under DeepSpeed ZeRO-3")
+        if is_deepspeed_zero3_enabled() or self.is_fsdp_enabled:
+            # retrieval_diagnostics reads memory weights outside their modules' forward, where ZeRO-3 and FSDP2 have
+            # them partitioned (and their hooks re-partition gathered ones): not available there.
+            logger.warning_once("memory diagnostics are skipped under DeepSpeed ZeRO-3 and FSDP")
             return {}
         from ultramem.diagnostics import retrieval_diagnostics
 

@@ -1,1 +1,1 @@
-"""`accelerate launch --config_file` files that use the DeepSpeed configs next door."""
+"""`accelerate launch --config_file` files: DeepSpeed ZeRO-2/3 (using the DeepSpeed configs next door) and FSDP2."""
