@@ -1,35 +1,79 @@
-"""Retrieval diagnostics of the memory layers (paper Fig. 8): TDQKR recall, slot usage, top-1 score, output std."""
+"""Retrieval diagnostics of the memory layers (paper Fig. 8): TDQKR recall, slot usage, top-1 score, output std.
+
+Nothing here materialises the n x n score grid (6.6 GB per chunk of 64 tokens at the 1.6B-x12 preset): the exact
+top-m is found by a bounded search over rows (`exact_top_m`). Under DeepSpeed ZeRO-3 the retrieval's own small
+parameters (keys, cores) are gathered for the statistics; the value tables never are.
+"""
 
 from __future__ import annotations
 
-import torch
+import contextlib
+from collections.abc import Iterable
 
-from .modeling_ultramem import UltraMemForCausalLM, UltraMemMemoryLayer, select_memory_ops
+import torch
+from torch import nn
+
+from .modeling_ultramem import UltraMemForCausalLM, UltraMemMemoryLayer
+
+
+def exact_top_m(row_factors: torch.Tensor, col_factors: torch.Tensor, top_m: int, rows_per_step: int) -> torch.Tensor:
+    """Exact top-m cells x * n + y (P, m) of the grids F_row[:, :, x] . F_col[:, :, y], for P grids of (k, n) factors.
+
+    Each row x is bounded by sum_k max(F_row[k, x] max_y F_col[k, y], F_row[k, x] min_y F_col[k, y]). Rows are
+    scored against every column in decreasing order of their bound, `rows_per_step` at a time, and a grid stops
+    once the m-th best exact score found beats the bound of every row left. Memory is O(P rows_per_step n), and
+    with the factors in the core's SVD basis (`score_factors`) only a few blocks of rows are scored per grid.
+    """
+    num_grids, _, num_keys = row_factors.shape
+    col_max, col_min = col_factors.amax(-1, keepdim=True), col_factors.amin(-1, keepdim=True)  # (P, k, 1)
+    bound = torch.maximum(row_factors * col_max, row_factors * col_min).sum(1)  # (P, n)
+    bound, order = bound.sort(dim=-1, descending=True)
+    best = row_factors.new_full((num_grids, top_m), -torch.inf)  # (P, m) best exact scores so far, descending
+    best_index = torch.zeros(num_grids, top_m, dtype=torch.long, device=row_factors.device)
+    for start in range(0, num_keys, rows_per_step):
+        active = (bound[:, start] > best[:, -1]).nonzero().squeeze(-1)  # grids whose next rows may still enter
+        if active.numel() == 0:
+            break
+        rows = order[active, start : start + rows_per_step]  # (A, c)
+        factors = row_factors[active].gather(-1, rows.unsqueeze(1).expand(-1, row_factors.shape[1], -1))  # (A, k, c)
+        scores = torch.einsum("akc,akn->acn", factors, col_factors[active])  # (A, c, n)
+        cells = (rows.unsqueeze(-1) * num_keys + torch.arange(num_keys, device=rows.device)).flatten(1)  # (A, c*n)
+        merged, position = torch.cat([best[active], scores.flatten(1)], -1).topk(top_m, dim=-1)
+        best[active] = merged
+        best_index[active] = torch.cat([best_index[active], cells], -1).gather(-1, position)
+    return best_index
+
+
+def _zero3_gathered(params: Iterable[nn.Parameter]) -> contextlib.AbstractContextManager:
+    """`deepspeed.zero.GatheredParameters` over those of `params` that ZeRO-3 partitions; a no-op otherwise."""
+    partitioned = [param for param in params if hasattr(param, "ds_id")]
+    if not partitioned:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(partitioned)
 
 
 @torch.no_grad()
 def _layer_statistics(
     layer: UltraMemMemoryLayer,
-    hidden_states: torch.Tensor,
-    padding_mask: torch.Tensor | None,
+    queries: tuple[torch.Tensor, torch.Tensor],
+    retrieved: tuple[torch.Tensor, torch.Tensor],
     keep: torch.Tensor,
     chunk: int,
+    rows_per_step: int,
 ) -> dict[str, float]:
-    """Statistics of one memory layer for its input (B, T, D), over the tokens where `keep` (B, T) is set."""
-    config = layer.config
-    ops = select_memory_ops(config.memory_kernel, hidden_states.device)
-    row_query, col_query = layer.query(layer.norm(hidden_states), padding_mask, None)
-    virtual_index, scores = layer.retrieval(row_query, col_query, ops)  # (B, T, H, m), (B, T, H, m, h)
-    virtual_index, scores = virtual_index[keep], scores[keep]  # (tokens, H, m), (tokens, H, m, h)
-    row_scores, col_scores = layer.retrieval.axis_scores(row_query, col_query)
-    row_scores, col_scores = row_scores[keep], col_scores[keep]  # (tokens, H, r, n)
-
+    """Statistics of one memory layer from its retrieval's inputs and outputs, over the tokens where `keep` (B, T)."""
+    retrieval = layer.retrieval
+    virtual_index, scores = (tensor[keep] for tensor in retrieved)  # (tokens, H, m), (tokens, H, m, h)
+    with _zero3_gathered(retrieval.parameters(recurse=False)):  # keys and cores, read outside a module call
+        row_factors, col_factors = retrieval.score_factors(*retrieval.axis_scores(*queries))  # (B, T, H, k, n)
+    row_factors, col_factors = row_factors[keep], col_factors[keep]  # (tokens, H, k, n)
     hits = torch.zeros((), dtype=torch.long, device=virtual_index.device)
-    for start in range(0, row_scores.shape[0], chunk):  # exact top-m over all n^2 cells, a chunk at a time
-        grid = layer.retrieval.grid_scores(row_scores[start : start + chunk], col_scores[start : start + chunk])
-        exact = grid.flatten(-2).topk(config.memory_topk, dim=-1).indices  # (chunk, H, m)
-        approx = virtual_index[start : start + chunk]
-        hits += (approx.unsqueeze(-1) == exact.unsqueeze(-2)).any(-1).sum()  # one host sync, at the end
+    for start in range(0, virtual_index.shape[0], chunk):  # memory O(chunk H rows_per_step n)
+        part = slice(start, start + chunk)
+        exact = exact_top_m(row_factors[part].flatten(0, 1), col_factors[part].flatten(0, 1), scores.shape[-2], rows_per_step)
+        hits += (virtual_index[part].flatten(0, 1).unsqueeze(-1) == exact.unsqueeze(-2)).any(-1).sum()  # one sync, at the end
 
     physical, _ = layer.value_expansion.physical_slots(virtual_index)
     return {
@@ -45,6 +89,7 @@ def retrieval_diagnostics(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     chunk: int = 64,
+    rows_per_step: int = 64,
 ) -> dict[str, float]:
     """Mean over memory layers of what the paper tracks during training, for one batch.
 
@@ -53,21 +98,26 @@ def retrieval_diagnostics(
     slot_usage: fraction of the N physical value rows the batch touches.
     top1_score: mean over tokens and heads of the highest selected score (summed over MCS cores).
     memory_output_std: standard deviation of the memory layers' outputs.
+
+    Queries, selections and outputs are recorded during one forward pass (so nothing is recomputed outside a
+    module call, which also keeps ZeRO-3's gathering in its hooks). The exact top-m search (`exact_top_m`) runs
+    `chunk` tokens and `rows_per_step` rows at a time: its memory is O(chunk H rows_per_step n), not O(n^2).
     """
     memory_layers = list(model.model.memory_layers)
     if not memory_layers:
         return {}
-    captured: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
+    captured: dict[int, dict[str, tuple[torch.Tensor, ...]]] = {idx: {} for idx in range(len(memory_layers))}
 
-    def capture(layer: UltraMemMemoryLayer):
+    def capture(idx: int, name: str):
         def hook(module, args, output):
-            hidden_states = args[0]
-            padding_mask = args[1] if len(args) > 1 else None
-            captured[layer.memory_idx] = (hidden_states, padding_mask, output)
+            captured[idx][name] = (args, output)
 
         return hook
 
-    handles = [layer.register_forward_hook(capture(layer)) for layer in memory_layers]
+    handles = []
+    for idx, layer in enumerate(memory_layers):
+        handles.append(layer.retrieval.register_forward_hook(capture(idx, "retrieval")))
+        handles.append(layer.register_forward_hook(capture(idx, "layer")))
     was_training = model.training
     model.eval()
     try:
@@ -79,10 +129,10 @@ def retrieval_diagnostics(
 
     keep = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     totals = {"tdqkr_recall": 0.0, "slot_usage": 0.0, "top1_score": 0.0, "memory_output_std": 0.0}
-    for layer in memory_layers:
-        hidden_states, padding_mask, output = captured[layer.memory_idx]
-        stats = _layer_statistics(layer, hidden_states, padding_mask, keep, chunk)
-        stats["memory_output_std"] = output[keep].float().std().item()
+    for idx, layer in enumerate(memory_layers):
+        (row_query, col_query, _), retrieved = captured[idx]["retrieval"]
+        stats = _layer_statistics(layer, (row_query, col_query), retrieved, keep, chunk, rows_per_step)
+        stats["memory_output_std"] = captured[idx]["layer"][1][keep].float().std().item()
         for key, value in stats.items():
             totals[key] += value / len(memory_layers)
     return totals

@@ -577,9 +577,13 @@ class ProductKeyRetrieval(nn.Module):
         col = torch.einsum("bthrd,hrnd->bthrn", col_query, col_keys)
         return row, col
 
-    def grid_scores(self, row_scores: torch.Tensor, col_scores: torch.Tensor) -> torch.Tensor:
-        """Exact score of every cell of the n x n grid, (..., n, n); for diagnostics only."""
-        return row_scores[..., 0, :, None] + col_scores[..., 0, None, :]
+    def score_factors(self, row_scores: torch.Tensor, col_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(..., k, n) factors F_row, F_col with grid score [x, y] = F_row[:, x] . F_col[:, y]; for diagnostics.
+
+        s_row[x] + s_col[y] = [s_row[x], 1] . [1, s_col[y]].
+        """
+        ones = torch.ones_like(row_scores)
+        return torch.cat([row_scores, ones], dim=-2), torch.cat([ones, col_scores], dim=-2)
 
     def forward(
         self, row_query: torch.Tensor, col_query: torch.Tensor, ops: MemoryOps
@@ -685,9 +689,15 @@ class TuckerQueryKeyRetrieval(nn.Module):
         col = torch.einsum("bthrd,hrnd->bthrn", col_query, col_keys)
         return row, col
 
-    def grid_scores(self, row_scores: torch.Tensor, col_scores: torch.Tensor) -> torch.Tensor:
-        """Exact Tucker score of every cell of the n x n grid, (..., n, n); for diagnostics only."""
-        return torch.einsum("...an,...ab,...bk->...nk", row_scores, self.cores.sum(1), col_scores)
+    def score_factors(self, row_scores: torch.Tensor, col_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(..., r, n) factors F_row, F_col with grid score [x, y] = F_row[:, x] . F_col[:, y]; for diagnostics.
+
+        In the SVD basis of the summed core C = U diag(sigma) T^T: F_row = diag(sigma) U^T S_row, F_col = T^T S_col,
+        so the leading rank-1 term comes first and per-axis bounds on the score are tight.
+        """
+        left, singular_values, right_h = torch.linalg.svd(self.cores.sum(1).float())  # (H, r, r), (H, r), (H, r, r)
+        row = torch.einsum("hak,...han->...hkn", left * singular_values.unsqueeze(-2), row_scores.float())
+        return row, torch.einsum("hkb,...hbn->...hkn", right_h, col_scores.float())
 
     def candidates(self, row_projected: torch.Tensor, col_projected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Candidate rows and columns (..., m') from the rank-1 projections a (..., n) and b (..., n).
