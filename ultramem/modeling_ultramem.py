@@ -46,7 +46,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .configuration_ultramem import UltraMemConfig, validate_memory_offload
+from .configuration_ultramem import TUCKER, UltraMemConfig, validate_memory_offload
 from .memory_ops import lookup_reduce, lookup_reduce_embedding_bag, tucker_candidate_topk
 
 class MemoryOps(Protocol):
@@ -164,7 +164,7 @@ class MemoryInitScales:
         num_groups = config.ive_expansion
         activated = config.memory_topk * config.memory_heads
         top_mean = expected_top_m_mean(config.memory_num_keys**2, config.memory_topk)
-        if config.retrieval_mode == "tucker":
+        if config.retrieval_mode == TUCKER:
             query_gain = top_mean**-0.5  # Var(S_row^T C S_col) = g^4 ||C||_F^2 = 1 / top_mean^2
         else:
             query_gain = 1.0 / (math.sqrt(2.0) * top_mean)  # Var(s_row + s_col) = 2 g^2
@@ -829,7 +829,7 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         scales = MemoryInitScales.from_config(config)
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.query = MemoryQuery(config, scales, self.read_block, state_idx)
-        retrieval_cls = TuckerQueryKeyRetrieval if config.retrieval_mode == "tucker" else ProductKeyRetrieval
+        retrieval_cls = TuckerQueryKeyRetrieval if config.retrieval_mode == TUCKER else ProductKeyRetrieval
         self.retrieval = retrieval_cls(config, scales)
         self.values = (
             DeferredValueTable(config.memory_num_values, config.memory_value_dim, config.memory_offload)

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ultramem.configuration_ultramem import TUCKER
 from ultramem.parallel.dimension import check_dimension_split
 from ultramem.parallel.number import NumberShardedValues
 from ultramem.parallel.volume import VOLUMES, LookupShape
@@ -41,7 +42,7 @@ def lookup_shape(config, tokens: int) -> LookupShape:
         tokens=tokens,
         slots=config.memory_heads * config.memory_topk,
         value_dim=config.memory_value_dim,
-        num_cores=config.mcs_cores if config.retrieval_mode == "tucker" else 1,
+        num_cores=config.mcs_cores if config.retrieval_mode == TUCKER else 1,
         num_groups=config.ive_expansion,
         value_bytes=torch.empty((), dtype=config.dtype or torch.float32).element_size(),
     )
