@@ -93,8 +93,8 @@ def apply_memory_parallel(
     """Shard every value table of `model` per `mode` over a mesh of `size` ranks; returns the store chosen.
 
     `tokens` (per rank and step) feeds `auto`. Tables built deferred (`deferred_value_tables`) are read from
-    the safetensors of `checkpoint` (a folder or Hub id) when given, else drawn shard by shard. The tables leave DDP's gradient all-reduce: their shards'
-    gradients are made data-parallel means by the stores themselves.
+    the safetensors of `checkpoint` (a folder or Hub id) when given, else drawn shard by shard. The tables leave
+    DDP's gradient all-reduce: their shards' gradients are made data-parallel means by the stores themselves.
     """
     if mode not in MEMORY_PARALLEL_CHOICES:
         raise ValueError(f"memory_parallel={mode!r}: allowed: {', '.join(MEMORY_PARALLEL_CHOICES)}")
