@@ -25,7 +25,8 @@ STORES = {"number": {"pool_at": "source"}, "number_owner": {"pool_at": "owner"},
 
 
 class LargestTensor(TorchDispatchMode):
-    """Largest tensor (elements) any operator produces while active; a DTensor counts by its local shard."""
+    """Largest tensor (elements) any operator produces while active; a DTensor counts by its local shard, and a
+    view (of a memory-mapped file, say) or a meta tensor, allocating nothing, not at all."""
 
     def __init__(self):
         super().__init__()
@@ -33,10 +34,12 @@ class LargestTensor(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func.is_view:
+            return out
         for tensor in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(tensor, DTensor):
                 tensor = tensor.to_local()
-            if isinstance(tensor, torch.Tensor):
+            if isinstance(tensor, torch.Tensor) and not tensor.is_meta:
                 self.largest = max(self.largest, tensor.numel())
         return out
 

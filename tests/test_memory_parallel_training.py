@@ -1,13 +1,18 @@
 """`ultramem-train --memory_parallel` on 2 gloo processes (torchrun or accelerate launch; DDP for the rest)
-process on the same global batch, keeps the 10x -> 1x value LR, and saves an ordinary checkpoint."""
+process on the same global batch, both starting from one checkpoint (a sharded fresh init differs from a one-process
+init; a sharded load is exact), keeps the 10x -> 1x value LR, and saves an ordinary checkpoint."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 from test_training_support import base_args, losses, python_module, run_command, training_logs, write_config
 from test_training_support import write_corpus
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from ultramem import UltraMemForCausalLM
 
 STEPS, GLOBAL_BATCH = 10, 4
 LOSS_TOLERANCE = 1e-5  # absolute, per step: fp32 reduction order differs between 1 and 2 processes
@@ -18,10 +23,14 @@ PROBE = torch.arange(64).reshape(2, 32) * 97 % 50000
 def setup(tmp_path_factory):
     folder = tmp_path_factory.mktemp("memory_parallel_training")
     config, corpus = write_config(folder, aux_loss_alpha=10.0), write_corpus(folder)
+    torch.manual_seed(7)
+    UltraMemForCausalLM(AutoConfig.for_model(**json.loads(config.read_text()))).save_pretrained(folder / "start")
 
     def argv(name: str, batch: int, **flags) -> list[str]:
-        return base_args(config, corpus, folder / name, max_steps=STEPS, per_device_train_batch_size=batch,
-                         diagnostics_batch_size=0, **flags)  # fmt: skip
+        args = base_args(config, corpus, folder / name, max_steps=STEPS, per_device_train_batch_size=batch,
+                         diagnostics_batch_size=0, model_name_or_path=folder / "start", **flags)  # fmt: skip
+        at = args.index("--config_file")
+        return args[:at] + args[at + 2 :]
 
     run_command(python_module("ultramem.training", *argv("single", GLOBAL_BATCH)))
     return folder, argv

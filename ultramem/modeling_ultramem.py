@@ -19,7 +19,9 @@ One memory layer, for one token (paper section 3):
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from statistics import NormalDist
 from types import SimpleNamespace
@@ -246,22 +248,44 @@ starts and collects it after block `b` (the skip-layer window, see `UltraMemMemo
 
 
 class DeferredValueTable(nn.Module):
-    """Stands for a table that `from_pretrained(..., memory_offload=...)` attaches after loading (no parameter).
+    """Stands for a table that a value store attaches after construction (no parameter).
 
     Having no `weight`, the loader never reads the checkpoint's table into memory nor initializes one; the
-    checkpoint's `values.weight` keys are left to the offloaded store (`UltraMemModel` ignores them on load).
+    checkpoint's `values.weight` keys are left to the store (`UltraMemModel` ignores them on load): the
+    offloaded stores of `from_pretrained(..., memory_offload=...)`, or the sharded stores of memory
+    parallelism, which read or initialize (with `init_std`) only their shard (`deferred_value_tables`).
     """
 
-    def __init__(self, num_values: int, value_dim: int, offload: str):
+    def __init__(self, num_values: int, value_dim: int, offload: str | None, init_std: float):
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.offload = num_values, value_dim, offload
+        self.init_std = init_std
 
     def lookup_reduce(self, *args, **kwargs) -> torch.Tensor:
         raise RuntimeError(
-            f"UltraMemConfig.memory_offload={self.offload!r} attaches the value tables in from_pretrained(path, "
-            "memory_offload=...); this model was built from a config and has none. Build it with memory_offload=None "
-            "and call model.set_value_store('cpu') to offload an in-memory model."
+            f"UltraMemConfig.memory_offload={self.offload!r}: a value store attaches the value tables in "
+            "from_pretrained(path, memory_offload=...), or in set_value_store('number' | 'dimension') after deferred_value_tables(); "
+            "this model has none. Build it with memory_offload=None and call model.set_value_store('cpu') to offload "
+            "an in-memory model."
         )
+
+
+_tables_deferred: ContextVar[bool] = ContextVar("tables_deferred", default=False)
+
+
+@contextmanager
+def deferred_value_tables() -> Iterator[None]:
+    """Models built (or loaded) inside have `DeferredValueTable`s, so no process ever holds a whole table
+    before `set_value_store` installs a store that allocates or reads only its part."""
+    token = _tables_deferred.set(True)
+    try:
+        yield
+    finally:
+        _tables_deferred.reset(token)
+
+
+def tables_deferred(config: UltraMemConfig) -> bool:
+    return bool(config.memory_offload) or _tables_deferred.get()
 
 
 def offload_store(offload: str) -> type[ValueStore]:
@@ -832,8 +856,10 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         retrieval_cls = TuckerQueryKeyRetrieval if config.retrieval_mode == TUCKER else ProductKeyRetrieval
         self.retrieval = retrieval_cls(config, scales)
         self.values = (
-            DeferredValueTable(config.memory_num_values, config.memory_value_dim, config.memory_offload)
-            if config.memory_offload
+            DeferredValueTable(
+                config.memory_num_values, config.memory_value_dim, config.memory_offload, scales.value_std
+            )
+            if tables_deferred(config)
             else MemoryValueTable(config.memory_num_values, config.memory_value_dim, scales.value_std)
         )
         self.value_expansion = ImplicitValueExpansion(config, scales)
@@ -993,7 +1019,7 @@ class UltraMemModel(UltraMemPreTrainedModel):
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.inference_cache = InferenceCache()
         self.gradient_checkpointing = False
-        if config.memory_offload:  # the tables are attached after loading (`DeferredValueTable`)
+        if tables_deferred(config):  # the tables are attached after loading (`DeferredValueTable`)
             self._keys_to_ignore_on_load_unexpected = [r"memory_layers\.\d+\.values\.weight$"]
         self.post_init()
 

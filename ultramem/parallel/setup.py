@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ultramem.configuration_ultramem import TUCKER
+from ultramem.offload.safetensors_file import SafetensorsCheckpoint
 from ultramem.parallel.dimension import check_dimension_split
 from ultramem.parallel.number import NumberShardedValues
 from ultramem.parallel.volume import VOLUMES, LookupShape
@@ -87,11 +88,14 @@ def plan_memory_parallel(config, mode: str, size: int, tokens: int) -> tuple[str
     return "number", {"pool_at": "owner" if choice == "number_owner" else "source"}
 
 
-def apply_memory_parallel(model: torch.nn.Module, mode: str, size: int | None = None, tokens: int = 1) -> str:
+def apply_memory_parallel(
+    model: torch.nn.Module, mode: str, size: int | None = None, tokens: int = 1, checkpoint: str | None = None
+) -> str:
     """Shard every value table of `model` per `mode` over a mesh of `size` ranks; returns the store chosen.
 
-    `tokens` (per rank and step) feeds `auto`. The tables leave DDP's gradient all-reduce: their shards'
-    gradients are made data-parallel means by the stores themselves.
+    `tokens` (per rank and step) feeds `auto`. Tables built deferred (`deferred_value_tables`) are read from
+    the safetensors of `checkpoint` (a folder or Hub id) when given, else drawn shard by shard. The tables leave
+    DDP's gradient all-reduce: their shards' gradients are made data-parallel means by the stores themselves.
     """
     if mode not in MEMORY_PARALLEL_CHOICES:
         raise ValueError(f"memory_parallel={mode!r}: allowed: {', '.join(MEMORY_PARALLEL_CHOICES)}")
@@ -99,6 +103,8 @@ def apply_memory_parallel(model: torch.nn.Module, mode: str, size: int | None = 
         return "local"
     mesh = memory_parallel_mesh(size)
     store, options = plan_memory_parallel(model.config, mode, mesh.size(1), tokens)
-    model.set_value_store(store, mesh=mesh, **options)
+    if checkpoint is not None:
+        options["checkpoint"] = SafetensorsCheckpoint.find(checkpoint)
+    model.set_value_store(store, mesh=mesh, dtype=model.dtype, **options)
     model._ddp_params_and_buffers_to_ignore = model.get_value_table_names()
     return store

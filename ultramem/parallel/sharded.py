@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from typing import Any, ClassVar
 
 import torch
@@ -9,7 +10,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ultramem.modeling_ultramem import MemoryValueTable
+from ultramem.modeling_ultramem import DeferredValueTable, MemoryValueTable
+from ultramem.offload.safetensors_file import SafetensorsCheckpoint
 from ultramem.parallel.comm import data_parallel_mean_grad
 
 
@@ -37,12 +39,64 @@ class ShardedValueStore(nn.Module):
         raise NotImplementedError
 
     @classmethod
-    def from_table(cls, table: MemoryValueTable, name: str, mesh: DeviceMesh, **options: Any) -> ShardedValueStore:
-        """Keep only this rank's rows or columns of `table` (its full weight is dropped with the table)."""
-        size, rank = mesh.size(1), mesh.get_local_rank("shard")
-        cls.check_fits(table.weight.shape, size, **options)
-        local = table.weight.detach().chunk(size, dim=cls.shard_dim)[rank].clone()
+    def from_table(
+        cls,
+        table: MemoryValueTable | DeferredValueTable,
+        name: str,
+        mesh: DeviceMesh,
+        checkpoint: SafetensorsCheckpoint | None = None,
+        dtype: torch.dtype | None = None,
+        **options: Any,
+    ) -> ShardedValueStore:
+        """Keep only this rank's rows or columns of `table` (its full weight is dropped with the table).
+
+        A `DeferredValueTable` has no weight: the shard is read from `checkpoint`'s tensor `name` (through a memory
+        map, so only the shard's bytes are copied), or, without a checkpoint, drawn with the table's init std.
+        """
+        shape = torch.Size((table.num_embeddings, table.embedding_dim))
+        cls.check_fits(shape, mesh.size(1), **options)
+        if not isinstance(table, DeferredValueTable):
+            local = cls._shard_of(table.weight.detach(), mesh).clone()
+        elif checkpoint is not None:
+            local = cls._read_shard(checkpoint, name, shape, mesh, dtype)
+        else:
+            local = cls._random_shard(table, name, shape, mesh, dtype)
         return cls.from_local(local, mesh, **options)
+
+    @classmethod
+    def _shard_of(cls, full: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        return full.chunk(mesh.size(1), dim=cls.shard_dim)[mesh.get_local_rank("shard")]
+
+    @classmethod
+    def _read_shard(
+        cls,
+        checkpoint: SafetensorsCheckpoint,
+        name: str,
+        shape: torch.Size,
+        mesh: DeviceMesh,
+        dtype: torch.dtype | None,
+    ) -> torch.Tensor:
+        """Copy the shard out of the memory-mapped tensor: only its rows (or its columns' pages) are read."""
+        mapped = checkpoint.map(name)
+        if mapped.shape != shape:
+            raise ValueError(
+                f"checkpoint tensor {name} has shape {tuple(mapped.shape)}; the config says {tuple(shape)}"
+            )
+        view = cls._shard_of(mapped, mesh)
+        return torch.empty(view.shape, dtype=dtype or view.dtype).copy_(view)
+
+    @classmethod
+    def _random_shard(
+        cls, table: DeferredValueTable, name: str, shape: torch.Size, mesh: DeviceMesh, dtype: torch.dtype | None
+    ) -> torch.Tensor:
+        """N(0, init_std) from a generator seeded by the run's seed, the table and the shard: replicas of a shard
+        agree and shards differ, but the values are not those of a one-process init."""
+        shard = mesh.get_local_rank("shard")
+        seed = (torch.initial_seed() + zlib.crc32(f"{name}/{shard}".encode())) % 2**63
+        local = list(shape)
+        local[cls.shard_dim] //= mesh.size(1)
+        generator = torch.Generator().manual_seed(seed)
+        return torch.empty(local, dtype=dtype).normal_(std=table.init_std, generator=generator)
 
     @classmethod
     def from_local(cls, local: torch.Tensor, mesh: DeviceMesh, **options: Any) -> ShardedValueStore:

@@ -128,8 +128,8 @@ def run(argv: list[str], callbacks: list[TrainerCallback] | None = None) -> dict
             file=sys.stderr,
         )
     set_seed(training_args.seed)
-    model = build_model(model_args, config)
-    shard_value_tables(model, training_args, data_args.block_size)
+    model = build_model(model_args, config, defer_tables=training_args.memory_parallel != "none")
+    shard_value_tables(model, training_args, data_args.block_size, model_args.model_name_or_path)
     diagnostics_count = min(training_args.diagnostics_batch_size, len(blocks["validation"]))
     trainer = UltraMemTrainer(
         model=model,

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+from contextlib import nullcontext
 from typing import Any
 
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from ultramem.modeling_ultramem import deferred_value_tables
 from ultramem.training.arguments import ModelArguments, UltraMemTrainingArguments
 from ultramem.training.errors import UsageError
 
@@ -98,13 +100,18 @@ def build_config(args: ModelArguments) -> PretrainedConfig:
         raise UsageError(f"invalid model configuration: {str(error).strip().splitlines()[0]}") from error
 
 
-def build_model(args: ModelArguments, config: PretrainedConfig) -> PreTrainedModel:
-    """A fresh model from `config`, or the weights of `--model_name_or_path` under that (overridden) config."""
-    if args.model_name_or_path is not None:
-        return AutoModelForCausalLM.from_pretrained(args.model_name_or_path, config=config, trust_remote_code=True)
-    # Buffers are filled at construction on every rank (UltraMem's IVE bijection), so ZeRO-3's rank-0-only
-    # `_init_weights` needs nothing broadcast beyond the parameters.
-    return AutoModelForCausalLM.from_config(config)
+def build_model(args: ModelArguments, config: PretrainedConfig, defer_tables: bool = False) -> PreTrainedModel:
+    """A fresh model from `config`, or the weights of `--model_name_or_path` under that (overridden) config.
+
+    With `defer_tables` (a sharded run) the value tables are neither allocated nor read: the sharded stores
+    of `shard_value_tables` read or draw only this rank's part.
+    """
+    with deferred_value_tables() if defer_tables else nullcontext():
+        if args.model_name_or_path is not None:
+            return AutoModelForCausalLM.from_pretrained(args.model_name_or_path, config=config, trust_remote_code=True)
+        # Buffers are filled at construction on every rank (UltraMem's IVE bijection), so ZeRO-3's rank-0-only
+        # `_init_weights` needs nothing broadcast beyond the parameters.
+        return AutoModelForCausalLM.from_config(config)
 
 
 def max_positions(config: PretrainedConfig) -> int | None:
@@ -112,8 +119,11 @@ def max_positions(config: PretrainedConfig) -> int | None:
     return getattr(config, "max_position_embeddings", None)
 
 
-def shard_value_tables(model: PreTrainedModel, args: UltraMemTrainingArguments, block_size: int) -> None:
-    """Apply `--memory_parallel` (see `ultramem.parallel`); its errors become one-line usage errors."""
+def shard_value_tables(
+    model: PreTrainedModel, args: UltraMemTrainingArguments, block_size: int, checkpoint: str | None = None
+) -> None:
+    """Apply `--memory_parallel` (see `ultramem.parallel`), the deferred tables read from `checkpoint` when given;
+    its errors become one-line usage errors."""
     if args.memory_parallel == "none":
         return
     from ultramem.parallel import apply_memory_parallel
@@ -128,6 +138,6 @@ def shard_value_tables(model: PreTrainedModel, args: UltraMemTrainingArguments, 
     _ = args.device  # sets up the launcher's process group
     tokens = args.per_device_train_batch_size * block_size
     try:
-        apply_memory_parallel(model, args.memory_parallel, args.memory_parallel_size, tokens)
+        apply_memory_parallel(model, args.memory_parallel, args.memory_parallel_size, tokens, checkpoint)
     except ValueError as error:
         raise UsageError(f"--memory_parallel {args.memory_parallel}: {error}") from error
