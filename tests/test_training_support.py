@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import lzma
 import os
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -73,15 +76,51 @@ def base_args(config: Path, corpus: Path, output_dir: Path, **flags) -> list[str
     return [item for key, value in values.items() for item in (f"--{key}", str(value))]
 
 
+# DeepSpeed JIT-compiles its CPU communication op on first use, behind a lock file in the extensions folder: one
+# folder per test session, so a compile killed elsewhere (its lock left behind) cannot hang these launches.
+EXTENSIONS_DIR = tempfile.mkdtemp(prefix="ultramem-torch-extensions-")
+
+
 def child_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", **extra)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TORCH_EXTENSIONS_DIR=EXTENSIONS_DIR, **extra)  # fmt: skip
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return env
 
 
+# Where each launcher takes its rendezvous port: a fresh free port per launch, so that no run waits on a port
+# still held by another (a test run beside this one, or the workers of a launch that timed out).
+PORT_FLAGS = {"torch.distributed.run": "--master_port", "deepspeed": "--master_port", "launch": "--main_process_port"}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def with_free_port(command: list[str]) -> list[str]:
+    """`command` with a free rendezvous port after its launcher word (torchrun, deepspeed, accelerate launch)."""
+    for position, word in enumerate(command):
+        if word in PORT_FLAGS and (word != "launch" or command[position - 1] == "accelerate"):
+            return [*command[: position + 1], PORT_FLAGS[word], str(free_port()), *command[position + 1 :]]
+    return command
+
+
 def run_command(command: list[str], timeout: int = 240, **env: str) -> subprocess.CompletedProcess:
-    """Run a launcher or script from the repository root; fail with its output tail when it fails."""
-    result = subprocess.run(command, cwd=REPO, env=child_env(**env), capture_output=True, text=True, timeout=timeout)
+    """Run a launcher or script from the repository root; fail with its output tail when it fails.
+
+    It runs in its own process group, killed whole on a timeout, so no worker outlives its test.
+    """
+    process = subprocess.Popen(with_free_port(command), cwd=REPO, env=child_env(**env), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise AssertionError(f"{' '.join(command[:4])} timed out after {timeout} s:\n{stdout[-3000:]}\n{stderr[-6000:]}")
+    result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     assert result.returncode == 0, f"{' '.join(command[:4])} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return result
 

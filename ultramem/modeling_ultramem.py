@@ -530,15 +530,20 @@ class InferenceCache(nn.Module):
     parameters keep their storage, dtype, device and version counter, which every in-place write bumps
     (optimizer steps, `load_state_dict`, `copy_`). An entry holds the storages it was computed from, so a
     new tensor (after `.to()`, say) cannot reuse their address and pass for them. `train()` empties the
-    cache. Writes through `.data` bypass the version counter: call `clear()` after them.
+    cache. Writes through `.data` bypass the version counter: call `clear()` after them. It is a module only so
+    that `train()` / `eval()` reach it.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.entries: dict[str, tuple[tuple, tuple[torch.UntypedStorage, ...], object]] = {}
 
-    def forward(self, name: str, parameters: tuple[torch.Tensor, ...], compute: Callable[[], Derived]) -> Derived:
-        """compute(), or its cached result for `name` while `parameters` are unchanged."""
+    def get(self, name: str, parameters: tuple[torch.Tensor, ...], compute: Callable[[], Derived]) -> Derived:
+        """compute(), or its cached result for `name` while `parameters` are unchanged.
+
+        A plain method, not `forward`: module hooks (DeepSpeed ZeRO-3's gather/release of parameters) must see
+        the modules `compute` calls, not a parameterless wrapper around them.
+        """
         if self.training or torch.is_grad_enabled() or torch.compiler.is_compiling():
             return compute()
         key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in parameters)
@@ -559,7 +564,7 @@ class InferenceCache(nn.Module):
 def normalized_keys(retrieval: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """The LayerNorm'd row and column keys of a retrieval module, (H, r, n, Dk/r) each; cached at inference."""
     parameters = (retrieval.row_keys, retrieval.col_keys, *retrieval.key_norm.parameters())
-    return retrieval.inference_cache(
+    return retrieval.inference_cache.get(
         "keys", parameters, lambda: (retrieval.key_norm(retrieval.row_keys), retrieval.key_norm(retrieval.col_keys))
     )
 
@@ -758,7 +763,7 @@ class TuckerQueryKeyRetrieval(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Virtual addresses (B, T, H, m) and per-core scores (B, T, H, m, h)."""
         row_scores, col_scores = self.axis_scores(row_query, col_query)  # (B, T, H, r, n)
-        u, t = self.inference_cache("singular_vectors", (self.cores,), self.leading_singular_vectors)
+        u, t = self.inference_cache.get("singular_vectors", (self.cores,), self.leading_singular_vectors)
         row_index, col_index = self.candidates(
             torch.einsum("bthrn,hr->bthn", row_scores.detach(), u), torch.einsum("bthrn,hr->bthn", col_scores.detach(), t)
         )  # (B, T, H, m') each
@@ -1043,7 +1048,7 @@ class UltraMemModel(UltraMemPreTrainedModel):
         )
         if not cores:
             return self.embed_tokens.weight.new_zeros((), dtype=torch.float32)
-        return self.inference_cache("aux_loss", cores, lambda: self._aux_loss_by_device(cores))
+        return self.inference_cache.get("aux_loss", cores, lambda: self._aux_loss_by_device(cores))
 
     def _aux_loss_by_device(self, cores: tuple[torch.Tensor, ...]) -> torch.Tensor:
         cores_by_device: dict[torch.device, list[torch.Tensor]] = {}
