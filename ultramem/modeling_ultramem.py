@@ -129,9 +129,8 @@ def mcs_output_gain(num_keys: int, top_m: int, rank: int, num_cores: int, sample
         projected = torch.einsum("srn,sr->sn", scores, vector)
         index = torch.cat([projected.topk(top_m).indices, (-projected).topk(top_m).indices], dim=-1)  # (S, 2m)
         candidates.append(scores.gather(-1, index.unsqueeze(1).expand(-1, rank, -1)))  # (S, r, 2m)
-    per_core = torch.einsum("sax,siab,sby->sixy", candidates[0], cores, candidates[1]).flatten(-2)  # (S, h, 4m^2)
-    selected = per_core.gather(-1, per_core.sum(1).topk(top_m).indices.unsqueeze(1).expand(-1, num_cores, -1))
-    return (selected.sum(1).pow(2).mean() / selected.pow(2).mean()).sqrt().item()
+    _, selected = tucker_candidate_topk(candidates[0], candidates[1], cores, top_m)  # (S, m, h) per-core scores
+    return (selected.sum(-1).pow(2).mean() / selected.pow(2).mean()).sqrt().item()
 
 
 @dataclass(frozen=True)
