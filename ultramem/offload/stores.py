@@ -9,6 +9,8 @@ it overlaps the blocks between a memory layer's read and write blocks; on CUDA t
 
 from __future__ import annotations
 
+import functools
+
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -156,10 +158,7 @@ def _table_into_state_dict(module: OffloadedValueStore, state_dict: dict, prefix
     state_dict[prefix + "weight"] = module.table
 
 
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
+@functools.cache
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
+    """One copy stream per device, made on first use."""
+    return torch.cuda.Stream(device)
