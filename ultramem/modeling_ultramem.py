@@ -560,12 +560,20 @@ class InferenceCache(nn.Module):
         return super().train(mode)
 
 
-def normalized_keys(retrieval: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """The LayerNorm'd row and column keys of a retrieval module, (H, r, n, Dk/r) each; cached at inference."""
+def key_axis_scores(
+    retrieval: nn.Module, row_query: torch.Tensor, col_query: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column scores (B, T, H, r, n) of every key of a PKM or TDQKR retrieval module.
+
+    The LayerNorm'd keys (H, r, n, Dk/r) are cached at inference (see `InferenceCache`).
+    """
     parameters = (retrieval.row_keys, retrieval.col_keys, *retrieval.key_norm.parameters())
-    return retrieval.inference_cache.get(
+    row_keys, col_keys = retrieval.inference_cache.get(
         "keys", parameters, lambda: (retrieval.key_norm(retrieval.row_keys), retrieval.key_norm(retrieval.col_keys))
     )
+    row = torch.einsum("bthrd,hrnd->bthrn", row_query, row_keys)
+    col = torch.einsum("bthrd,hrnd->bthrn", col_query, col_keys)
+    return row, col
 
 
 def key_norm(config: UltraMemConfig, scales: MemoryInitScales) -> nn.Module:
@@ -600,10 +608,7 @@ class ProductKeyRetrieval(nn.Module):
 
     def axis_scores(self, row_query: torch.Tensor, col_query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Row and column scores of every key: (B, T, H, r, n) each."""
-        row_keys, col_keys = normalized_keys(self)
-        row = torch.einsum("bthrd,hrnd->bthrn", row_query, row_keys)
-        col = torch.einsum("bthrd,hrnd->bthrn", col_query, col_keys)
-        return row, col
+        return key_axis_scores(self, row_query, col_query)
 
     def score_factors(self, row_scores: torch.Tensor, col_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(..., k, n) factors F_row, F_col with grid score [x, y] = F_row[:, x] . F_col[:, y]; for diagnostics.
@@ -712,10 +717,7 @@ class TuckerQueryKeyRetrieval(nn.Module):
 
     def axis_scores(self, row_query: torch.Tensor, col_query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """S_row and S_col for every key: (B, T, H, r, n) each."""
-        row_keys, col_keys = normalized_keys(self)
-        row = torch.einsum("bthrd,hrnd->bthrn", row_query, row_keys)
-        col = torch.einsum("bthrd,hrnd->bthrn", col_query, col_keys)
-        return row, col
+        return key_axis_scores(self, row_query, col_query)
 
     def score_factors(self, row_scores: torch.Tensor, col_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(..., r, n) factors F_row, F_col with grid score [x, y] = F_row[:, x] . F_col[:, y]; for diagnostics.
