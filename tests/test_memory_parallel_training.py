@@ -53,8 +53,10 @@ LAUNCHERS = {
 )
 def test_ddp_with_sharded_tables_matches_single_process(setup, partitioning, launcher):
     folder, argv = setup
-    run_command([*LAUNCHERS[launcher], "-m", "ultramem.training",
-                 *argv(partitioning, GLOBAL_BATCH // 2, memory_parallel=partitioning)])  # fmt: skip
+    result = run_command([*LAUNCHERS[launcher], "-m", "ultramem.training",
+                          *argv(partitioning, GLOBAL_BATCH // 2, memory_parallel=partitioning)])  # fmt: skip
+    # the one value table (of one memory layer) is the only sharded tensor, and the report names who shards it
+    assert f"ultramem-train: memory_parallel={partitioning} shards 1 of " in result.stdout, result.stdout[-3000:]
     assert losses(folder / partitioning) == pytest.approx(losses(folder / "single"), abs=LOSS_TOLERANCE)
     logs = training_logs(folder / partitioning)
     assert [entry["value_lr_multiplier"] for entry in logs] == pytest.approx(

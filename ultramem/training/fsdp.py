@@ -104,8 +104,10 @@ class ShardingReport(TrainerCallback):
         sharded = [p for p in params if isinstance(p, DTensor)]
         if sharded:
             placements = sorted({str(p.placements) for p in sharded})
+            mode = getattr(args, "memory_parallel", "none")
+            sharder = "FSDP2" if mode == "none" else f"memory_parallel={mode}"
             print(
-                f"ultramem-train: FSDP2 shards {len(sharded)} of {len(params)} parameter tensors over "
+                f"ultramem-train: {sharder} shards {len(sharded)} of {len(params)} parameter tensors over "
                 f"{args.world_size} processes ({', '.join(placements)})",
                 flush=True,
             )
