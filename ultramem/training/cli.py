@@ -157,6 +157,19 @@ def run(argv: list[str], callbacks: list[TrainerCallback] | None = None) -> dict
     return metrics
 
 
+def end_process_group() -> None:
+    """Wait for every rank, then destroy the launch's process groups, while the interpreter is whole.
+
+    A Gloo worker thread frees a finished collective's tensors after the caller's wait returns, which takes the GIL;
+    if the rank reaches interpreter shutdown first, that thread is killed holding C++ frames and the rank aborts
+    ("terminate called without an active exception", SIGABRT) after a successful run. The barrier waits with the
+    GIL released, so those frees finish; destroying the groups then stops their threads.
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: a usage error prints one line and exits with status 2."""
     try:
@@ -164,3 +177,4 @@ def main(argv: list[str] | None = None) -> None:
     except UsageError as error:
         print(f"ultramem-train: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    end_process_group()
