@@ -53,6 +53,7 @@ GUTENBERG_PIECE_CHARS = 8000  # books are cut into pieces so the subset samples 
 
 COMPARISON = {
     "tiny": {"Dense": "tiny-dense", "PKM": "tiny-pkm", "MoE": "tiny-moe", "UltraMem": "tiny-ultramem"},
+    "small": {"Dense": "small-dense", "PKM": "small-pkm", "MoE": "small-moe", "UltraMem": "small-ultramem"},
     "151m": {"Dense": "dense-151m", "PKM": "pkm-151m-x12", "MoE": "moe-151m-2in32", "UltraMem": "ultramem-151m-x12"},
 }
 SEEDED_ROWS = ("Dense", "PKM", "MoE", "UltraMem")
@@ -73,10 +74,13 @@ def _slug(text: str) -> str:
 
 
 def row_configs(scale: str) -> list[tuple[str, str, PreTrainedConfig]]:
-    """(group, name, config) for every row at `scale`: the four-model comparison, then the ladder in order."""
+    """(group, name, config) for every row at `scale`: the four-model comparison, then the ladder in order (at the
+    scales that have one)."""
     if scale not in COMPARISON:
         raise ValueError(f"--scale {scale!r}: allowed values are {', '.join(COMPARISON)}")
     rows = [("comparison", name, presets.get_config(preset)) for name, preset in COMPARISON[scale].items()]
+    if scale not in ablation.LADDER_SCALES:
+        return rows
     # the ladder shares the presets' position limit, so its first and last rows are the PKM and UltraMem rows
     positions = rows[-1][2].max_position_embeddings
     rows += [("ladder", name, config) for name, config in ablation.ablation_ladder(scale, max_position_embeddings=positions)]

@@ -150,3 +150,41 @@ def test_bench_offload_builds_loads_offloaded_and_cleans_up(bench, tmp_path):
     assert rows["tiny-disk"]["offload"] == "disk" and rows["tiny-disk"]["rows_read_per_step"] > 0
     assert all(r["ms"] > 0 and r["peak_rss_gb"] > 0 for r in rows.values()) and payload["summary"]
     assert not any(checkpoints.iterdir())  # built by the run, deleted after it
+
+
+def test_gpu_campaign_smoke_runs_in_steps_resumes_and_stops_within_its_budget(tmp_path):
+    """`gpu_campaign.py --smoke`: the GPU campaign's driver on CPU (kernels in Triton's interpreter). Steps that ran
+    are recorded and not run again, a budget too small for the next step stops cleanly, bad step names are refused."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+
+    def campaign(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, str(BENCHMARKS / "gpu_campaign.py"), "--smoke", "--results-root", str(tmp_path)]
+        return subprocess.run([*command, *args], cwd=BENCHMARKS.parent, env=env, capture_output=True, text=True,
+                              timeout=900)  # fmt: skip
+
+    first = campaign("--only", "check_gpu,decode_tiny")
+    assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
+    results = tmp_path / "cpu-smoke"
+    state = json.loads((results / "campaign.json").read_text())
+    assert state["device"] == "cpu-smoke" and state["environment"]["torch"] == torch.__version__
+    assert set(state["steps"]) == {"check_gpu", "decode_tiny"}
+    assert all(step["returncode"] == 0 and not step["cut_by_budget"] for step in state["steps"].values())
+    assert state["steps"]["check_gpu"]["env"] == {"TRITON_INTERPRET": "1"}
+    checks = json.loads((results / "check_gpu_cpu.json").read_text())
+    assert checks["rows"] and all(row["passed"] for row in checks["rows"])
+    assert (results / "decode_cpu.json").exists() and (results / "logs" / "decode_tiny.log").stat().st_size > 0
+
+    rest = campaign()
+    assert rest.returncode == 0, rest.stdout[-4000:] + rest.stderr[-4000:]
+    assert "2 step(s) to run: train_tiny, quality_tiny" in rest.stdout and "gpu_campaign: complete" in rest.stdout
+    after = json.loads((results / "campaign.json").read_text())
+    assert after["steps"]["decode_tiny"] == state["steps"]["decode_tiny"]  # not run again
+    assert (results / "quality_tiny.json").exists() and (results / "train_cpu.json").exists()
+
+    stopped = campaign("--redo", "decode_tiny", "--budget-s", "1")
+    assert stopped.returncode == 0 and "stopping before decode_tiny" in stopped.stdout, stopped.stdout[-2000:]
+    assert json.loads((results / "campaign.json").read_text())["steps"] == after["steps"]
+
+    refused = campaign("--redo", "bench_everything")
+    assert refused.returncode == 2 and "--redo bench_everything: allowed step names are check_gpu" in refused.stderr

@@ -122,10 +122,10 @@ def test_ablation_ladder_changes_one_improvement_per_row():
 
 
 def test_paper_presets_carry_the_papers_dropout():
-    """The paper trains with dropout 0.1 (Table "Training hyper-parameters"); the tiny CPU presets use none."""
+    """The paper trains with dropout 0.1 (Table "Training hyper-parameters"); the tiny and small presets use none."""
     for name in PRESETS:
         config = get_config(name)
-        expected = 0.0 if name.startswith("tiny-") else 0.1
+        expected = 0.0 if name.startswith(("tiny-", "small-")) else 0.1
         assert config.attention_dropout == expected, name
         if not isinstance(config, MixtralConfig):  # Mixtral has attention dropout only
             assert config.hidden_dropout == expected, name

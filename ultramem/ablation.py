@@ -63,6 +63,9 @@ def _ladder_step(row: str, previous: dict[str, Any], skip_layers: list[list[int]
     return config
 
 
+LADDER_SCALES = ("tiny", "151m")
+
+
 def ablation_ladder(scale: str = "tiny", **overrides: Any) -> list[tuple[str, UltraMemConfig]]:
     """The ablation ladder at `scale` ("tiny" or "151m"), as (row name, config) pairs.
 
@@ -70,6 +73,8 @@ def ablation_ladder(scale: str = "tiny", **overrides: Any) -> list[tuple[str, Ul
     parameters at "151m" (the paper's PKM-151M-x10) and ~5x at "tiny"; the last row is full UltraMem
     (at "tiny", exactly the `tiny-ultramem` preset). `overrides` apply to every row (e.g. max_position_embeddings).
     """
+    if scale not in LADDER_SCALES:
+        raise ValueError(f"ablation ladder scale={scale!r}: allowed values are {', '.join(LADDER_SCALES)}")
     backbone = BACKBONES[scale]
     blocks = backbone.num_hidden_layers
     if scale == "tiny":

@@ -1,4 +1,4 @@
-"""Named configs: the paper's Table "Model parameter setting" and tiny CPU models.
+"""Named configs: the paper's Table "Model parameter setting", tiny CPU models and small single-GPU models.
 
 Conventions (see docs/DECISIONS.md): memory placement pairs are 0-based (paper "3:5" -> (2, 4)); the paper's
 "Top-m" column "16x2" is m=16 values per head times H=2 heads; its "Knum" is sqrt(N physical values),
@@ -12,7 +12,8 @@ dim of 2048; Knum 3104 reproduces 21.44B.
 
 Dropout: the paper trains with dropout 0.1 (its Table "Training hyper-parameters"), which every paper-scale
 preset and the 151M ablation ladder carry (attention and residual dropout; Mixtral has attention dropout
-only). The tiny presets train for a few dozen steps on CPU, far from overfitting, and keep dropout 0.
+only). The tiny presets (a few dozen steps on CPU) and the small ones (the GPU campaign's few-minute quality
+comparison) train far from overfitting and keep dropout 0.
 
 Run `python -m ultramem.presets` for the table, side by side with the paper's figures. Building a model from
 any of these configs and counting its parameters is `ultramem.sizing`; the paper's ablation ladder is
@@ -55,6 +56,7 @@ class Backbone:
 
 BACKBONES = {
     "tiny": Backbone(256, 1024, 4, 4, dropout=0.0),
+    "small": Backbone(512, 2048, 8, 8, dropout=0.0),
     "151m": Backbone(1024, 4096, 16, 12),
     "680m": Backbone(1536, 6144, 16, 24),
     "1.6b": Backbone(2048, 8192, 16, 32),
@@ -130,6 +132,7 @@ def _skip_layers(num_layers: int, span: int) -> list[list[int]]:
 
 
 TINY_CONTEXT = 512
+SMALL_CONTEXT = 1024
 
 # name -> (kind, config kwargs)
 _PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -155,6 +158,15 @@ _PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny-pkm": ("ultramem", dict(**_pkm("tiny", 16, 2, 64, 256, 2), max_position_embeddings=TINY_CONTEXT)),
     # 16 experts of GeLU width 516 (SwiGLU 344): total parameters of tiny-ultramem, 2 active ~ tiny-dense MLP
     "tiny-moe": ("mixtral", dict(**_moe("tiny", 16, 516), max_position_embeddings=TINY_CONTEXT)),
+    # The GPU campaign's quality comparison: trains to a useful loss in minutes on one GPU. 25.2M dense; the
+    # sparse models hold ~11x that (UltraMem 281.7M, PKM 279.5M, MoE 284.3M total parameters).
+    "small-dense": ("ultramem", dict(**BACKBONES["small"].kwargs(), max_position_embeddings=SMALL_CONTEXT)),
+    "small-ultramem": (
+        "ultramem",
+        dict(**_ultramem("small", 16, 128, 704, _skip_layers(2, span=2)), max_position_embeddings=SMALL_CONTEXT),
+    ),
+    "small-pkm": ("ultramem", dict(**_pkm("small", 16, 4, 128, 704, 4), max_position_embeddings=SMALL_CONTEXT)),
+    "small-moe": ("mixtral", dict(**_moe("small", 33, 1024), max_position_embeddings=SMALL_CONTEXT)),
 }
 
 PRESETS: tuple[str, ...] = tuple(_PRESETS)
