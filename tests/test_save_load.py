@@ -188,3 +188,13 @@ def test_lm_eval_cli_names_the_fix_for_a_folder_without_tokenizer(tmp_path):
         f"MissingTokenizerError: {folder}: no tokenizer (tokenizer.json); add the shipped GPT-NeoX tokenizer with "
         f"`python -m ultramem.tokenization {folder}`"
     ), done.stderr[-3000:]
+
+
+def test_autotokenizer_still_loads_a_bare_tokenizer_json(tmp_path):
+    """The fallback refuses only a folder with no tokenizer at all: tokenizer.json alone loads as before."""
+    from ultramem.tokenization import load_tokenizer, tokenizer_file
+
+    UltraMemForCausalLM(small_config()).save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes(Path(tokenizer_file()).read_bytes())
+    text = "Squire Trelawney, Dr. Livesey"
+    assert AutoTokenizer.from_pretrained(tmp_path)(text).input_ids == load_tokenizer()(text).input_ids
