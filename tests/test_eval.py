@@ -166,7 +166,8 @@ def test_lm_eval_cli_scores_the_offline_group_on_the_benchmarks_present(tiny_che
     # ~2 minutes on an idle 2-core machine; the limit only stops a hung run
     done = subprocess.run(command, env={**os.environ, **OFFLINE_ENV}, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
-    missing = f"ultramem_paper_offline: not scored, local files missing: hellaswag (missing local benchmark file {data}/hellaswag/hellaswag_val_full.txt.bz2)"
+    missing = "ultramem_paper_offline: not scored, local files missing: hellaswag (missing local benchmark file "
+    missing += f"{data}/hellaswag/hellaswag_val_full.txt.bz2)"
     assert [line for line in done.stderr.splitlines() if "not scored" in line] == [missing]
     (results_file,) = tmp_path.rglob("results_*.json")
     output = json.loads(results_file.read_text(encoding="utf-8"))

@@ -163,12 +163,16 @@ def test_autotokenizer_and_pipeline_name_the_fix_for_a_folder_without_tokenizer(
     UltraMemForCausalLM(small_config()).save_pretrained(folder)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
     command = [sys.executable, "-c", MISSING_TOKENIZER_SCRIPT, str(folder), mode]
-    lines = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, check=True).stdout.splitlines()
-    fix = f"{folder}: no tokenizer (tokenizer.json); add the shipped GPT-NeoX tokenizer with `python -m ultramem.tokenization {folder}`"
-    assert lines == [fix, fix]
+
+    def printed() -> list[str]:
+        done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, check=True)
+        return done.stdout.splitlines()
+
+    fix = f"{folder}: no tokenizer (tokenizer.json); add the shipped GPT-NeoX tokenizer with "
+    fix += f"`python -m ultramem.tokenization {folder}`"
+    assert printed() == [fix, fix]
     add_to_checkpoint(folder)
-    lines = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, check=True).stdout.splitlines()
-    assert lines == ["loaded", "loaded"]
+    assert printed() == ["loaded", "loaded"]
 
 
 def test_lm_eval_cli_names_the_fix_for_a_folder_without_tokenizer(tmp_path):
@@ -181,7 +185,8 @@ def test_lm_eval_cli_names_the_fix_for_a_folder_without_tokenizer(tmp_path):
         "--model_args", f"pretrained={folder},trust_remote_code=True", "--include_path", tasks_path(),
         "--tasks", "ultramem_boolq_offline", "--metadata", json.dumps({"data_dir": str(tmp_path)}), "--limit", "1",
     ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
     done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert done.stderr.strip().splitlines()[-1].endswith(

@@ -120,7 +120,8 @@ def _single_process_diagnostics(checkpoint, argv: list[str]) -> dict[str, float]
     from ultramem.training.data import load_raw_datasets, tokenize_and_pack
 
     _, data_args, training_args = parse_args(argv)
-    blocks = tokenize_and_pack(load_raw_datasets(data_args), load_tokenizer(), data_args, training_args.main_process_first)
+    raw = load_raw_datasets(data_args)
+    blocks = tokenize_and_pack(raw, load_tokenizer(), data_args, training_args.main_process_first)
     input_ids = torch.tensor(blocks["validation"][:DIAGNOSTICS_BATCH]["input_ids"])
     model = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True)
     return {f"memory/{name}": value for name, value in retrieval_diagnostics(model, input_ids).items()}
@@ -150,7 +151,8 @@ def test_fsdp2_config_shards_every_parameter(setup):
     assert AutoModelForCausalLM.from_pretrained(folder / "fsdp2", trust_remote_code=True).num_parameters() > 0
     # the memory diagnostics (once skipped under FSDP) are those of the unsharded model at the saved weights
     expected = _single_process_diagnostics(folder / "fsdp2", argv("fsdp2", GLOBAL_BATCH // 2, DIAGNOSTICS_BATCH))
-    assert {name: training_logs(folder / "fsdp2")[-1][name] for name in expected} == pytest.approx(expected, rel=1e-4, abs=1e-5)
+    logged = training_logs(folder / "fsdp2")[-1]
+    assert {name: logged[name] for name in expected} == pytest.approx(expected, rel=1e-4, abs=1e-5)
 
 
 def test_torchrun_fsdp_flag_shards_for_real_or_refuses_fsdp1(setup):

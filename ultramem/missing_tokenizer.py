@@ -36,8 +36,8 @@ class MissingTokenizer:
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *inputs: Any, **kwargs: Any) -> Any:
+        folder = pretrained_model_name_or_path
         hub = {key: kwargs[key] for key in _HUB_KWARGS if key in kwargs}
-        found = cached_file(pretrained_model_name_or_path, TOKENIZER_FILE, _raise_exceptions_for_missing_entries=False, **hub)
-        if found is None:
-            raise MissingTokenizerError(f"{pretrained_model_name_or_path}: {missing_tokenizer(pretrained_model_name_or_path)}")
-        return TokenizersBackend.from_pretrained(pretrained_model_name_or_path, *inputs, **kwargs)
+        if cached_file(folder, TOKENIZER_FILE, _raise_exceptions_for_missing_entries=False, **hub) is None:
+            raise MissingTokenizerError(f"{folder}: {missing_tokenizer(folder)}")
+        return TokenizersBackend.from_pretrained(folder, *inputs, **kwargs)
