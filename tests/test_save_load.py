@@ -132,3 +132,74 @@ def test_tools_name_the_fix_for_a_folder_without_tokenizer(tmp_path, capsys):
     assert f"no tokenizer (tokenizer.json); add the shipped GPT-NeoX tokenizer with `python -m ultramem.tokenization {folder}`" in capsys.readouterr().err
     add_to_checkpoint(folder)
     assert AutoTokenizer.from_pretrained(folder)("The whale").input_ids
+
+
+MISSING_TOKENIZER_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    if sys.argv[2] == "remote":
+        sys.modules["ultramem"] = None  # only the folder's code runs
+    else:
+        import ultramem
+    from transformers import AutoTokenizer, pipeline
+    folder = sys.argv[1]
+    for load in (lambda: AutoTokenizer.from_pretrained(folder, trust_remote_code=True),
+                 lambda: pipeline("text-generation", model=folder, trust_remote_code=True)):
+        try:
+            load()
+            print("loaded")
+        except OSError as error:
+            print(error)
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["registered", "remote"])
+def test_autotokenizer_and_pipeline_name_the_fix_for_a_folder_without_tokenizer(mode, tmp_path):
+    """Without tokenizer files AutoTokenizer used to fail converting a slow tokenizer (sentencepiece/tiktoken)."""
+    from ultramem.tokenization import add_to_checkpoint
+
+    folder = tmp_path / "no-tokenizer"
+    UltraMemForCausalLM(small_config()).save_pretrained(folder)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    command = [sys.executable, "-c", MISSING_TOKENIZER_SCRIPT, str(folder), mode]
+
+    def printed() -> list[str]:
+        done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, check=True)
+        return done.stdout.splitlines()
+
+    fix = f"{folder}: no tokenizer (tokenizer.json); add the shipped GPT-NeoX tokenizer with "
+    fix += f"`python -m ultramem.tokenization {folder}`"
+    assert printed() == [fix, fix]
+    add_to_checkpoint(folder)
+    assert printed() == ["loaded", "loaded"]
+
+
+def test_lm_eval_cli_names_the_fix_for_a_folder_without_tokenizer(tmp_path):
+    from ultramem.eval import tasks_path
+
+    folder = tmp_path / "no-tokenizer"
+    UltraMemForCausalLM(small_config()).save_pretrained(folder)
+    command = [
+        sys.executable, "-m", "lm_eval", "--model", "hf",
+        "--model_args", f"pretrained={folder},trust_remote_code=True", "--include_path", tasks_path(),
+        "--tasks", "ultramem_boolq_offline", "--metadata", json.dumps({"data_dir": str(tmp_path)}), "--limit", "1",
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
+    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1].endswith(
+        f"MissingTokenizerError: {folder}: no tokenizer (tokenizer.json); add the shipped GPT-NeoX tokenizer with "
+        f"`python -m ultramem.tokenization {folder}`"
+    ), done.stderr[-3000:]
+
+
+def test_autotokenizer_still_loads_a_bare_tokenizer_json(tmp_path):
+    """The fallback refuses only a folder with no tokenizer at all: tokenizer.json alone loads as before."""
+    from ultramem.tokenization import load_tokenizer, tokenizer_file
+
+    UltraMemForCausalLM(small_config()).save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes(Path(tokenizer_file()).read_bytes())
+    text = "Squire Trelawney, Dr. Livesey"
+    assert AutoTokenizer.from_pretrained(tmp_path)(text).input_ids == load_tokenizer()(text).input_ids

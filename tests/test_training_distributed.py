@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 STEPS, GLOBAL_BATCH = 6, 4
 LOSS_TOLERANCE = 1e-4  # absolute, per logged step: fp32 reduction order differs between 1 and 2 processes
+DIAGNOSTICS_BATCH = 2
 
 # Runs the real CLI with a callback that records, on every rank, the ZeRO-3 partition of each value table
 # (at train begin) and the logits of the trained model on fixed tokens (at train end, rank 0 writes them).
@@ -50,9 +51,9 @@ def setup(tmp_path_factory):
     folder = tmp_path_factory.mktemp("distributed")
     config, corpus = write_config(folder, aux_loss_alpha=10.0), write_corpus(folder)  # aux visible in the loss
 
-    def argv(name: str, batch: int) -> list[str]:
+    def argv(name: str, batch: int, diagnostics: int = 0) -> list[str]:
         return base_args(config, corpus, folder / name, max_steps=STEPS, per_device_train_batch_size=batch,
-                         diagnostics_batch_size=0)  # fmt: skip
+                         diagnostics_batch_size=diagnostics)  # fmt: skip
 
     run_command(python_module("ultramem.training", *argv("single", GLOBAL_BATCH)))
     return folder, argv
@@ -78,7 +79,7 @@ def zero3(setup):
     script = folder / "zero3_probe.py"
     script.write_text(ZERO3_PROBE)
     run_command(["accelerate", "launch", "--config_file", "ultramem/configs/accelerate/zero3.yaml", str(script),
-                 *argv("zero3", GLOBAL_BATCH // 2)], DS_ACCELERATOR="cpu")  # fmt: skip
+                 *argv("zero3", GLOBAL_BATCH // 2, DIAGNOSTICS_BATCH)], DS_ACCELERATOR="cpu")  # fmt: skip
     return folder / "zero3"
 
 
@@ -111,17 +112,47 @@ def test_zero3_consolidated_checkpoint_gives_the_training_ranks_logits(zero3):
     torch.testing.assert_close(logits, torch.load(zero3 / "rank0_logits.pt"), rtol=1e-5, atol=1e-5)
 
 
+def _single_process_diagnostics(checkpoint, argv: list[str]) -> dict[str, float]:
+    """`retrieval_diagnostics` of the saved model, in this process, on the batch the run logged them for."""
+    from ultramem.diagnostics import retrieval_diagnostics
+    from ultramem.tokenization import load_tokenizer
+    from ultramem.training.cli import parse_args
+    from ultramem.training.data import load_raw_datasets, tokenize_and_pack
+
+    _, data_args, training_args = parse_args(argv)
+    raw = load_raw_datasets(data_args)
+    blocks = tokenize_and_pack(raw, load_tokenizer(), data_args, training_args.main_process_first)
+    input_ids = torch.tensor(blocks["validation"][:DIAGNOSTICS_BATCH]["input_ids"])
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True)
+    return {f"memory/{name}": value for name, value in retrieval_diagnostics(model, input_ids).items()}
+
+
+def test_zero3_logs_the_memory_diagnostics_of_the_unpartitioned_model(setup, zero3):
+    """They used to be skipped under ZeRO-3: every rank now gathers the keys and cores; at the last step (the saved
+    weights) they equal those of the consolidated checkpoint in one process."""
+    _, argv = setup
+    logs = training_logs(zero3)
+    expected = _single_process_diagnostics(zero3, argv("zero3", GLOBAL_BATCH // 2, DIAGNOSTICS_BATCH))
+    assert all(set(expected) <= set(entry) for entry in logs)
+    assert {name: logs[-1][name] for name in expected} == pytest.approx(expected, rel=1e-4, abs=1e-5)
+
+
 def test_fsdp2_config_shards_every_parameter(setup):
-    """accelerate launch with the shipped FSDP2 config, 2 CPU processes (gloo): parameters are sharded DTensors."""
+    """accelerate launch with the shipped FSDP2 config, 2 CPU processes (gloo): parameters are sharded DTensors, and
+    the run logs the memory diagnostics."""
     folder, argv = setup
     result = run_command(["accelerate", "launch", "--config_file", "ultramem/configs/accelerate/fsdp2.yaml",
-                          "-m", "ultramem.training", *argv("fsdp2", GLOBAL_BATCH // 2)])  # fmt: skip
+                          "-m", "ultramem.training", *argv("fsdp2", GLOBAL_BATCH // 2, DIAGNOSTICS_BATCH)])  # fmt: skip
     report = [line for line in result.stdout.splitlines() if line.startswith("ultramem-train: FSDP2 shards")]
     assert len(report) == 1 and "over 2 processes ((Shard(dim=0),))" in report[0], result.stdout[-3000:]
     sharded, total = (int(word) for word in report[0].split()[3:6:2])
     assert sharded == total > 0
     assert losses(folder / "fsdp2") == pytest.approx(losses(folder / "single"), abs=LOSS_TOLERANCE)
     assert AutoModelForCausalLM.from_pretrained(folder / "fsdp2", trust_remote_code=True).num_parameters() > 0
+    # the memory diagnostics (once skipped under FSDP) are those of the unsharded model at the saved weights
+    expected = _single_process_diagnostics(folder / "fsdp2", argv("fsdp2", GLOBAL_BATCH // 2, DIAGNOSTICS_BATCH))
+    logged = training_logs(folder / "fsdp2")[-1]
+    assert {name: logged[name] for name in expected} == pytest.approx(expected, rel=1e-4, abs=1e-5)
 
 
 def test_torchrun_fsdp_flag_shards_for_real_or_refuses_fsdp1(setup):

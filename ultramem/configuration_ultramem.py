@@ -5,8 +5,11 @@ import math
 from typing import Literal, get_args
 
 from huggingface_hub.dataclasses import strict
+from transformers import AutoTokenizer
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
+
+from .missing_tokenizer import MissingTokenizer
 
 # The allowed values of the mode fields, defined once: code compares with these names, never with string literals.
 MemoryKernel = Literal["auto", "triton", "torch", "embedding_bag"]
@@ -304,5 +307,8 @@ class UltraMemConfig(PreTrainedConfig):
         _require(self.aux_loss_tau >= 0, "aux_loss_tau", self.aux_loss_tau, "must be >= 0")
         _require(self.value_lr_multiplier > 0, "value_lr_multiplier", self.value_lr_multiplier, "must be > 0")
 
+
+# Here, not in the package's __init__: a checkpoint's copy of this module runs it too (see missing_tokenizer).
+AutoTokenizer.register(UltraMemConfig, MissingTokenizer, exist_ok=True)
 
 __all__ = ["UltraMemConfig", "UltraMemConfigError"]

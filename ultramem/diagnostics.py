@@ -2,16 +2,17 @@
 
 Nothing here materialises the n x n score grid (6.6 GB per chunk of 64 tokens at the 1.6B-x12 preset): the exact
 top-m is found by a bounded search over rows (`exact_top_m`). Under DeepSpeed ZeRO-3 the retrieval's own small
-parameters (keys, cores) are gathered for the statistics; the value tables never are.
+parameters (keys, cores) are gathered for the statistics, the value tables never are; under FSDP2 each memory layer
+is unsharded for them, as for its forward. Every rank must run the diagnostics there (the gathers are collective).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Iterator
 
 import torch
-from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from .modeling_ultramem import UltraMemForCausalLM, UltraMemMemoryLayer
 
@@ -44,9 +45,22 @@ def exact_top_m(row_factors: torch.Tensor, col_factors: torch.Tensor, top_m: int
     return best_index
 
 
-def _zero3_gathered(params: Iterable[nn.Parameter]) -> contextlib.AbstractContextManager:
-    """`deepspeed.zero.GatheredParameters` over those of `params` that ZeRO-3 partitions; a no-op otherwise."""
-    partitioned = [param for param in params if hasattr(param, "ds_id")]
+@contextlib.contextmanager
+def _fsdp_unsharded(module: FSDPModule) -> Iterator[None]:
+    module.unshard()
+    try:
+        yield
+    finally:
+        module.reshard()
+
+
+def _retrieval_gathered(layer: UltraMemMemoryLayer) -> contextlib.AbstractContextManager:
+    """The retrieval's keys and cores whole, read outside a module call. ZeRO-3: `deepspeed.zero.GatheredParameters`
+    over just those (never the value table); FSDP2: the memory layer unsharded, as its own forward does. Both are
+    collective: every rank must enter. A no-op for an unsharded model."""
+    if isinstance(layer, FSDPModule):
+        return _fsdp_unsharded(layer)
+    partitioned = [param for param in layer.retrieval.parameters(recurse=False) if hasattr(param, "ds_id")]
     if not partitioned:
         return contextlib.nullcontext()
     import deepspeed
@@ -66,7 +80,7 @@ def _layer_statistics(
     """Statistics of one memory layer from its retrieval's inputs and outputs, over the tokens where `keep` (B, T)."""
     retrieval = layer.retrieval
     virtual_index, scores = (tensor[keep] for tensor in retrieved)  # (tokens, H, m), (tokens, H, m, h)
-    with _zero3_gathered(retrieval.parameters(recurse=False)):  # keys and cores, read outside a module call
+    with _retrieval_gathered(layer):
         row_factors, col_factors = retrieval.score_factors(*retrieval.axis_scores(*queries))  # (B, T, H, k, n)
     row_factors, col_factors = row_factors[keep], col_factors[keep]  # (tokens, H, k, n)
     hits = torch.zeros((), dtype=torch.long, device=virtual_index.device)

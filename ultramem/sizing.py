@@ -16,7 +16,8 @@ def build_model(config: PreTrainedConfig) -> PreTrainedModel:
     """A randomly initialised model for a preset's config.
 
     `save_pretrained` writes no tokenizer: save `ultramem.tokenization.load_tokenizer()` into the same folder (or
-    run `python -m ultramem.tokenization FOLDER`), or `AutoTokenizer`, `pipeline` and lm-eval cannot load it.
+    run `python -m ultramem.tokenization FOLDER`); until then `AutoTokenizer`, `pipeline` and lm-eval refuse the
+    folder with that hint.
     """
     if isinstance(config, MixtralConfig):
         return MixtralForCausalLM(config)

@@ -9,6 +9,7 @@ from typing import Any
 from transformers import AutoConfig, MixtralConfig, PreTrainedConfig
 
 from ultramem.configuration_ultramem import UltraMemConfig
+from ultramem.missing_tokenizer import missing_tokenizer
 from ultramem.sizing import count_parameters
 
 
@@ -35,10 +36,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 def require_tokenizer(folder: Path, option: str = "--model") -> Path:
     """A checkpoint without a tokenizer fails later in AutoTokenizer with a sentencepiece/tiktoken error: say it now."""
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise CheckpointError(
-            f"{option} {folder}: no tokenizer (tokenizer.json); add the shipped GPT-NeoX tokenizer with "
-            f"`python -m ultramem.tokenization {folder}`"
-        )
+        raise CheckpointError(f"{option} {folder}: {missing_tokenizer(folder)}")
     return folder
 
 

@@ -10,14 +10,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.integrations import is_deepspeed_zero3_enabled
-from transformers.utils import logging
 
 from ultramem.training.checkpointing import AtomicCheckpointTrainer
 from ultramem.training.fsdp import FSDPTrainer
 from ultramem.training.schedule import VALUE_GROUP, value_lr_multiplier, with_value_multiplier
-
-logger = logging.get_logger(__name__)
 
 
 def value_table_names(model: nn.Module) -> set[str]:
@@ -133,12 +129,9 @@ class UltraMemTrainer(AtomicCheckpointTrainer, FSDPTrainer):
         return extras
 
     def _memory_diagnostics(self) -> dict[str, float]:
+        """`retrieval_diagnostics` on the fixed batch. `log` runs on every rank, as the diagnostics must under ZeRO-3
+        and FSDP2 (their forward and gathers are collective); every rank gets the same numbers, rank 0 writes them."""
         if self.diagnostics_input_ids is None or self.args.diagnostics_batch_size <= 0:
-            return {}
-        if is_deepspeed_zero3_enabled() or self.is_fsdp_enabled:
-            # retrieval_diagnostics reads memory weights outside their modules' forward, where ZeRO-3 and FSDP2 have
-            # them partitioned (and their hooks re-partition gathered ones): not available there.
-            logger.warning_once("memory diagnostics are skipped under DeepSpeed ZeRO-3 and FSDP")
             return {}
         from ultramem.diagnostics import retrieval_diagnostics
 
