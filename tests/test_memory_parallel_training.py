@@ -1,6 +1,7 @@
-"""`ultramem-train --memory_parallel` on 2 gloo processes (torchrun or accelerate launch; DDP for the rest)
-process on the same global batch, both starting from one checkpoint (a sharded fresh init differs from a one-process
-init; a sharded load is exact), keeps the 10x -> 1x value LR, and saves an ordinary checkpoint."""
+"""`ultramem-train --memory_parallel` on 2 gloo processes, the rest of the model under DDP or FSDP2 (torchrun or
+accelerate launch), matches one process on the same global batch, both starting from one checkpoint (a sharded fresh
+init differs from a one-process init; a sharded load is exact), clips by the same global gradient norm, keeps the
+10x -> 1x value LR, and saves an ordinary checkpoint."""
 
 from __future__ import annotations
 
@@ -42,30 +43,43 @@ def _logits(folder) -> torch.Tensor:
         return model(input_ids=PROBE).logits
 
 
+TORCHRUN = python_module("torch.distributed.run", "--nproc_per_node", "2")
+ACCELERATE = python_module("accelerate.commands.launch", "--config_file")
+# launcher -> (command, flags after the script's, who shards the rest of the model)
 LAUNCHERS = {
-    "torchrun": python_module("torch.distributed.run", "--nproc_per_node", "2"),
-    "accelerate": python_module("accelerate.commands.launch", "--config_file", "ultramem/configs/accelerate/ddp.yaml"),
+    "torchrun": (TORCHRUN, [], "DDP"),
+    "accelerate": ([*ACCELERATE, "ultramem/configs/accelerate/ddp.yaml"], [], "DDP"),
+    "torchrun --fsdp": (TORCHRUN, ["--fsdp", "full_shard auto_wrap"], "FSDP2"),
+    "accelerate fsdp2": ([*ACCELERATE, "ultramem/configs/accelerate/fsdp2.yaml"], [], "FSDP2"),
 }
 
 
 @pytest.mark.parametrize(
-    ("partitioning", "launcher"), [("number", "torchrun"), ("dimension", "torchrun"), ("auto", "accelerate")]
-)
-def test_ddp_with_sharded_tables_matches_single_process(setup, partitioning, launcher):
+    ("partitioning", "launcher"),
+    [("number", "torchrun"), ("dimension", "torchrun"), ("auto", "accelerate"), ("number", "accelerate fsdp2"),
+     ("dimension", "torchrun --fsdp")],
+)  # fmt: skip
+def test_sharded_tables_match_single_process(setup, partitioning, launcher):
     folder, argv = setup
-    result = run_command([*LAUNCHERS[launcher], "-m", "ultramem.training",
-                          *argv(partitioning, GLOBAL_BATCH // 2, memory_parallel=partitioning)])  # fmt: skip
-    # the one value table (of one memory layer) is the only sharded tensor, and the report names who shards it
-    assert f"ultramem-train: memory_parallel={partitioning} shards 1 of " in result.stdout, result.stdout[-3000:]
-    assert losses(folder / partitioning) == pytest.approx(losses(folder / "single"), abs=LOSS_TOLERANCE)
-    logs = training_logs(folder / partitioning)
+    command, flags, rest = LAUNCHERS[launcher]
+    name = f"{partitioning}-{launcher.replace(' ', '')}"
+    result = run_command([*command, "-m", "ultramem.training",
+                          *argv(name, GLOBAL_BATCH // 2, memory_parallel=partitioning), *flags])  # fmt: skip
+    # the one value table (of one memory layer) is sharded by memory_parallel, the rest by FSDP2 when it runs
+    report = f"FSDP2 and memory_parallel={partitioning} shard " if rest == "FSDP2" else f"memory_parallel={partitioning} shards 1 of "
+    assert f"ultramem-train: {report}" in result.stdout, result.stdout[-3000:]
+    logs, single = training_logs(folder / name), training_logs(folder / "single")
+    assert losses(folder / name) == pytest.approx(losses(folder / "single"), abs=LOSS_TOLERANCE)
+    # clipping (max_grad_norm 1) binds, and by the same global norm: the table shards' gradients count on every rank
+    assert max(entry["grad_norm"] for entry in single) > 1
+    assert [entry["grad_norm"] for entry in logs] == pytest.approx([entry["grad_norm"] for entry in single], rel=1e-3)
     assert [entry["value_lr_multiplier"] for entry in logs] == pytest.approx(
         [10.0 - 9.0 * step / (STEPS - 1) for step in range(STEPS)]
     )
     for entry in logs[1:]:
         assert entry["value_learning_rate"] / entry["learning_rate"] == pytest.approx(entry["value_lr_multiplier"])
     # the checkpoint written from the shards loads in one process and gives the single-process model's logits
-    torch.testing.assert_close(_logits(folder / partitioning), _logits(folder / "single"), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(_logits(folder / name), _logits(folder / "single"), rtol=1e-4, atol=1e-4)
 
 
 def test_memory_parallel_without_a_process_group_is_a_usage_error(setup):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from contextlib import nullcontext
 from typing import Any
@@ -13,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from ultramem.modeling_ultramem import deferred_value_tables
 from ultramem.training.arguments import ModelArguments, UltraMemTrainingArguments
 from ultramem.training.errors import UsageError
+from ultramem.training.fsdp import FSDP2_CONFIG, requested_fsdp_version
 
 
 def parse_overrides(text: str | None) -> dict[str, Any]:
@@ -119,6 +121,23 @@ def max_positions(config: PretrainedConfig) -> int | None:
     return getattr(config, "max_position_embeddings", None)
 
 
+def check_engine_leaves_tables(args: UltraMemTrainingArguments) -> None:
+    """`--memory_parallel` composes with DDP and FSDP2 (which ignores the sharded tables); refuse the engines that
+    would partition the tables again, in one line, before the model is built."""
+    version = requested_fsdp_version(args)
+    if args.deepspeed or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        engine = f"DeepSpeed ({args.deepspeed or os.environ.get('ACCELERATE_DEEPSPEED_CONFIG_FILE', 'accelerate')})"
+    elif version not in (None, 2):
+        engine = f"FSDP{version}"
+    else:
+        return
+    raise UsageError(
+        f"--memory_parallel {args.memory_parallel} with {engine}: the engine would partition the sharded value tables "
+        "again; allowed: DDP (torchrun, accelerate launch --config_file ultramem/configs/accelerate/ddp.yaml), FSDP2 "
+        f"(--fsdp, accelerate launch --config_file {FSDP2_CONFIG}), or --memory_parallel none"
+    )
+
+
 def shard_value_tables(
     model: PreTrainedModel, args: UltraMemTrainingArguments, block_size: int, checkpoint: str | None = None
 ) -> None:
@@ -128,13 +147,7 @@ def shard_value_tables(
         return
     from ultramem.parallel import apply_memory_parallel
 
-    if args.deepspeed or args.fsdp:
-        engine = f"--deepspeed {args.deepspeed}" if args.deepspeed else f"--fsdp {args.fsdp}"
-        raise UsageError(
-            f"--memory_parallel {args.memory_parallel} with {engine}: the engine would partition the sharded value "
-            "tables again; allowed: DDP launches (torchrun, accelerate launch --config_file "
-            "ultramem/configs/accelerate/ddp.yaml), or --memory_parallel none"
-        )
+    check_engine_leaves_tables(args)
     _ = args.device  # sets up the launcher's process group
     tokens = args.per_device_train_batch_size * block_size
     try:

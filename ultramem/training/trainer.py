@@ -156,14 +156,16 @@ class UltraMemTrainer(AtomicCheckpointTrainer, FSDPTrainer):
 
     # Sharded value tables (--memory_parallel): their shards and optimizer state live in DCP checkpoints.
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """With sharded value tables, `save_pretrained` writes the rest and every rank streams its shards in."""
+        """With sharded value tables, `save_pretrained` writes the rest (`state_dict` when the engine gathered it)
+        and every rank streams its shards in."""
         from ultramem.parallel.checkpoint import save_value_tables, sharded_tables
 
         tables = sharded_tables(self.model)
         if not tables:
             return super()._save(output_dir, state_dict)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        dense = {name: tensor for name, tensor in self.model.state_dict().items() if name not in tables}
+        state = self.model.state_dict() if state_dict is None else state_dict
+        dense = {name: tensor for name, tensor in state.items() if name not in tables}
         super()._save(output_dir, state_dict=dense)
         save_value_tables(self.model, output_dir, self.args.should_save)
 
