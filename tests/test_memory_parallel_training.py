@@ -6,10 +6,12 @@ init differs from a one-process init; a sharded load is exact), clips by the sam
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 import torch
-from test_training_support import base_args, losses, python_module, run_command, training_logs, write_config
+from test_training_support import REPO, base_args, child_env, losses, python_module, run_command, training_logs
+from test_training_support import write_config
 from test_training_support import write_corpus
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -90,3 +92,18 @@ def test_memory_parallel_without_a_process_group_is_a_usage_error(setup):
     message = str(failure.value)
     assert "ultramem-train: error: --memory_parallel number: memory_parallel needs an initialized" in message
     assert "allowed choice is memory_parallel='none'" in message
+
+
+@pytest.mark.parametrize(
+    ("flags", "engine"),
+    [(["--deepspeed", "zero3"], "DeepSpeed (/"), (["--fsdp", "full_shard auto_wrap", "--fsdp_config", '{"version": 1}'], "FSDP1")],
+)  # fmt: skip
+def test_memory_parallel_with_an_engine_that_would_partition_the_tables_is_one_usage_error(setup, flags, engine):
+    folder, argv = setup
+    command = python_module("ultramem.training", *argv("refused", GLOBAL_BATCH, memory_parallel="number"), *flags)
+    result = subprocess.run(command, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=240)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ultramem-train: error:")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    assert f"--memory_parallel number with {engine}" in errors[0]
+    assert "allowed: DDP (torchrun, " in errors[0] and "FSDP2 (--fsdp, " in errors[0]
+    assert not (folder / "refused").exists()  # refused before the model was built or trained

@@ -124,6 +124,8 @@ def max_positions(config: PretrainedConfig) -> int | None:
 def check_engine_leaves_tables(args: UltraMemTrainingArguments) -> None:
     """`--memory_parallel` composes with DDP and FSDP2 (which ignores the sharded tables); refuse the engines that
     would partition the tables again, in one line, before the model is built."""
+    if args.memory_parallel == "none":
+        return
     version = requested_fsdp_version(args)
     if args.deepspeed or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         engine = f"DeepSpeed ({args.deepspeed or os.environ.get('ACCELERATE_DEEPSPEED_CONFIG_FILE', 'accelerate')})"
@@ -147,7 +149,6 @@ def shard_value_tables(
         return
     from ultramem.parallel import apply_memory_parallel
 
-    check_engine_leaves_tables(args)
     _ = args.device  # sets up the launcher's process group
     tokens = args.per_device_train_batch_size * block_size
     try:
