@@ -45,31 +45,34 @@ def _logits(folder) -> torch.Tensor:
         return model(input_ids=PROBE).logits
 
 
-TORCHRUN = python_module("torch.distributed.run", "--nproc_per_node", "2")
+TORCHRUN = [*python_module("torch.distributed.run", "--nproc_per_node", "2"), "-m"]
 ACCELERATE = python_module("accelerate.commands.launch", "--config_file")
-# launcher -> (command, flags after the script's, who shards the rest of the model)
+# launcher -> (command before the module name, flags after the CLI's, who shards the rest of the model)
 LAUNCHERS = {
     "torchrun": (TORCHRUN, [], "DDP"),
-    "accelerate": ([*ACCELERATE, "ultramem/configs/accelerate/ddp.yaml"], [], "DDP"),
+    "accelerate": ([*ACCELERATE, "ultramem/configs/accelerate/ddp.yaml", "-m"], [], "DDP"),
     "torchrun --fsdp": (TORCHRUN, ["--fsdp", "full_shard auto_wrap"], "FSDP2"),
-    "accelerate fsdp2": ([*ACCELERATE, "ultramem/configs/accelerate/fsdp2.yaml"], [], "FSDP2"),
+    "accelerate fsdp2": ([*ACCELERATE, "ultramem/configs/accelerate/fsdp2.yaml", "-m"], [], "FSDP2"),
+    "deepspeed zero2": (["deepspeed", "--num_gpus", "2", "--module"], ["--deepspeed", "zero2"], "DeepSpeed"),
+    "accelerate zero3": ([*ACCELERATE, "ultramem/configs/accelerate/zero3.yaml", "-m"], [], "DeepSpeed"),
 }
 
 
 @pytest.mark.parametrize(
     ("partitioning", "launcher"),
     [("number", "torchrun"), ("dimension", "torchrun"), ("auto", "accelerate"), ("number", "accelerate fsdp2"),
-     ("dimension", "torchrun --fsdp")],
+     ("dimension", "torchrun --fsdp"), ("number", "deepspeed zero2"), ("dimension", "accelerate zero3")],
 )  # fmt: skip
 def test_sharded_tables_match_single_process(setup, partitioning, launcher):
     folder, argv = setup
     command, flags, rest = LAUNCHERS[launcher]
     name = f"{partitioning}-{launcher.replace(' ', '')}"
-    result = run_command([*command, "-m", "ultramem.training",
-                          *argv(name, GLOBAL_BATCH // 2, memory_parallel=partitioning), *flags])  # fmt: skip
+    result = run_command([*command, "ultramem.training", *argv(name, GLOBAL_BATCH // 2, memory_parallel=partitioning),
+                          *flags], DS_ACCELERATOR="cpu")  # fmt: skip
     # the one value table (of one memory layer) is sharded by memory_parallel, the rest by FSDP2 when it runs
-    report = f"FSDP2 and memory_parallel={partitioning} shard " if rest == "FSDP2" else f"memory_parallel={partitioning} shards 1 of "
-    assert f"ultramem-train: {report}" in result.stdout, result.stdout[-3000:]
+    reports = {"FSDP2": f"FSDP2 and memory_parallel={partitioning} shard ", "DDP": f"memory_parallel={partitioning} shards 1 of "}
+    if rest in reports:  # (DeepSpeed's parameters are no DTensors, and the tables are no parameters of its engine)
+        assert f"ultramem-train: {reports[rest]}" in result.stdout, result.stdout[-3000:]
     logs, single = training_logs(folder / name), training_logs(folder / "single")
     assert losses(folder / name) == pytest.approx(losses(folder / "single"), abs=LOSS_TOLERANCE)
     # clipping (max_grad_norm 1) binds, and by the same global norm: the table shards' gradients count on every rank

@@ -122,22 +122,35 @@ def max_positions(config: PretrainedConfig) -> int | None:
 
 
 def check_engine_leaves_tables(args: UltraMemTrainingArguments) -> None:
-    """`--memory_parallel` composes with DDP and FSDP2 (which ignores the sharded tables); refuse the engines that
-    would partition the tables again, in one line, before the model is built."""
+    """`--memory_parallel` composes with DDP, FSDP2 (told to ignore the sharded tables) and DeepSpeed (the tables are
+    kept out of its engine, `ultramem.training.deepspeed_tables`); refuse in one line, before the model is built, what
+    would partition the tables again or leave them untrained."""
     if args.memory_parallel == "none":
         return
+    flag = f"--memory_parallel {args.memory_parallel}"
     version = requested_fsdp_version(args)
-    if args.deepspeed or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        engine = f"DeepSpeed ({args.deepspeed or os.environ.get('ACCELERATE_DEEPSPEED_CONFIG_FILE', 'accelerate')})"
-    elif version not in (None, 2):
-        engine = f"FSDP{version}"
-    else:
+    if version not in (None, 2):
+        raise UsageError(
+            f"{flag} with FSDP{version}: FSDP1 would flatten the sharded value tables into its own shards; allowed: "
+            f"DDP, FSDP2 (--fsdp, accelerate launch --config_file {FSDP2_CONFIG}), DeepSpeed, or --memory_parallel none"
+        )
+    plugin = args.deepspeed_plugin
+    if plugin is None:
         return
-    raise UsageError(
-        f"--memory_parallel {args.memory_parallel} with {engine}: the engine would partition the sharded value tables "
-        "again; allowed: DDP (torchrun, accelerate launch --config_file ultramem/configs/accelerate/ddp.yaml), FSDP2 "
-        f"(--fsdp, accelerate launch --config_file {FSDP2_CONFIG}), or --memory_parallel none"
-    )
+    config = plugin.deepspeed_config
+    source = args.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "of the accelerate config")
+    if "optimizer" in config:
+        raise UsageError(
+            f"{flag} with the DeepSpeed config {source}: its 'optimizer' section would build an optimizer without "
+            "the value tables (they are kept out of the engine); allowed: no 'optimizer' section (the Trainer builds "
+            "the optimizers, as in ultramem/configs/deepspeed/zero2.json and zero3.json), or --memory_parallel none"
+        )
+    if args.resume_from_checkpoint is not None:
+        raise UsageError(
+            f"{flag} with DeepSpeed and --resume_from_checkpoint {args.resume_from_checkpoint}: resuming the value "
+            "tables kept beside the engine is not supported yet; allowed: resume under DDP or FSDP2 (torchrun, "
+            "accelerate launch), or without --memory_parallel"
+        )
 
 
 def shard_value_tables(
