@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,16 +98,32 @@ def test_memory_parallel_without_a_process_group_is_a_usage_error(setup):
     assert "allowed choice is memory_parallel='none'" in message
 
 
-@pytest.mark.parametrize(
-    ("flags", "engine"),
-    [(["--deepspeed", "zero3"], "DeepSpeed (/"), (["--fsdp", "full_shard auto_wrap", "--fsdp_config", '{"version": 1}'], "FSDP1")],
-)  # fmt: skip
-def test_memory_parallel_with_an_engine_that_would_partition_the_tables_is_one_usage_error(setup, flags, engine):
+@pytest.fixture(scope="module")
+def deepspeed_config_with_optimizer(setup) -> str:
+    folder, _ = setup
+    config = json.loads(Path(REPO, "ultramem/configs/deepspeed/zero2.json").read_text())
+    path = folder / "zero2_with_optimizer.json"
+    path.write_text(json.dumps({**config, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}))
+    return str(path)
+
+
+REFUSED = {
+    "fsdp1": (["--fsdp", "full_shard auto_wrap", "--fsdp_config", '{"version": 1}'], "with FSDP1: FSDP1 would flatten"),
+    "deepspeed optimizer": (["--deepspeed", "CONFIG"], "with the DeepSpeed config /"),
+    "deepspeed resume": (["--deepspeed", "zero3", "--resume_from_checkpoint", "true"], "with DeepSpeed and --resume"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_memory_parallel_refusals_are_one_usage_error_before_the_model_is_built(setup, deepspeed_config_with_optimizer,
+                                                                                case):  # fmt: skip
     folder, argv = setup
+    flags, message = REFUSED[case]
+    flags = [deepspeed_config_with_optimizer if flag == "CONFIG" else flag for flag in flags]
     command = python_module("ultramem.training", *argv("refused", GLOBAL_BATCH, memory_parallel="number"), *flags)
     result = subprocess.run(command, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=240)
     errors = [line for line in result.stderr.splitlines() if line.startswith("ultramem-train: error:")]
     assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
-    assert f"--memory_parallel number with {engine}" in errors[0]
-    assert "allowed: DDP (torchrun, " in errors[0] and "FSDP2 (--fsdp, " in errors[0]
+    assert f"ultramem-train: error: --memory_parallel number {message}" in errors[0]
+    assert "allowed: " in errors[0]
     assert not (folder / "refused").exists()  # refused before the model was built or trained
