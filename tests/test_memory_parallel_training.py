@@ -107,10 +107,11 @@ def deepspeed_config_with_optimizer(setup) -> str:
     return str(path)
 
 
+# case -> (flags, what the error line says after "--memory_parallel number ", what it says later)
 REFUSED = {
-    "fsdp1": (["--fsdp", "full_shard auto_wrap", "--fsdp_config", '{"version": 1}'], "with FSDP1: FSDP1 would flatten"),
-    "deepspeed optimizer": (["--deepspeed", "CONFIG"], "with the DeepSpeed config /"),
-    "deepspeed resume": (["--deepspeed", "zero3", "--resume_from_checkpoint", "true"], "with DeepSpeed and --resume"),
+    "fsdp1": (["--fsdp", "full_shard auto_wrap", "--fsdp_config", '{"version": 1}'], "with FSDP1: ", "would flatten"),
+    "deepspeed optimizer": (["--deepspeed", "CONFIG"], "with the DeepSpeed config /", "its 'optimizer' section would"),
+    "deepspeed resume": (["--deepspeed", "zero3", "--resume_from_checkpoint", "true"], "with DeepSpeed and ", "yet"),
 }
 
 
@@ -118,12 +119,12 @@ REFUSED = {
 def test_memory_parallel_refusals_are_one_usage_error_before_the_model_is_built(setup, deepspeed_config_with_optimizer,
                                                                                 case):  # fmt: skip
     folder, argv = setup
-    flags, message = REFUSED[case]
+    flags, message, detail = REFUSED[case]
     flags = [deepspeed_config_with_optimizer if flag == "CONFIG" else flag for flag in flags]
     command = python_module("ultramem.training", *argv("refused", GLOBAL_BATCH, memory_parallel="number"), *flags)
     result = subprocess.run(command, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=240)
     errors = [line for line in result.stderr.splitlines() if line.startswith("ultramem-train: error:")]
     assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
     assert f"ultramem-train: error: --memory_parallel number {message}" in errors[0]
-    assert "allowed: " in errors[0]
+    assert detail in errors[0] and "allowed: " in errors[0]
     assert not (folder / "refused").exists()  # refused before the model was built or trained

@@ -139,11 +139,15 @@ def check_engine_leaves_tables(args: UltraMemTrainingArguments) -> None:
         return
     config = plugin.deepspeed_config
     source = args.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "of the accelerate config")
-    if "optimizer" in config:
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    sections = [f"'{key}'" for key in ("optimizer", "scheduler") if key in config]
+    if sections or stage not in (1, 2, 3):
+        found = f"its {' and '.join(sections)} section" if sections else f"ZeRO stage {stage}"
         raise UsageError(
-            f"{flag} with the DeepSpeed config {source}: its 'optimizer' section would build an optimizer without "
-            "the value tables (they are kept out of the engine); allowed: no 'optimizer' section (the Trainer builds "
-            "the optimizers, as in ultramem/configs/deepspeed/zero2.json and zero3.json), or --memory_parallel none"
+            f"{flag} with the DeepSpeed config {source}: {found} would leave the value tables (kept out of the engine) "
+            "without their optimizer or value-LR schedule; allowed: ZeRO stage 1, 2 or 3 with no 'optimizer' or "
+            "'scheduler' section (the Trainer builds both, as in ultramem/configs/deepspeed/zero2.json and "
+            "zero3.json), or --memory_parallel none"
         )
     if args.resume_from_checkpoint is not None:
         raise UsageError(
