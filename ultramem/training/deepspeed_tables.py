@@ -39,7 +39,6 @@ class TablesBesideEngine:
         self.tables, self.optimizer, self.max_norm = tables, optimizer, max_norm
         self.scheduler: LRScheduler | None = None  # the value-LR schedule, built with the Trainer's
         self.last_lr: float | None = None  # of the last step: the scheduler has moved on when the Trainer logs
-        self._loss_scale = 1.0
 
     def tables_norm(self) -> torch.Tensor:
         """2-norm of the tables' (loss-scaled) gradients over all their shards; collective on the tables' mesh."""
@@ -53,32 +52,33 @@ class TablesBesideEngine:
         zero, engine_step = engine.optimizer, engine.step
         if hasattr(zero, "_get_norm_groups"):  # ZeRO-3: a norm per group, combined by its caller
             norm_groups = zero._get_norm_groups
-            zero._get_norm_groups = lambda: [*norm_groups(), self._scaled_tables_norm(zero)]
+            zero._get_norm_groups = lambda: [*norm_groups(), self.tables_norm()]
         else:  # ZeRO-1/2
             global_norm = zero.scaled_global_norm
             zero.scaled_global_norm = lambda norm_type=2: combine_grad_norm_groups(
-                [global_norm(norm_type), self._scaled_tables_norm(zero)]
+                [global_norm(norm_type), self.tables_norm()]
             )
 
         def step(*args: Any, **kwargs: Any) -> Any:
+            loss_scale = float(getattr(zero, "loss_scale", 1.0))  # the scale the gradients carry (the step updates it)
             result = engine_step(*args, **kwargs)
-            self.step(float(engine.get_global_grad_norm()), skipped=bool(getattr(zero, "overflow", False)))
+            self.step(engine.get_global_grad_norm(), loss_scale, skipped=bool(getattr(zero, "overflow", False)))
             return result
 
         engine.step = step
 
-    def _scaled_tables_norm(self, zero: Any) -> torch.Tensor:
-        self._loss_scale = float(getattr(zero, "loss_scale", 1.0))  # the scale the gradients carry now
-        return self.tables_norm()
-
     @torch.no_grad()
-    def step(self, total_norm: float, skipped: bool) -> None:
-        """Unscale and clip the tables' gradients as DeepSpeed did its own, then step; nothing when it skipped."""
+    def step(self, total_norm: float | None, loss_scale: float, skipped: bool) -> None:
+        """Unscale and clip the tables' gradients as DeepSpeed did its own, then step; nothing when it skipped.
+
+        `total_norm` is None when DeepSpeed computes no norm (`compute_grad_norm: false`, which forbids clipping)."""
         if not skipped:
-            clip = max(1.0, (total_norm + 1e-6) / self.max_norm) if self.max_norm > 0 else 1.0
+            clip = 1.0
+            if total_norm is not None and self.max_norm > 0:
+                clip = max(1.0, (float(total_norm) + 1e-6) / self.max_norm)
             for table in self.tables:
                 if table.grad is not None:
-                    table.grad.div_(self._loss_scale * clip)
+                    table.grad.div_(loss_scale * clip)
             self.optimizer.step()
             self.last_lr = float(self.optimizer.param_groups[0]["lr"])
             self.scheduler.step()
