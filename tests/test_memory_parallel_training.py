@@ -71,7 +71,8 @@ def test_sharded_tables_match_single_process(setup, partitioning, launcher):
     result = run_command([*command, "ultramem.training", *argv(name, GLOBAL_BATCH // 2, memory_parallel=partitioning),
                           *flags], DS_ACCELERATOR="cpu")  # fmt: skip
     # the one value table (of one memory layer) is sharded by memory_parallel, the rest by FSDP2 when it runs
-    reports = {"FSDP2": f"FSDP2 and memory_parallel={partitioning} shard ", "DDP": f"memory_parallel={partitioning} shards 1 of "}
+    reports = {"FSDP2": f"FSDP2 and memory_parallel={partitioning} shard ",
+               "DDP": f"memory_parallel={partitioning} shards 1 of "}  # fmt: skip
     if rest in reports:  # (DeepSpeed's parameters are no DTensors, and the tables are no parameters of its engine)
         assert f"ultramem-train: {reports[rest]}" in result.stdout, result.stdout[-3000:]
     logs, single = training_logs(folder / name), training_logs(folder / "single")

@@ -140,8 +140,9 @@ class ShardingReport(TrainerCallback):
         if sharded:
             placements = sorted({str(p.placements) for p in sharded.values()})
             mode = getattr(args, "memory_parallel", "none")
-            tables = set(getattr(model, "get_value_table_names", list)()) if mode != "none" else set()
-            sharders = [name for name, shards in (("FSDP2", sharded.keys() - tables), (f"memory_parallel={mode}", tables)) if shards]
+            tables = sharded.keys() & set(getattr(model, "get_value_table_names", list)()) if mode != "none" else set()
+            parts = (("FSDP2", sharded.keys() - tables), (f"memory_parallel={mode}", tables))
+            sharders = [name for name, shards in parts if shards]
             verb = "shard" if len(sharders) > 1 else "shards"
             print(
                 f"ultramem-train: {' and '.join(sharders)} {verb} {len(sharded)} of {len(params)} parameter tensors over "
