@@ -1,5 +1,5 @@
-"""`ultramem-train --memory_parallel` on 2 gloo processes, the rest of the model under DDP or FSDP2 (torchrun or
-accelerate launch), matches one process on the same global batch, both starting from one checkpoint (a sharded fresh
+"""`ultramem-train --memory_parallel` on 2 gloo processes, the rest of the model under DDP, FSDP2 or DeepSpeed ZeRO-2/3
+(torchrun, accelerate launch, deepspeed), matches one process on the same global batch, both starting from one checkpoint (a sharded fresh
 init differs from a one-process init; a sharded load is exact), clips by the same global gradient norm, keeps the
 10x -> 1x value LR, and saves an ordinary checkpoint."""
 
