@@ -1,5 +1,5 @@
 """Trainer checkpoints of sharded tables (DCP): resume after a kill, and resharded resume (2 -> 1 process,
-number -> dimension, 2 -> 4 processes) continue the loss sequence of the uninterrupted run."""
+number -> dimension, 2 -> 4 and 4 -> 1 processes) continue the loss sequence of the uninterrupted run."""
 
 from __future__ import annotations
 
@@ -66,3 +66,14 @@ def test_resharded_resume_continues_the_loss_sequence(runs, name, processes, par
     args = ["ultramem.training", *argv(name, processes, memory_parallel=partitioning, resume_from_checkpoint=checkpoint)]
     run_command(torchrun(processes, "-m", *args) if processes > 1 else python_module(*args))
     assert losses(folder / name) == pytest.approx(losses(folder / "straight"), abs=LOSS_TOLERANCE)
+
+
+def test_four_processes_resume_in_one(runs):
+    """A checkpoint written by 4 ranks (each a quarter of every table) resumes in one process, tables whole (a fresh
+    4-rank init draws other shards than a 2-rank one: the resumed run continues the 4-rank run's sequence)."""
+    folder, argv, torchrun = runs
+    run_command(torchrun(4, "-m", "ultramem.training", *argv("four-writer", 4, memory_parallel="number")), timeout=400)
+    checkpoint = folder / "four-to-one" / f"checkpoint-{SAVE_AT}"
+    shutil.copytree(folder / "four-writer" / f"checkpoint-{SAVE_AT}", checkpoint)
+    run_command(python_module("ultramem.training", *argv("four-to-one", 1, resume_from_checkpoint=checkpoint)))
+    assert losses(folder / "four-to-one") == pytest.approx(losses(folder / "four-writer"), abs=LOSS_TOLERANCE)

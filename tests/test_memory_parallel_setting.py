@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 
 import pytest
 from conftest import small_config
@@ -11,8 +10,6 @@ from conftest import small_config
 from ultramem import UltraMemForCausalLM
 from ultramem.parallel import apply_memory_parallel, plan_memory_parallel
 from ultramem.parallel.volume import LookupShape, dimension_volume, number_volume
-from ultramem.training.errors import UsageError
-from ultramem.training.model_setup import shard_value_tables
 
 
 def test_unknown_choice_names_the_allowed_ones():
@@ -52,10 +49,3 @@ def test_memory_parallel_without_a_process_group():
     with pytest.raises(ValueError, match="needs an initialized torch.distributed process group"):
         apply_memory_parallel(model, "number")
 
-
-@pytest.mark.parametrize(("flag", "value"), [("deepspeed", "zero3"), ("fsdp", "full_shard")])
-def test_an_engine_that_would_partition_the_tables_again_is_refused(flag, value):
-    args = SimpleNamespace(memory_parallel="number", memory_parallel_size=None, deepspeed=None, fsdp=None)
-    setattr(args, flag, value)
-    with pytest.raises(UsageError, match=f"--memory_parallel number with --{flag} {value}: .*allowed: DDP launches"):
-        shard_value_tables(UltraMemForCausalLM(small_config()), args, block_size=8)

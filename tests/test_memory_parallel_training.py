@@ -1,14 +1,18 @@
-"""`ultramem-train --memory_parallel` on 2 gloo processes (torchrun or accelerate launch; DDP for the rest)
-process on the same global batch, both starting from one checkpoint (a sharded fresh init differs from a one-process
-init; a sharded load is exact), keeps the 10x -> 1x value LR, and saves an ordinary checkpoint."""
+"""`ultramem-train --memory_parallel` on 2 gloo processes, the rest of the model under DDP, FSDP2 or DeepSpeed ZeRO-2/3
+(torchrun, accelerate launch, deepspeed), matches one process on the same global batch, both starting from one checkpoint (a sharded fresh
+init differs from a one-process init; a sharded load is exact), clips by the same global gradient norm, keeps the
+10x -> 1x value LR, and saves an ordinary checkpoint."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
-from test_training_support import base_args, losses, python_module, run_command, training_logs, write_config
+from test_training_support import REPO, base_args, child_env, losses, python_module, run_command, training_logs
+from test_training_support import write_config
 from test_training_support import write_corpus
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -42,30 +46,47 @@ def _logits(folder) -> torch.Tensor:
         return model(input_ids=PROBE).logits
 
 
+TORCHRUN = [*python_module("torch.distributed.run", "--nproc_per_node", "2"), "-m"]
+ACCELERATE = python_module("accelerate.commands.launch", "--config_file")
+# launcher -> (command before the module name, flags after the CLI's, who shards the rest of the model)
 LAUNCHERS = {
-    "torchrun": python_module("torch.distributed.run", "--nproc_per_node", "2"),
-    "accelerate": python_module("accelerate.commands.launch", "--config_file", "ultramem/configs/accelerate/ddp.yaml"),
+    "torchrun": (TORCHRUN, [], "DDP"),
+    "accelerate": ([*ACCELERATE, "ultramem/configs/accelerate/ddp.yaml", "-m"], [], "DDP"),
+    "torchrun --fsdp": (TORCHRUN, ["--fsdp", "full_shard auto_wrap"], "FSDP2"),
+    "accelerate fsdp2": ([*ACCELERATE, "ultramem/configs/accelerate/fsdp2.yaml", "-m"], [], "FSDP2"),
+    "deepspeed zero2": (["deepspeed", "--num_gpus", "2", "--module"], ["--deepspeed", "zero2"], "DeepSpeed"),
+    "accelerate zero3": ([*ACCELERATE, "ultramem/configs/accelerate/zero3.yaml", "-m"], [], "DeepSpeed"),
 }
 
 
 @pytest.mark.parametrize(
-    ("partitioning", "launcher"), [("number", "torchrun"), ("dimension", "torchrun"), ("auto", "accelerate")]
-)
-def test_ddp_with_sharded_tables_matches_single_process(setup, partitioning, launcher):
+    ("partitioning", "launcher"),
+    [("number", "torchrun"), ("dimension", "torchrun"), ("auto", "accelerate"), ("number", "accelerate fsdp2"),
+     ("dimension", "torchrun --fsdp"), ("number", "deepspeed zero2"), ("dimension", "accelerate zero3")],
+)  # fmt: skip
+def test_sharded_tables_match_single_process(setup, partitioning, launcher):
     folder, argv = setup
-    result = run_command([*LAUNCHERS[launcher], "-m", "ultramem.training",
-                          *argv(partitioning, GLOBAL_BATCH // 2, memory_parallel=partitioning)])  # fmt: skip
-    # the one value table (of one memory layer) is the only sharded tensor, and the report names who shards it
-    assert f"ultramem-train: memory_parallel={partitioning} shards 1 of " in result.stdout, result.stdout[-3000:]
-    assert losses(folder / partitioning) == pytest.approx(losses(folder / "single"), abs=LOSS_TOLERANCE)
-    logs = training_logs(folder / partitioning)
+    command, flags, rest = LAUNCHERS[launcher]
+    name = f"{partitioning}-{launcher.replace(' ', '')}"
+    result = run_command([*command, "ultramem.training", *argv(name, GLOBAL_BATCH // 2, memory_parallel=partitioning),
+                          *flags], DS_ACCELERATOR="cpu")  # fmt: skip
+    # the one value table (of one memory layer) is sharded by memory_parallel, the rest by FSDP2 when it runs
+    reports = {"FSDP2": f"FSDP2 and memory_parallel={partitioning} shard ",
+               "DDP": f"memory_parallel={partitioning} shards 1 of "}  # fmt: skip
+    if rest in reports:  # (DeepSpeed's parameters are no DTensors, and the tables are no parameters of its engine)
+        assert f"ultramem-train: {reports[rest]}" in result.stdout, result.stdout[-3000:]
+    logs, single = training_logs(folder / name), training_logs(folder / "single")
+    assert losses(folder / name) == pytest.approx(losses(folder / "single"), abs=LOSS_TOLERANCE)
+    # clipping (max_grad_norm 1) binds, and by the same global norm: the table shards' gradients count on every rank
+    assert max(entry["grad_norm"] for entry in single) > 1
+    assert [entry["grad_norm"] for entry in logs] == pytest.approx([entry["grad_norm"] for entry in single], rel=1e-3)
     assert [entry["value_lr_multiplier"] for entry in logs] == pytest.approx(
         [10.0 - 9.0 * step / (STEPS - 1) for step in range(STEPS)]
     )
     for entry in logs[1:]:
         assert entry["value_learning_rate"] / entry["learning_rate"] == pytest.approx(entry["value_lr_multiplier"])
     # the checkpoint written from the shards loads in one process and gives the single-process model's logits
-    torch.testing.assert_close(_logits(folder / partitioning), _logits(folder / "single"), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(_logits(folder / name), _logits(folder / "single"), rtol=1e-4, atol=1e-4)
 
 
 def test_memory_parallel_without_a_process_group_is_a_usage_error(setup):
@@ -76,3 +97,35 @@ def test_memory_parallel_without_a_process_group_is_a_usage_error(setup):
     message = str(failure.value)
     assert "ultramem-train: error: --memory_parallel number: memory_parallel needs an initialized" in message
     assert "allowed choice is memory_parallel='none'" in message
+
+
+@pytest.fixture(scope="module")
+def deepspeed_config_with_optimizer(setup) -> str:
+    folder, _ = setup
+    config = json.loads(Path(REPO, "ultramem/configs/deepspeed/zero2.json").read_text())
+    path = folder / "zero2_with_optimizer.json"
+    path.write_text(json.dumps({**config, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}))
+    return str(path)
+
+
+# case -> (flags, what the error line says after "--memory_parallel number ", what it says later)
+REFUSED = {
+    "fsdp1": (["--fsdp", "full_shard auto_wrap", "--fsdp_config", '{"version": 1}'], "with FSDP1: ", "would flatten"),
+    "deepspeed optimizer": (["--deepspeed", "CONFIG"], "with the DeepSpeed config /", "its 'optimizer' section would"),
+    "deepspeed resume": (["--deepspeed", "zero3", "--resume_from_checkpoint", "true"], "with DeepSpeed and ", "yet"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_memory_parallel_refusals_are_one_usage_error_before_the_model_is_built(setup, deepspeed_config_with_optimizer,
+                                                                                case):  # fmt: skip
+    folder, argv = setup
+    flags, message, detail = REFUSED[case]
+    flags = [deepspeed_config_with_optimizer if flag == "CONFIG" else flag for flag in flags]
+    command = python_module("ultramem.training", *argv("refused", GLOBAL_BATCH, memory_parallel="number"), *flags)
+    result = subprocess.run(command, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=240)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ultramem-train: error:")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    assert f"ultramem-train: error: --memory_parallel number {message}" in errors[0]
+    assert detail in errors[0] and "allowed: " in errors[0]
+    assert not (folder / "refused").exists()  # refused before the model was built or trained

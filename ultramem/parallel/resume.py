@@ -22,8 +22,8 @@ TABLES_DIR = "value_tables"
 
 
 def _tables(model: nn.Module) -> dict[str, nn.Parameter]:
-    names = set(model.get_value_table_names())
-    return {name: param for name, param in model.named_parameters() if name in names}
+    """Each value table's weight by name, read from its module (beside a DeepSpeed engine they are no parameters)."""
+    return {name: model.get_submodule(name.removesuffix(".weight")).weight for name in model.get_value_table_names()}
 
 
 def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

@@ -17,7 +17,8 @@ from ultramem.training.arguments import DataArguments, ModelArguments, UltraMemT
 from ultramem.training.data import load_raw_datasets, tokenize_and_pack
 from ultramem.training.errors import UsageError
 from ultramem.training.fsdp import ShardingReport
-from ultramem.training.model_setup import build_config, build_model, max_positions, shard_value_tables
+from ultramem.training.model_setup import build_config, build_model, check_engine_leaves_tables, max_positions
+from ultramem.training.model_setup import shard_value_tables
 from ultramem.training.trainer import UltraMemTrainer
 
 SHIPPED_DEEPSPEED_CONFIGS = ("zero2", "zero3")
@@ -117,6 +118,7 @@ def run(argv: list[str], callbacks: list[TrainerCallback] | None = None) -> dict
     check_ranges(data_args, training_args)
     config = build_config(model_args)
     check_block_size(data_args.block_size, config)
+    check_engine_leaves_tables(training_args)
     check_deepspeed(training_args)
     tokenizer = load_tokenizer(model_max_length=max_positions(config) or data_args.block_size)
     blocks = tokenize_and_pack(load_raw_datasets(data_args), tokenizer, data_args, training_args.main_process_first)

@@ -11,10 +11,9 @@ from typing import Any
 
 import torch
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer import TRAINING_ARGS_NAME
 
 from ultramem.training.errors import UsageError
@@ -22,13 +21,29 @@ from ultramem.training.errors import UsageError
 FSDP2_CONFIG = "ultramem/configs/accelerate/fsdp2.yaml"
 
 
-def _requested_version(trainer: Trainer) -> int | None:
+def requested_fsdp_version(args: TrainingArguments) -> int | None:
     """The FSDP version the launch asked for: the Trainer's `--fsdp` flags, else the `accelerate launch` config."""
-    if trainer.args.fsdp_plugin_args is not None:
-        return int(trainer.args.fsdp_plugin_args.get("fsdp_version", 1))
+    if args.fsdp_plugin_args is not None:
+        return int(args.fsdp_plugin_args.get("fsdp_version", 1))
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         return int(os.environ.get("FSDP_VERSION", "1"))
     return None
+
+
+def _grads_placed_like_params(module: torch.nn.Module) -> None:
+    """Once per model: the aux loss's gradient reaches each sharded core as a Replicate DTensor of the whole core
+    (the loss sums the cores over their sharded head dimension), and FSDP2 adds its reduce-scattered shard to that
+    tensor's local data as is; a hook turns such a gradient into the parameter's own placements first."""
+    if getattr(module, "_ultramem_grad_placement_hooks", False):
+        return
+    for param in module.parameters():
+        if isinstance(param, DTensor) and param.requires_grad:
+            param.register_hook(
+                lambda grad, param=param: grad
+                if grad.placements == param.placements
+                else grad.redistribute(param.device_mesh, param.placements)
+            )
+    module._ultramem_grad_placement_hooks = True
 
 
 def _plain_aux_loss(module: torch.nn.Module, args: Any, output: Any) -> Any:
@@ -36,6 +51,7 @@ def _plain_aux_loss(module: torch.nn.Module, args: Any, output: Any) -> Any:
     leaves them sharded, so it comes out as a DTensor and would make the LM loss's backward mix tensor kinds."""
     aux = getattr(output, "aux_loss", None)
     if isinstance(aux, DTensor):
+        _grads_placed_like_params(module)
         output.aux_loss = aux.full_tensor()
         if output.lm_loss is not None:
             output.loss = output.lm_loss + output.aux_loss.to(output.lm_loss.dtype)
@@ -51,7 +67,7 @@ class FSDPTrainer(Trainer):
             self.model.register_forward_hook(_plain_aux_loss)
 
     def create_accelerator_and_postprocess(self) -> None:
-        version = None if torch.cuda.is_available() else _requested_version(self)
+        version = None if torch.cuda.is_available() else requested_fsdp_version(self.args)
         if version is not None and version != 2:
             raise UsageError(
                 f"--fsdp: FSDP{version} does not shard on CPU process groups (it would run as DDP); allowed: "
@@ -59,35 +75,54 @@ class FSDPTrainer(Trainer):
             )
         super().create_accelerator_and_postprocess()
         state = self.accelerator.state
-        if version is None or state.distributed_type != DistributedType.MULTI_CPU:
-            return
-        plugin = (
-            FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
-            if self.args.fsdp_plugin_args is not None
-            else FullyShardedDataParallelPlugin()  # reads the FSDP_* variables `accelerate launch` sets
-        )
-        state.distributed_type = DistributedType.FSDP
-        state.fsdp_plugin = plugin
-        self.is_fsdp_enabled = self._fsdp_on_cpu = True
+        if version is not None and state.distributed_type == DistributedType.MULTI_CPU:
+            state.distributed_type = DistributedType.FSDP
+            state.fsdp_plugin = (
+                FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+                if self.args.fsdp_plugin_args is not None
+                else FullyShardedDataParallelPlugin()  # reads the FSDP_* variables `accelerate launch` sets
+            )
+            self.is_fsdp_enabled = self._fsdp_on_cpu = True
+        if self.is_fsdp_enabled:
+            self._leave_presharded_to_their_owners(state.fsdp_plugin)
 
     _fsdp_on_cpu = False
+    _presharded: frozenset[str] = frozenset()
+
+    def _leave_presharded_to_their_owners(self, plugin: FullyShardedDataParallelPlugin) -> None:
+        """Parameters that are DTensors before FSDP (the value tables of `--memory_parallel`) are sharded on a mesh of
+        their own and reduce their own gradients: `fully_shard` ignores them (Accelerate passes its plugin's
+        `ignored_modules` to every `fully_shard` call as `ignored_params`), and `save_model` leaves them to `_save`."""
+        owners = [m for m in self.model.modules() if any(isinstance(p, DTensor) for p in m.parameters(recurse=False))]
+        if owners:
+            plugin.ignored_modules = [*(plugin.ignored_modules or []), *owners]
+            self._presharded = frozenset(n for n, p in self.model.named_parameters() if isinstance(p, DTensor))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """On CPU Accelerate's FSDP save hands sharded DTensors to safetensors and copies FSDP's own source files as
-        "model code": gather the full state dict and save it as the plain model class would."""
+        "model code": gather what FSDP sharded (collective: every rank gathers) and `_save` it."""
         if not self._fsdp_on_cpu:
             return super().save_model(output_dir, _internal_call)
-        output_dir = output_dir or self.args.output_dir
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # collective: every rank gathers
-        full = get_model_state_dict(self.model, options=options)
+        full = {
+            name: (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).cpu()
+            for name, tensor in self.model.state_dict().items()
+            if name not in self._presharded
+        }
+        self._save(output_dir or self.args.output_dir, state_dict=full)
+        return None
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """On CPU, `state_dict` (gathered by `save_model`) saved as the plain model class would save it."""
+        if not self._fsdp_on_cpu:
+            return super()._save(output_dir, state_dict)
         if not self.args.should_save:
             return None
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
         model = self.accelerator.unwrap_model(self.model)
         model_cls = next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
         with torch.device("meta"):
-            plain = model_cls(model.config)  # the same model unsharded, its tensors those gathered above
-        plain.load_state_dict(full, assign=True)
-        plain.save_pretrained(output_dir)
+            plain = model_cls(model.config)  # the same model unsharded, its tensors those of `state_dict`
+        plain.save_pretrained(output_dir, state_dict=state_dict)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
@@ -100,14 +135,17 @@ class ShardingReport(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None, **_: Any) -> None:
         if model is None or not state.is_world_process_zero:
             return
-        params = list(model.parameters())
-        sharded = [p for p in params if isinstance(p, DTensor)]
+        params = dict(model.named_parameters())
+        sharded = {name: p for name, p in params.items() if isinstance(p, DTensor)}
         if sharded:
-            placements = sorted({str(p.placements) for p in sharded})
+            placements = sorted({str(p.placements) for p in sharded.values()})
             mode = getattr(args, "memory_parallel", "none")
-            sharder = "FSDP2" if mode == "none" else f"memory_parallel={mode}"
+            tables = sharded.keys() & set(getattr(model, "get_value_table_names", list)()) if mode != "none" else set()
+            parts = (("FSDP2", sharded.keys() - tables), (f"memory_parallel={mode}", tables))
+            sharders = [name for name, shards in parts if shards]
+            verb = "shard" if len(sharders) > 1 else "shards"
             print(
-                f"ultramem-train: {sharder} shards {len(sharded)} of {len(params)} parameter tensors over "
+                f"ultramem-train: {' and '.join(sharders)} {verb} {len(sharded)} of {len(params)} parameter tensors over "
                 f"{args.world_size} processes ({', '.join(placements)})",
                 flush=True,
             )

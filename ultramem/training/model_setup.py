@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from contextlib import nullcontext
 from typing import Any
@@ -13,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from ultramem.modeling_ultramem import deferred_value_tables
 from ultramem.training.arguments import ModelArguments, UltraMemTrainingArguments
 from ultramem.training.errors import UsageError
+from ultramem.training.fsdp import FSDP2_CONFIG, requested_fsdp_version
 
 
 def parse_overrides(text: str | None) -> dict[str, Any]:
@@ -119,6 +121,42 @@ def max_positions(config: PretrainedConfig) -> int | None:
     return getattr(config, "max_position_embeddings", None)
 
 
+def check_engine_leaves_tables(args: UltraMemTrainingArguments) -> None:
+    """`--memory_parallel` composes with DDP, FSDP2 (told to ignore the sharded tables) and DeepSpeed (the tables are
+    kept out of its engine, `ultramem.training.deepspeed_tables`); refuse in one line, before the model is built, what
+    would partition the tables again or leave them untrained."""
+    if args.memory_parallel == "none":
+        return
+    flag = f"--memory_parallel {args.memory_parallel}"
+    version = requested_fsdp_version(args)
+    if version not in (None, 2):
+        raise UsageError(
+            f"{flag} with FSDP{version}: FSDP1 would flatten the sharded value tables into its own shards; allowed: "
+            f"DDP, FSDP2 (--fsdp, accelerate launch --config_file {FSDP2_CONFIG}), DeepSpeed, or --memory_parallel none"
+        )
+    plugin = args.deepspeed_plugin
+    if plugin is None:
+        return
+    config = plugin.deepspeed_config
+    source = args.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "of the accelerate config")
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    sections = [f"'{key}'" for key in ("optimizer", "scheduler") if key in config]
+    if sections or stage not in (1, 2, 3):
+        found = f"its {' and '.join(sections)} section" if sections else f"ZeRO stage {stage}"
+        raise UsageError(
+            f"{flag} with the DeepSpeed config {source}: {found} would leave the value tables (kept out of the engine) "
+            "without their optimizer or value-LR schedule; allowed: ZeRO stage 1, 2 or 3 with no 'optimizer' or "
+            "'scheduler' section (the Trainer builds both, as in ultramem/configs/deepspeed/zero2.json and "
+            "zero3.json), or --memory_parallel none"
+        )
+    if args.resume_from_checkpoint is not None:
+        raise UsageError(
+            f"{flag} with DeepSpeed and --resume_from_checkpoint {args.resume_from_checkpoint}: resuming the value "
+            "tables kept beside the engine is not supported yet; allowed: resume under DDP or FSDP2 (torchrun, "
+            "accelerate launch), or without --memory_parallel"
+        )
+
+
 def shard_value_tables(
     model: PreTrainedModel, args: UltraMemTrainingArguments, block_size: int, checkpoint: str | None = None
 ) -> None:
@@ -128,13 +166,6 @@ def shard_value_tables(
         return
     from ultramem.parallel import apply_memory_parallel
 
-    if args.deepspeed or args.fsdp:
-        engine = f"--deepspeed {args.deepspeed}" if args.deepspeed else f"--fsdp {args.fsdp}"
-        raise UsageError(
-            f"--memory_parallel {args.memory_parallel} with {engine}: the engine would partition the sharded value "
-            "tables again; allowed: DDP launches (torchrun, accelerate launch --config_file "
-            "ultramem/configs/accelerate/ddp.yaml), or --memory_parallel none"
-        )
     _ = args.device  # sets up the launcher's process group
     tokens = args.per_device_train_batch_size * block_size
     try:

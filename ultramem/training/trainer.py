@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ultramem.training.checkpointing import AtomicCheckpointTrainer
+from ultramem.training.deepspeed_tables import TablesBesideEngine, hide_tables
 from ultramem.training.fsdp import FSDPTrainer
 from ultramem.training.schedule import VALUE_GROUP, value_lr_multiplier, with_value_multiplier
 
@@ -35,6 +36,7 @@ class UltraMemTrainer(AtomicCheckpointTrainer, FSDPTrainer):
         self._loss_sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.args.device))
         self._steps_since_log = 0
         self._last_value_lr: float | None = None
+        self._tables_beside: TablesBesideEngine | None = None  # sharded tables under DeepSpeed (kept out of it)
 
     # ---- optimizer and schedule -------------------------------------------------------------------------------
     def _value_lr_settings(self) -> tuple[float, bool]:
@@ -46,6 +48,7 @@ class UltraMemTrainer(AtomicCheckpointTrainer, FSDPTrainer):
         if self.optimizer is not None:
             return self.optimizer
         opt_model = self.model if model is None else model
+        tables = hide_tables(opt_model) if self.is_deepspeed_enabled else []
         decay = set(self.get_decay_parameter_names(opt_model))
         values = value_table_names(opt_model)
         groups: dict[str, dict[str, Any]] = {
@@ -60,6 +63,10 @@ class UltraMemTrainer(AtomicCheckpointTrainer, FSDPTrainer):
         param_groups = [{**group, "ultramem_group": key} for key, group in groups.items() if group["params"]]
         optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
         self.optimizer = optimizer_cls(param_groups, **optimizer_kwargs)
+        if tables:
+            group = {**groups[VALUE_GROUP], "params": tables, "ultramem_group": VALUE_GROUP}
+            table_optimizer = optimizer_cls([group], **optimizer_kwargs)
+            self._tables_beside = TablesBesideEngine(tables, table_optimizer, self.args.max_grad_norm)
         return self.optimizer
 
     def create_scheduler(
@@ -71,15 +78,31 @@ class UltraMemTrainer(AtomicCheckpointTrainer, FSDPTrainer):
             base = super().create_scheduler(num_training_steps, optimizer)
             start, decay = self._value_lr_settings()
             self.lr_scheduler = with_value_multiplier(base, optimizer, num_training_steps, start, decay)
+            if self._tables_beside is not None:
+                tables = self._tables_beside
+                tables.scheduler = with_value_multiplier(base, tables.optimizer, num_training_steps, start, decay)
             self._created_lr_scheduler = True
         return self.lr_scheduler
 
     def _get_learning_rate(self) -> float:
         """The Trainer reads the LR of the step just taken here; remember the value group's LR of that step too."""
-        self._last_value_lr = next(
-            (float(g["lr"]) for g in self.optimizer.param_groups if g.get("ultramem_group") == VALUE_GROUP), None
-        )
+        if self._tables_beside is not None:
+            self._last_value_lr = self._tables_beside.last_lr
+        else:
+            groups = self.optimizer.param_groups
+            self._last_value_lr = next((float(g["lr"]) for g in groups if g.get("ultramem_group") == VALUE_GROUP), None)
         return super()._get_learning_rate()
+
+    def _tables_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer that steps the value tables: the Trainer's, or their own beside a DeepSpeed engine."""
+        return self.optimizer if self._tables_beside is None else self._tables_beside.optimizer
+
+    def _prepare_for_training(self, *args: Any, **kwargs: Any) -> Any:
+        """Once DeepSpeed's engine exists, the tables kept out of it join its gradient norm and follow its steps."""
+        prepared = super()._prepare_for_training(*args, **kwargs)
+        if self._tables_beside is not None:
+            self._tables_beside.attach(self.model_wrapped)
+        return prepared
 
     # ---- logging ------------------------------------------------------------------------------------------------
     def compute_loss(
@@ -149,14 +172,16 @@ class UltraMemTrainer(AtomicCheckpointTrainer, FSDPTrainer):
 
     # Sharded value tables (--memory_parallel): their shards and optimizer state live in DCP checkpoints.
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """With sharded value tables, `save_pretrained` writes the rest and every rank streams its shards in."""
+        """With sharded value tables, `save_pretrained` writes the rest (`state_dict` when the engine gathered it)
+        and every rank streams its shards in."""
         from ultramem.parallel.checkpoint import save_value_tables, sharded_tables
 
         tables = sharded_tables(self.model)
         if not tables:
             return super()._save(output_dir, state_dict)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        dense = {name: tensor for name, tensor in self.model.state_dict().items() if name not in tables}
+        state = self.model.state_dict() if state_dict is None else state_dict
+        dense = {name: tensor for name, tensor in state.items() if name not in tables}
         super()._save(output_dir, state_dict=dense)
         save_value_tables(self.model, output_dir, self.args.should_save)
 
@@ -169,7 +194,7 @@ class UltraMemTrainer(AtomicCheckpointTrainer, FSDPTrainer):
             return super()._save_optimizer_and_scheduler(output_dir)
         with tables_left_out_of(self.optimizer, self.model):
             super()._save_optimizer_and_scheduler(output_dir)
-        save_table_states(self.model, self.optimizer, output_dir)
+        save_table_states(self.model, self._tables_optimizer(), output_dir)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         from ultramem.parallel.checkpoint import sharded_tables
@@ -190,4 +215,4 @@ class UltraMemTrainer(AtomicCheckpointTrainer, FSDPTrainer):
 
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None and has_table_states(checkpoint):
-            load_table_states(self.model, self.optimizer, checkpoint)
+            load_table_states(self.model, self._tables_optimizer(), checkpoint)
