@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import resource
 import shutil
 import statistics
 import time
@@ -115,6 +116,12 @@ def process_memory_gb() -> dict[str, float]:
     return {"peak_rss_gb": fields["VmHWM"], "rss_anon_gb": fields["RssAnon"], "rss_file_gb": fields["RssFile"]}
 
 
+def page_faults() -> tuple[int, int]:
+    """Major (read from disk) and minor page faults of this process so far, all threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_majflt, usage.ru_minflt
+
+
 def decode(label: str, folder: Path, batch: int, args: argparse.Namespace) -> dict[str, Any]:
     """One run in this (fresh) process: cold load, prefill, `new_tokens` timed greedy steps."""
     import ultramem  # noqa: F401 - registers the stores
@@ -134,18 +141,21 @@ def decode(label: str, folder: Path, batch: int, args: argparse.Namespace) -> di
     for store in stores:
         store.asynchronous = run.asynchronous
     tokens = torch.randint(1, model.config.vocab_size, (batch, args.prompt_tokens), device=args.device)
-    wall, cpu = [], []
+    wall, cpu, major, minor = [], [], [], []
     with torch.no_grad():
         output = model(input_ids=tokens, use_cache=True, logits_to_keep=1)
         cache = output.past_key_values
         for _ in range(args.new_tokens):
             next_tokens = output.logits[:, -1:].argmax(-1)
             common.synchronize(args.device)
-            start, start_cpu = time.perf_counter(), time.process_time()
+            start, start_cpu, start_faults = time.perf_counter(), time.process_time(), page_faults()
             output = model(input_ids=next_tokens, past_key_values=cache, use_cache=True)
             common.synchronize(args.device)
             wall.append((time.perf_counter() - start) * 1e3)
             cpu.append((time.process_time() - start_cpu) * 1e3)
+            faults = page_faults()
+            major.append(faults[0] - start_faults[0])
+            minor.append(faults[1] - start_faults[1])
     times = {"median_ms": statistics.median(wall), "mean_ms": statistics.mean(wall), "cpu_ms": statistics.median(cpu)}
     ms = times[{"median": "median_ms", "min": "median_ms", "cpu": "cpu_ms"}[args.statistic]]
     tables = [s for s in stores if hasattr(s, "table")]
@@ -161,9 +171,13 @@ def decode(label: str, folder: Path, batch: int, args: argparse.Namespace) -> di
         **times,
         "tokens_per_s": batch * 1e3 / times["median_ms"],
         "rows_read_per_step": sum(s.rows_read for s in tables) / (args.new_tokens + 1),
+        "major_faults_per_step": statistics.median(major),  # a page of a mapped table not in the page cache
+        "minor_faults_per_step": statistics.median(minor),
         **process_memory_gb(),
         "load_avg_1min": os.getloadavg()[0],  # a shared machine: other jobs' load stretches the wall clock
         "step_ms": wall,
+        "step_cpu_ms": cpu,
+        "step_major_faults": major,
         "device_peak_gb": torch.cuda.max_memory_allocated() / 1e9 if args.device.type == "cuda" else None,
     }
 
@@ -206,6 +220,7 @@ COLUMNS = [
     ("peak_rss_gb", "peak RSS GB"),
     ("rss_file_gb", "file RSS GB"),
     ("rows_read_per_step", "rows/step"),
+    ("major_faults_per_step", "major faults/step"),
     ("load_s", "load s"),
     ("cpu_ms", "CPU ms"),
     ("load_avg_1min", "loadavg"),
