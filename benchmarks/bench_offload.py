@@ -4,7 +4,8 @@ Each run loads a random-weight checkpoint (written once by `ultramem.offload.ran
 held in memory) in its own process, evicts the checkpoint file from the page cache first (a cold start: every
 selected row comes from disk), prefills a 16-token prompt, and times 32 greedy decoding steps (DynamicCache).
 It reports the time per step (one token for each of the batch's sequences), tokens/s, the peak resident memory
-of the process (VmHWM: anonymous memory plus the mapped file pages it touched) and the value rows read.
+of the process (VmHWM: anonymous memory plus the mapped file pages it touched), the value rows read and the
+bytes a step had read from storage (rows not in the page cache).
 
 CPU, this machine (24 GB RAM; ultramem-1.6b-x12 is 43.9 GB in bf16; checkpoints built when missing, and those
 built by the run deleted after it with --cleanup):
