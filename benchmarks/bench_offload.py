@@ -4,7 +4,8 @@ Each run loads a random-weight checkpoint (written once by `ultramem.offload.ran
 held in memory) in its own process, evicts the checkpoint file from the page cache first (a cold start: every
 selected row comes from disk), prefills a 16-token prompt, and times 32 greedy decoding steps (DynamicCache).
 It reports the time per step (one token for each of the batch's sequences), tokens/s, the peak resident memory
-of the process (VmHWM: anonymous memory plus the mapped file pages it touched) and the value rows read.
+of the process (VmHWM: anonymous memory plus the mapped file pages it touched), the value rows read and the
+bytes a step had read from storage (rows not in the page cache).
 
 CPU, this machine (24 GB RAM; ultramem-1.6b-x12 is 43.9 GB in bf16; checkpoints built when missing, and those
 built by the run deleted after it with --cleanup):
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import resource
 import shutil
 import statistics
 import time
@@ -115,6 +117,13 @@ def process_memory_gb() -> dict[str, float]:
     return {"peak_rss_gb": fields["VmHWM"], "rss_anon_gb": fields["RssAnon"], "rss_file_gb": fields["RssFile"]}
 
 
+def io_counters() -> tuple[int, int]:
+    """Bytes this process has had fetched from storage (`/proc/self/io` read_bytes, readahead it asked for
+    included) and its major page faults so far, all threads."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["read_bytes"]), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+
+
 def decode(label: str, folder: Path, batch: int, args: argparse.Namespace) -> dict[str, Any]:
     """One run in this (fresh) process: cold load, prefill, `new_tokens` timed greedy steps."""
     import ultramem  # noqa: F401 - registers the stores
@@ -134,18 +143,21 @@ def decode(label: str, folder: Path, batch: int, args: argparse.Namespace) -> di
     for store in stores:
         store.asynchronous = run.asynchronous
     tokens = torch.randint(1, model.config.vocab_size, (batch, args.prompt_tokens), device=args.device)
-    wall, cpu = [], []
+    wall, cpu, disk_mb, major = [], [], [], []
     with torch.no_grad():
         output = model(input_ids=tokens, use_cache=True, logits_to_keep=1)
         cache = output.past_key_values
         for _ in range(args.new_tokens):
             next_tokens = output.logits[:, -1:].argmax(-1)
             common.synchronize(args.device)
-            start, start_cpu = time.perf_counter(), time.process_time()
+            start, start_cpu, start_io = time.perf_counter(), time.process_time(), io_counters()
             output = model(input_ids=next_tokens, past_key_values=cache, use_cache=True)
             common.synchronize(args.device)
             wall.append((time.perf_counter() - start) * 1e3)
             cpu.append((time.process_time() - start_cpu) * 1e3)
+            io = io_counters()
+            disk_mb.append((io[0] - start_io[0]) / 1e6)
+            major.append(io[1] - start_io[1])
     times = {"median_ms": statistics.median(wall), "mean_ms": statistics.mean(wall), "cpu_ms": statistics.median(cpu)}
     ms = times[{"median": "median_ms", "min": "median_ms", "cpu": "cpu_ms"}[args.statistic]]
     tables = [s for s in stores if hasattr(s, "table")]
@@ -161,9 +173,13 @@ def decode(label: str, folder: Path, batch: int, args: argparse.Namespace) -> di
         **times,
         "tokens_per_s": batch * 1e3 / times["median_ms"],
         "rows_read_per_step": sum(s.rows_read for s in tables) / (args.new_tokens + 1),
+        "disk_mb_per_step": statistics.median(disk_mb),  # rows not in the page cache, read from storage
+        "major_faults_per_step": statistics.median(major),
         **process_memory_gb(),
         "load_avg_1min": os.getloadavg()[0],  # a shared machine: other jobs' load stretches the wall clock
         "step_ms": wall,
+        "step_cpu_ms": cpu,
+        "step_disk_mb": disk_mb,
         "device_peak_gb": torch.cuda.max_memory_allocated() / 1e9 if args.device.type == "cuda" else None,
     }
 
@@ -206,6 +222,7 @@ COLUMNS = [
     ("peak_rss_gb", "peak RSS GB"),
     ("rss_file_gb", "file RSS GB"),
     ("rows_read_per_step", "rows/step"),
+    ("disk_mb_per_step", "disk MB/step"),
     ("load_s", "load s"),
     ("cpu_ms", "CPU ms"),
     ("load_avg_1min", "loadavg"),

@@ -60,3 +60,17 @@ def test_auto_picks_embedding_bag_on_cpu():
 def test_model_trains_through_embedding_bag():
     """UltraMemForCausalLM with memory_kernel='embedding_bag' gives the loss and every gradient of 'torch'."""
     assert_trains_like_the_reference("embedding_bag", torch.randint(0, 97, (2, LONG)))
+
+
+def test_value_gradient_in_fresh_pages_accumulates_like_the_reference():
+    """Two backwards into one `.grad` (the second adds to the first) equal the reference's, zero on unread rows."""
+    values, rows, groups, scores = _inputs(LONG, 4, 2, torch.float32)
+    values = torch.cat([values, torch.randn(4096, values.shape[-1])])  # rows 7.. are never selected
+    grads = []
+    for lookup in (memory_ops.lookup_reduce_embedding_bag, memory_ops.lookup_reduce):
+        table = values.clone().requires_grad_()
+        for weight in (1.0, -0.5):
+            (lookup(table, rows, groups, scores, 4) * weight).square().sum().backward()
+        grads.append(table.grad)
+    torch.testing.assert_close(grads[0], grads[1])
+    assert grads[0][7:].count_nonzero() == 0
