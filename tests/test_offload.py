@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import small_config
-from transformers import StaticCache
+from transformers import AutoTokenizer, StaticCache
 
 from ultramem import UltraMemConfig, UltraMemConfigError, UltraMemForCausalLM
 from ultramem.modeling_ultramem import MemoryValueTable
@@ -211,6 +211,7 @@ def test_random_checkpoint_streams_tables_and_checks_disk_space(tmp_path, monkey
     disk = UltraMemForCausalLM.from_pretrained(tmp_path / "ckpt", memory_offload="disk").eval()
     assert torch.equal(greedy(memory), greedy(disk))
     assert UltraMemConfig.from_pretrained(tmp_path / "ckpt").memory_offload is None
+    assert AutoTokenizer.from_pretrained(tmp_path / "ckpt")("The whale").input_ids  # the folder serves pipelines too
     monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(10, 10, 1000))
     with pytest.raises(OSError, match=r"not enough disk space in .*: the checkpoint needs .* GB, 0.0 GB free"):
         write_random_checkpoint(config, tmp_path / "full", torch.bfloat16)

@@ -22,6 +22,7 @@ import torch
 
 from ..configuration_ultramem import UltraMemConfig
 from ..modeling_ultramem import MemoryInitScales, UltraMemForCausalLM
+from ..tokenization import load_tokenizer
 from .safetensors_file import INDEX_FILE
 
 DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64"}
@@ -41,7 +42,8 @@ def build_without_tables(config: UltraMemConfig, dtype: torch.dtype) -> UltraMem
 
 
 def write_random_checkpoint(config: UltraMemConfig, folder: str | Path, dtype: torch.dtype, seed: int = 0) -> Path:
-    """Write `config.json` and a sharded safetensors checkpoint of a random `config` model; returns the index.
+    """Write `config.json`, the tokenizer and a sharded safetensors checkpoint of a random `config` model; returns
+    the index.
 
     One shard holds every weight but the value tables, then one shard per table: Transformers' loader maps each
     file whole with copy-on-write (commit charge), which Linux refuses for one file larger than memory.
@@ -79,6 +81,7 @@ def write_random_checkpoint(config: UltraMemConfig, folder: str | Path, dtype: t
     index = folder / INDEX_FILE
     index.write_text(json.dumps({"metadata": {"total_size": size}, "weight_map": weight_map}, indent=2))
     model.config.save_pretrained(folder)
+    load_tokenizer(model_max_length=config.max_position_embeddings).save_pretrained(folder)  # loadable as a whole
     return index
 
 
