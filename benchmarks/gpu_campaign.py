@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     (results / "logs").mkdir(parents=True, exist_ok=True)
     state_path = results / "campaign.json"
     state = load_state(state_path, device)
+    state_path.write_text(json.dumps(state, indent=1))  # the device and versions, even if no step runs
     start = time.monotonic()
     todo = pending(args.steps, state, set(filter(None, args.redo.split(","))))
     print(f"gpu_campaign: {device}, results in {results}; {len(todo)} step(s) to run: {', '.join(s.name for s in todo)}")
@@ -214,7 +215,6 @@ def main(argv: list[str] | None = None) -> int:
         state_path.write_text(json.dumps(state, indent=1))  # after every step: a killed campaign keeps the rest
         outcome = state["steps"][step.name]
         print(f"=== {step.name}: exit {outcome['returncode']} in {outcome['seconds']} s", flush=True)
-    state_path.write_text(json.dumps(state, indent=1))
     remaining = pending(args.steps, state, set())
     failed = sorted(name for name, outcome in state["steps"].items() if outcome["returncode"] != 0)
     print(f"gpu_campaign: {'complete' if not remaining else f'{len(remaining)} step(s) left'}"

@@ -110,6 +110,11 @@ class _WeightedBagSum(torch.autograd.Function):
         return grad_table, None, None, grad_weights, None
 
 
+def _run_starts(lengths: torch.Tensor) -> torch.Tensor:
+    """The first position of each of consecutive runs of `lengths` items (embedding_bag's `offsets`)."""
+    return lengths.cumsum(0) - lengths
+
+
 def _table_gradient(
     grad_bags: torch.Tensor, table: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, bag_of_sample: torch.Tensor
 ) -> torch.Tensor:
@@ -121,7 +126,7 @@ def _table_gradient(
     """
     sorted_index, order = index.sort(stable=True)
     rows, samples_per_row = torch.unique_consecutive(sorted_index, return_counts=True)
-    offsets = samples_per_row.cumsum(0) - samples_per_row
+    offsets = _run_starts(samples_per_row)
     grad_rows = F.embedding_bag(
         bag_of_sample[order], grad_bags, offsets, mode="sum", per_sample_weights=weights[order]
     )  # (rows, dim)
@@ -160,8 +165,7 @@ def lookup_reduce_embedding_bag(
     token_core = torch.arange(num_tokens * num_cores, device=rows.device).view(num_tokens, num_cores, 1)
     bag_of_sample = (token_core * num_groups + groups.unsqueeze(1)).flatten()  # bag (token, core, group), ascending
     num_bags = num_tokens * num_cores * num_groups
-    bag_sizes = torch.bincount(bag_of_sample, minlength=num_bags)
-    offsets = bag_sizes.cumsum(0) - bag_sizes  # first sample of every bag (empty bags pool to zero)
+    offsets = _run_starts(torch.bincount(bag_of_sample, minlength=num_bags))  # empty bags pool to zero
     weights = scores.transpose(1, 2).to(values.dtype)  # (T, h, K)
     pooled = _WeightedBagSum.apply(
         values.view(-1, value_dim // num_cores), index.flatten(), offsets, weights.flatten(), bag_of_sample
