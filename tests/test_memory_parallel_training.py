@@ -112,7 +112,6 @@ def deepspeed_config_with_optimizer(setup) -> str:
 REFUSED = {
     "fsdp1": (["--fsdp", "full_shard auto_wrap", "--fsdp_config", '{"version": 1}'], "with FSDP1: ", "would flatten"),
     "deepspeed optimizer": (["--deepspeed", "CONFIG"], "with the DeepSpeed config /", "its 'optimizer' section would"),
-    "deepspeed resume": (["--deepspeed", "zero3", "--resume_from_checkpoint", "true"], "with DeepSpeed and ", "yet"),
 }
 
 

@@ -10,6 +10,7 @@ the engine's gradient norm takes the tables' shards in, so both sides clip by th
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -19,6 +20,9 @@ from torch.nn.utils import get_total_norm
 from torch.optim.lr_scheduler import LRScheduler
 
 from ultramem.parallel.checkpoint import sharded_tables
+from ultramem.training.errors import UsageError
+
+SCHEDULE_FILE = "value_tables_scheduler.pt"  # in a Trainer checkpoint, beside DeepSpeed's own files
 
 
 def hide_tables(model: nn.Module) -> list[nn.Parameter]:
@@ -66,6 +70,21 @@ class TablesBesideEngine:
             return result
 
         engine.step = step
+
+    def save_schedule(self, checkpoint: str) -> None:
+        """The value-LR schedule's position (the tables' weights and AdamW state go to `value_tables/` with DCP)."""
+        torch.save(self.scheduler.state_dict(), os.path.join(checkpoint, SCHEDULE_FILE))
+
+    def load_schedule(self, checkpoint: str) -> None:
+        path = os.path.join(checkpoint, SCHEDULE_FILE)
+        if not os.path.isfile(path):
+            raise UsageError(
+                f"--resume_from_checkpoint {checkpoint} has no {SCHEDULE_FILE}: it was not written by a DeepSpeed run with --memory_parallel; "
+                "resume it with the launcher that wrote it (torchrun or accelerate launch without DeepSpeed)"
+            )
+        self.scheduler.load_state_dict(torch.load(path, weights_only=True))
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr  # the optimizer's own state (DCP) holds no param groups
 
     @torch.no_grad()
     def step(self, total_norm: float | None, loss_scale: float, skipped: bool) -> None:

@@ -149,12 +149,6 @@ def check_engine_leaves_tables(args: UltraMemTrainingArguments) -> None:
             "'scheduler' section (the Trainer builds both, as in ultramem/configs/deepspeed/zero2.json and "
             "zero3.json), or --memory_parallel none"
         )
-    if args.resume_from_checkpoint is not None:
-        raise UsageError(
-            f"{flag} with DeepSpeed and --resume_from_checkpoint {args.resume_from_checkpoint}: resuming the value "
-            "tables kept beside the engine is not supported yet; allowed: resume under DDP or FSDP2 (torchrun, "
-            "accelerate launch), or without --memory_parallel"
-        )
 
 
 def shard_value_tables(

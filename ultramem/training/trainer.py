@@ -195,6 +195,8 @@ class UltraMemTrainer(AtomicCheckpointTrainer, FSDPTrainer):
         with tables_left_out_of(self.optimizer, self.model):
             super()._save_optimizer_and_scheduler(output_dir)
         save_table_states(self.model, self._tables_optimizer(), output_dir)
+        if self._tables_beside is not None and self.args.should_save:
+            self._tables_beside.save_schedule(output_dir)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         from ultramem.parallel.checkpoint import sharded_tables
@@ -216,3 +218,5 @@ class UltraMemTrainer(AtomicCheckpointTrainer, FSDPTrainer):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None and has_table_states(checkpoint):
             load_table_states(self.model, self._tables_optimizer(), checkpoint)
+            if self._tables_beside is not None:  # under DeepSpeed, which loaded the rest of the model above
+                self._tables_beside.load_schedule(checkpoint)
