@@ -98,10 +98,15 @@ class FSDPTrainer(Trainer):
             plugin.ignored_modules = [*(plugin.ignored_modules or []), *owners]
             self._presharded = frozenset(n for n, p in self.model.named_parameters() if isinstance(p, DTensor))
 
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+    def _saves_itself(self) -> bool:
         """On CPU Accelerate's FSDP save hands sharded DTensors to safetensors and copies FSDP's own source files as
-        "model code": gather what FSDP sharded (collective: every rank gathers) and `_save` it."""
-        if not self._fsdp_on_cpu:
+        "model code"; on any device its full state dict would gather each presharded value table whole."""
+        return self._fsdp_on_cpu or bool(self._presharded)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Gather what FSDP sharded (collective: every rank gathers, one tensor at a time to host memory) and `_save`
+        it; the presharded tables are left to `_save` (streamed shard by shard, `ultramem.parallel.checkpoint`)."""
+        if not self._saves_itself():
             return super().save_model(output_dir, _internal_call)
         full = {
             name: (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).cpu()
@@ -112,8 +117,8 @@ class FSDPTrainer(Trainer):
         return None
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """On CPU, `state_dict` (gathered by `save_model`) saved as the plain model class would save it."""
-        if not self._fsdp_on_cpu:
+        """`state_dict` (gathered by `save_model`) saved as the plain model class would save it."""
+        if not self._saves_itself():
             return super()._save(output_dir, state_dict)
         if not self.args.should_save:
             return None
