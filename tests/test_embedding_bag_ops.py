@@ -74,3 +74,18 @@ def test_value_gradient_in_fresh_pages_accumulates_like_the_reference():
         grads.append(table.grad)
     torch.testing.assert_close(grads[0], grads[1])
     assert grads[0][7:].count_nonzero() == 0
+
+
+@pytest.mark.parametrize("dense", [True, False])
+def test_value_gradient_pages_chosen_by_how_densely_rows_are_written(dense):
+    """Rows written densely (most 4 KB pages of a 2 MB block) take huge pages, sparse ones small pages; either way
+    the gradient equals the reference's (`index_add_` into `torch.zeros`), zero on every unwritten row."""
+    generator = torch.Generator().manual_seed(0)
+    num_values, value_dim = 65536, 64  # 16 MB, 256 B rows: 16 rows a 4 KB page, 8192 a 2 MB block
+    step = 3 if dense else 8192  # a third of the rows, or one row per 2 MB block
+    rows = torch.arange(0, num_values, step)
+    assert memory_ops._worth_huge_pages(rows, value_dim * 4) is dense
+    grad_rows = torch.randn(rows.numel(), value_dim, generator=generator)
+    grad = memory_ops.zeros_in_fresh_pages((num_values, value_dim), torch.float32, torch.device("cpu"), rows)
+    grad.index_copy_(0, rows, grad_rows)
+    torch.testing.assert_close(grad, torch.zeros(num_values, value_dim).index_add_(0, rows, grad_rows), rtol=0, atol=0)
