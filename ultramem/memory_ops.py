@@ -11,6 +11,7 @@ r Tucker rank, h MCS cores, E IVE groups, N physical rows and Dv the value dim.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 
@@ -95,7 +96,8 @@ def zeros_in_fresh_pages(
     pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     row_bytes = nbytes // shape[0] if shape[0] else 0
     if rows_written is not None and hasattr(mmap, "MADV_HUGEPAGE") and _worth_huge_pages(rows_written, row_bytes):
-        pages.madvise(mmap.MADV_HUGEPAGE)  # a hint: without transparent huge pages it changes nothing
+        with contextlib.suppress(OSError):  # a hint: a kernel without transparent huge pages refuses it (EINVAL)
+            pages.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(pages, dtype=dtype).view(shape)
 
 
