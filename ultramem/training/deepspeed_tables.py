@@ -5,7 +5,8 @@ DeepSpeed has no ignore list: ZeRO flattens every parameter of the optimizer it 
 parameter of the module (and gathers it whole for its forward), and the engine broadcasts rank 0's parameters.
 So the tables stop being module parameters (the store keeps its DTensor as a plain attribute and its lookups are
 unchanged); their AdamW follows the value-LR schedule (10x -> 1x) and steps right after the engine's step, and
-the engine's gradient norm takes the tables' shards in, so both sides clip by the same global norm.
+the engine's gradient norm takes the tables' shards in, so both sides clip by the same global norm. A Trainer
+checkpoint holds their shards and AdamW state (`ultramem.parallel.resume`) and their schedule (`SCHEDULE_FILE`).
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ class TablesBesideEngine:
         path = os.path.join(checkpoint, SCHEDULE_FILE)
         if not os.path.isfile(path):
             raise UsageError(
-                f"--resume_from_checkpoint {checkpoint} has no {SCHEDULE_FILE}: it was not written by a DeepSpeed run with --memory_parallel; "
-                "resume it with the launcher that wrote it (torchrun or accelerate launch without DeepSpeed)"
+                f"--resume_from_checkpoint {checkpoint} has no {SCHEDULE_FILE}: it was not written by a DeepSpeed run "
+                "with --memory_parallel; resume it with the launcher that wrote it (torchrun or accelerate launch "
+                "without DeepSpeed)"
             )
         self.scheduler.load_state_dict(torch.load(path, weights_only=True))
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
