@@ -220,8 +220,9 @@ def tucker_candidate_topk(
         flat_index: (..., topk) int64 index x * m + y into the candidate grid, best first.
         core_scores: (..., topk, h) per-core scores of the winners.
     """
-    per_core = torch.einsum("...ax,...iab,...by->...ixy", row_scores, cores, col_scores)  # (..., h, m, m)
-    per_core = per_core.flatten(-2)  # (..., h, m*m)
+    # S_row^T C^(i) S_col as two broadcast matmuls (a three-operand einsum costs ~2x at decode, T = 1)
+    row_times_core = row_scores.unsqueeze(-3).transpose(-1, -2) @ cores  # (..., h, m, r)
+    per_core = (row_times_core @ col_scores.unsqueeze(-3)).flatten(-2)  # (..., h, m*m)
     _, flat_index = per_core.sum(dim=-2).topk(topk, dim=-1)  # (..., topk)
     gather_index = flat_index.unsqueeze(-2).expand(*per_core.shape[:-1], topk)  # (..., h, topk)
     core_scores = per_core.gather(-1, gather_index).transpose(-1, -2)  # (..., topk, h)
