@@ -57,10 +57,10 @@ def lookup_reduce(
 
 
 EMBEDDING_BAG_MIN_TOKENS = 32
-EMBEDDING_BAG_SUM = 0  # embedding_bag's mode number for "sum" in the aten ops
 """Fewest tokens for which `lookup_reduce_embedding_bag` uses embedding_bag: the crossover measured on CPU
 (one thread, H*m = 32 slots, Dv = 128: reference 23 / 75 / 239 us at 1 / 16 / 64 tokens, embedding_bag
 79 / 97 / 193 us; embedding_bag's fixed cost is ~60 us)."""
+EMBEDDING_BAG_SUM = 0  # embedding_bag's mode number for "sum" in the aten ops
 
 
 # Touching a fresh 4 KB page costs ~2 us (fault + zero fill), a fresh 2 MB huge page ~230 us (measured on this
