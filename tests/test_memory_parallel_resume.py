@@ -7,7 +7,8 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from test_training_support import base_args, losses, python_module, run_command, training_logs, write_config
+from test_training_support import LAUNCHERS, base_args, losses, python_module, run_command, training_logs
+from test_training_support import write_config
 from test_training_support import write_corpus
 
 STEPS, SAVE_AT, KILL_AT, GLOBAL_BATCH = 10, 5, 7, 4
@@ -58,14 +59,6 @@ def test_resume_after_a_kill_continues_the_loss_sequence(runs):
     assert losses(folder / "killed") == pytest.approx(losses(folder / "straight"), abs=LOSS_TOLERANCE)
 
 
-# launcher -> (command before the module's flags, flags after them)
-DEEPSPEED_LAUNCHERS = {
-    "deepspeed zero2": (["deepspeed", "--num_gpus", "2", "--module"], ["--deepspeed", "zero2"]),
-    "accelerate zero3": (python_module("accelerate.commands.launch", "--config_file",
-                                       "ultramem/configs/accelerate/zero3.yaml", "-m"), []),  # fmt: skip
-}
-
-
 @pytest.mark.parametrize(("launcher", "partitioning"), [("deepspeed zero2", "number"), ("accelerate zero3", "dimension")])
 def test_deepspeed_resume_continues_the_loss_sequence_and_the_value_schedule(runs, launcher, partitioning):
     """Under DeepSpeed ZeRO-2/3 the tables live beside the engine: their shards, AdamW state (DCP) and value-LR
@@ -75,7 +68,7 @@ def test_deepspeed_resume_continues_the_loss_sequence_and_the_value_schedule(run
     torch's float32 CPU norm of the 1.6M-element LM-head gradient (1.4e-4 apart at step 1 here), and with clipping
     binding at this learning rate Adam grows that into 6e-4 of loss by step 6 against the DDP run."""
     folder, argv, _ = runs
-    command, flags = DEEPSPEED_LAUNCHERS[launcher]
+    command, flags = LAUNCHERS[launcher]
     name = launcher.replace(" ", "-")
 
     def launch(run: str, **extra) -> None:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_training_support import REPO, base_args, child_env, losses, python_module, run_command, training_logs
+from test_training_support import LAUNCHERS, REPO, base_args, child_env, losses, python_module, run_command
+from test_training_support import training_logs
 from test_training_support import write_config
 from test_training_support import write_corpus
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -46,17 +47,9 @@ def _logits(folder) -> torch.Tensor:
         return model(input_ids=PROBE).logits
 
 
-TORCHRUN = [*python_module("torch.distributed.run", "--nproc_per_node", "2"), "-m"]
-ACCELERATE = python_module("accelerate.commands.launch", "--config_file")
-# launcher -> (command before the module name, flags after the CLI's, who shards the rest of the model)
-LAUNCHERS = {
-    "torchrun": (TORCHRUN, [], "DDP"),
-    "accelerate": ([*ACCELERATE, "ultramem/configs/accelerate/ddp.yaml", "-m"], [], "DDP"),
-    "torchrun --fsdp": (TORCHRUN, ["--fsdp", "full_shard auto_wrap"], "FSDP2"),
-    "accelerate fsdp2": ([*ACCELERATE, "ultramem/configs/accelerate/fsdp2.yaml", "-m"], [], "FSDP2"),
-    "deepspeed zero2": (["deepspeed", "--num_gpus", "2", "--module"], ["--deepspeed", "zero2"], "DeepSpeed"),
-    "accelerate zero3": ([*ACCELERATE, "ultramem/configs/accelerate/zero3.yaml", "-m"], [], "DeepSpeed"),
-}
+# launcher -> who shards the rest of the model
+RESTS = {"torchrun": "DDP", "accelerate": "DDP", "torchrun --fsdp": "FSDP2", "accelerate fsdp2": "FSDP2",
+         "deepspeed zero2": "DeepSpeed", "accelerate zero3": "DeepSpeed"}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -66,7 +59,7 @@ LAUNCHERS = {
 )  # fmt: skip
 def test_sharded_tables_match_single_process(setup, partitioning, launcher):
     folder, argv = setup
-    command, flags, rest = LAUNCHERS[launcher]
+    (command, flags), rest = LAUNCHERS[launcher], RESTS[launcher]
     name = f"{partitioning}-{launcher.replace(' ', '')}"
     result = run_command([*command, "ultramem.training", *argv(name, GLOBAL_BATCH // 2, memory_parallel=partitioning),
                           *flags], DS_ACCELERATOR="cpu")  # fmt: skip

@@ -129,6 +129,19 @@ def python_module(*args: str) -> list[str]:
     return [sys.executable, "-m", *args]
 
 
+_TORCHRUN = [*python_module("torch.distributed.run", "--nproc_per_node", "2"), "-m"]
+_ACCELERATE = python_module("accelerate.commands.launch", "--config_file")
+# 2-process launcher -> (command before the module name, flags after the CLI's)
+LAUNCHERS = {
+    "torchrun": (_TORCHRUN, []),
+    "accelerate": ([*_ACCELERATE, "ultramem/configs/accelerate/ddp.yaml", "-m"], []),
+    "torchrun --fsdp": (_TORCHRUN, ["--fsdp", "full_shard auto_wrap"]),
+    "accelerate fsdp2": ([*_ACCELERATE, "ultramem/configs/accelerate/fsdp2.yaml", "-m"], []),
+    "deepspeed zero2": (["deepspeed", "--num_gpus", "2", "--module"], ["--deepspeed", "zero2"]),
+    "accelerate zero3": ([*_ACCELERATE, "ultramem/configs/accelerate/zero3.yaml", "-m"], []),
+}
+
+
 def training_logs(output_dir: Path) -> list[dict]:
     """Per-step training log entries (those with a training loss) of a finished run."""
     state = json.loads((output_dir / "trainer_state.json").read_text())
