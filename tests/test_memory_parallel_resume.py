@@ -18,14 +18,14 @@ LOSS_TOLERANCE = 1e-5
 KILL_AFTER_STEP = f"""
 import os, signal, sys
 from transformers import TrainerCallback
-from ultramem.training.cli import run
+from ultramem.training.cli import main
 
 class Kill(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == {KILL_AT}:
             os.kill(os.getpid(), signal.SIGKILL)
 
-run(sys.argv[1:], callbacks=[Kill()])
+main(sys.argv[1:], callbacks=[Kill()])
 """
 
 

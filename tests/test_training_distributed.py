@@ -24,7 +24,7 @@ import json, sys
 from pathlib import Path
 import torch
 from transformers import TrainerCallback
-from ultramem.training.cli import run
+from ultramem.training.cli import main
 
 class Probe(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -42,7 +42,7 @@ class Probe(TrainerCallback):
         if args.process_index == 0:
             torch.save(logits, out / "rank0_logits.pt")
 
-run(sys.argv[1:], callbacks=[Probe()])
+main(sys.argv[1:], callbacks=[Probe()])
 """
 
 

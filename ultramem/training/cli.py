@@ -182,10 +182,11 @@ def exit_distributed_rank() -> NoReturn:
     os._exit(0)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Console entry point: a usage error prints one line and exits with status 2."""
+def main(argv: list[str] | None = None, callbacks: list[TrainerCallback] | None = None) -> None:
+    """Console entry point: a usage error prints one line and exits with status 2; a distributed rank ends with
+    `exit_distributed_rank`. Scripts that add `callbacks` under a launcher call this too, not `run`."""
     try:
-        run(sys.argv[1:] if argv is None else argv)
+        run(sys.argv[1:] if argv is None else argv, callbacks=callbacks)
     except UsageError as error:
         print(f"ultramem-train: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
