@@ -182,7 +182,30 @@ def measure(
     waits for a core; its own CPU time does not (with one thread it is the single-core cost of the call).
     """
     warmup = args.warmup if warmup is None else warmup
-    wall, cpu = time_calls(fn, args.device, warmup, args.iters if iters is None else iters)
+    return summarize(*time_calls(fn, args.device, warmup, args.iters if iters is None else iters), args)
+
+
+def measure_interleaved(fns: dict[str, Callable[[], Any]], args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """`measure` of several calls timed in turn (one call of each per round), for ratios between them.
+
+    On a machine whose speed drifts (other jobs, frequency, a neighbour's use of the shared cache) timing one
+    model after the other puts the drift into their ratio; interleaving exposes both to the same conditions.
+    """
+    for _ in range(args.warmup):
+        for fn in fns.values():
+            fn()
+    synchronize(args.device)
+    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in fns}
+    for _ in range(args.iters):
+        for name, fn in fns.items():
+            wall, cpu = time_calls(fn, args.device, 0, 1)
+            times[name][0].extend(wall)
+            times[name][1].extend(cpu)
+    return {name: summarize(wall, cpu, args) for name, (wall, cpu) in times.items()}
+
+
+def summarize(wall: list[float], cpu: list[float], args: argparse.Namespace) -> dict[str, float]:
+    """Wall-clock median, min and max, median CPU time, and `ms`: the statistic chosen by `--statistic`."""
     summary = {
         "median_ms": statistics.median(wall),
         "min_ms": min(wall),
@@ -315,8 +338,16 @@ def decode_forward(model: PreTrainedModel, args: argparse.Namespace) -> Callable
 def time_decode(model: PreTrainedModel, batch: int, args: argparse.Namespace) -> dict[str, float]:
     """Time of one decoding step (sequence length 1) for `batch` sequences with `args.context` cached tokens.
 
-    Every model runs the same way: StaticCache, SDPA attention, `decode_forward`. After timing, one more
-    step runs under the profiler to count what it launches (see `count_launches`).
+    After timing, one more step runs under the profiler to count what it launches (see `count_launches`).
+    """
+    step = decode_step(model, batch, args)
+    return {**measure(step, args), **count_launches(step, args.device)}
+
+
+def decode_step(model: PreTrainedModel, batch: int, args: argparse.Namespace) -> Callable[[], None]:
+    """One decoding step (sequence length 1) for `batch` sequences with `args.context` cached tokens, as a call.
+
+    Every model runs the same way: StaticCache, SDPA attention, `decode_forward`.
     """
     cache = filled_static_cache(model, batch, args.context, decode_cache_length(args))
     tokens = torch.randint(1, model.config.vocab_size, (batch, 1), device=model.device)
@@ -325,7 +356,7 @@ def time_decode(model: PreTrainedModel, batch: int, args: argparse.Namespace) ->
     def step() -> None:
         forward(input_ids=tokens, past_key_values=cache, use_cache=True)
 
-    return {**measure(step, args), **count_launches(step, args.device)}
+    return step
 
 
 def count_launches(fn: Callable[[], Any], device: torch.device) -> dict[str, int]:

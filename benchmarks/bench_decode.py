@@ -15,6 +15,10 @@ CPU (tiny presets, float32, eager; a few minutes on 2 cores):
 
     OMP_NUM_THREADS=2 python benchmarks/bench_decode.py --device cpu --sizes tiny --batch-sizes 1,4,16,64
 
+For a ratio on a machine whose speed drifts (shared cores), `--interleave` times the three models' steps in turn:
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_decode.py --device cpu --sizes tiny --batch-sizes 1 --interleave --iters 300
+
 Writes benchmarks/results/decode_<device>.json and .png; the table is printed last.
 """
 
@@ -24,6 +28,7 @@ import argparse
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
 
 import _common as common
 
@@ -40,6 +45,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="1,2,...,1024 on CUDA (stops at the first out-of-memory); 1,4,16 on CPU",
     )
     parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="hold the three models of a size at once and time their steps in turn (one step of each per round), "
+        "so machine drift does not enter their ratios; for CPU runs, or sizes whose models fit the device together",
+    )
+    parser.add_argument(
         "--analytic-sizes",
         type=common.parse_sizes,
         default=["680m", "1.6b"],
@@ -54,42 +65,75 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def bench_model(size: str, kind: str, args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Time one model at every batch size (stopping at out-of-memory); returns rows and a description."""
+def build_peer(size: str, kind: str, args: argparse.Namespace) -> tuple[PreTrainedModel, dict[str, Any]]:
+    """The eval-mode model of `kind` at `size` and its description; for MoE, its fastest expert path chosen."""
     preset = common.PEERS[size][kind]
-    model = common.build(preset, args.device, args.dtype, **common.decode_overrides(preset, args))
-    model.eval()
+    model = common.build(preset, args.device, args.dtype, **common.decode_overrides(preset, args)).eval()
     info: dict[str, Any] = {"size": size, "kind": kind, "preset": preset}
-    bytes_per_value = torch.finfo(args.dtype).bits // 8
-    rows = []
-    with torch.no_grad():
-        if kind == "moe":
-            probe_batch = args.batch_sizes[len(args.batch_sizes) // 2]
+    if kind == "moe":
+        probe_batch = args.batch_sizes[len(args.batch_sizes) // 2]
+        with torch.no_grad():
             info["moe_implementation"], info["moe_probe_ms"] = common.choose_moe_implementation(
                 model,
                 args.moe_impl,
                 lambda m: common.time_decode(m, probe_batch, args),
             )
-            info["moe_probe_batch"] = probe_batch
+        info["moe_probe_batch"] = probe_batch
+    return model, info
+
+
+def row_of(info: dict[str, Any], model: PreTrainedModel, batch: int, args: argparse.Namespace) -> dict[str, Any]:
+    """A result row before timing: the model, the batch and the analytic memory access of one step."""
+    access = common.decode_memory_access(model, batch, args.context, torch.finfo(args.dtype).bits // 8)
+    row: dict[str, Any] = {"size": info["size"], "kind": info["kind"], "batch": batch, "access_gb": access.total / 1e9}
+    row.update(sparse_gb=access.sparse_weights / 1e9, kv_gb=access.kv_cache / 1e9)
+    return row
+
+
+def timed(row: dict[str, Any], timing: dict[str, float], info: dict[str, Any]) -> dict[str, Any]:
+    """`row` with its timing, and the time printed."""
+    row = {**row, **timing, "status": "ok", "gbps": row["access_gb"] / (timing["ms"] / 1e3)}
+    print(f"{info['preset']:<20} batch {row['batch']:>5}: {timing['ms']:8.3f} ms  {row['access_gb']:7.3f} GB analytic")
+    return row
+
+
+def bench_model(size: str, kind: str, args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Time one model at every batch size (stopping at out-of-memory); returns rows and a description."""
+    model, info = build_peer(size, kind, args)
+    rows = []
+    with torch.no_grad():
         for batch in args.batch_sizes:
-            access = common.decode_memory_access(model, batch, args.context, bytes_per_value)
-            row: dict[str, Any] = {"size": size, "kind": kind, "batch": batch, "access_gb": access.total / 1e9}
-            row.update(sparse_gb=access.sparse_weights / 1e9, kv_gb=access.kv_cache / 1e9)
+            row = row_of(info, model, batch, args)
             try:
                 timing = common.time_decode(model, batch, args)
             except RuntimeError as error:
                 if not common.is_out_of_memory(error):
                     raise
                 rows.append({**row, "status": "out of memory"})
-                print(f"{preset} batch {batch}: out of memory, larger batches skipped")
+                print(f"{info['preset']} batch {batch}: out of memory, larger batches skipped")
                 break
-            row.update(timing, status="ok", gbps=access.total / 1e9 / (timing["ms"] / 1e3))
-            print(f"{preset:<20} batch {batch:>5}: {timing['ms']:8.3f} ms  {row['access_gb']:7.3f} GB analytic")
-            rows.append(row)
+            rows.append(timed(row, timing, info))
             common.release(args.device)
     del model
     common.release(args.device)
     return rows, info
+
+
+def bench_size_interleaved(size: str, args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """`--interleave`: the three models of `size` held at once, their steps timed in turn at every batch size."""
+    peers = {kind: build_peer(size, kind, args) for kind in ("dense", "ultramem", "moe")}
+    rows = []
+    with torch.no_grad():
+        for batch in args.batch_sizes:
+            steps = {kind: common.decode_step(model, batch, args) for kind, (model, _) in peers.items()}
+            timings = common.measure_interleaved(steps, args)
+            for kind, (model, info) in peers.items():
+                timing = {**timings[kind], **common.count_launches(steps[kind], args.device)}
+                rows.append(timed(row_of(info, model, batch, args), timing, info))
+    infos = [info for _, info in peers.values()]
+    del peers, steps
+    common.release(args.device)
+    return rows, infos
 
 
 def analytic_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -202,6 +246,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
     rows, models = [], []
     for size in args.sizes:
+        if args.interleave:
+            size_rows, infos = bench_size_interleaved(size, args)
+            rows += size_rows
+            models += infos
+            continue
         for kind in ("dense", "ultramem", "moe"):
             model_rows, info = bench_model(size, kind, args)
             rows += model_rows
@@ -220,6 +269,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "attention": "sdpa",
             "warmup": args.warmup,
             "iters": args.iters,
+            "interleave": args.interleave,
         },
         "analytic_model": (
             "bytes read per step: every dense weight once + B input-embedding rows + KV cache (2*B*context*L*D) + "

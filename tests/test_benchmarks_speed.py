@@ -51,6 +51,28 @@ def test_bench_decode_writes_rows_ratios_and_plot(bench, tmp_path, capsys):
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("tiny")  # the table is printed last
 
 
+def test_bench_decode_interleave_times_the_peers_in_turn(bench, tmp_path, monkeypatch):
+    """`--interleave`: the same rows as one model at a time, from steps timed one of each model per round."""
+    common, calls = bench("_common"), []
+    time_calls = common.time_calls
+
+    def recording(fn, device, warmup, iters, before_each=None):
+        calls.append((fn, warmup, iters))
+        return time_calls(fn, device, warmup, iters, before_each)
+
+    monkeypatch.setattr(common, "time_calls", recording)
+    args = ["--device", "cpu", "--warmup", "1", "--iters", "3", "--sizes", "tiny", "--batch-sizes", "1", "--context", "8"]
+    payload = bench("bench_decode").main([*args, "--moe-impl", "eager", "--interleave", "--no-plot",
+                                          "--results-dir", str(tmp_path), "--name", "decode_interleaved"])
+    assert read(tmp_path, "decode_interleaved")["settings"]["interleave"] is True
+    assert [(r["kind"], r["batch"], r["status"]) for r in payload["rows"]] == [
+        ("dense", 1, "ok"), ("ultramem", 1, "ok"), ("moe", 1, "ok")]
+    steps = [fn for fn, warmup, iters in calls if (warmup, iters) == (0, 1)]
+    assert len(steps) == 9 and len(set(steps)) == 3
+    assert steps[3:6] == steps[:3] and steps[6:] == steps[:3]  # one step of each model per round, same order
+    assert payload["ratios"][0]["ultramem/dense"] > 0
+
+
 def test_bench_scaling_grows_slots_and_experts(bench, tmp_path):
     args = [*TIMING, "--slots", "16384,65536", "--batch", "2", "--context", "8", "--moe-impl", "eager", "--no-plot"]
     payload = bench("bench_scaling").main([*args, "--results-dir", str(tmp_path), "--name", "scaling"])
