@@ -66,6 +66,12 @@ def gpu_steps() -> list[Step]:
               "--cache-dir", "{results}/quality_cache"],
              resumable=True),  # fmt: skip
         Step("decode_1.6b", 280, "bench_decode.py", [*decode, "--sizes", "1.6b", "--batch-sizes", "1,4,16"]),
+        # issue 11 on a GPU: ultramem-1.6b-x12 (a 44 GB checkpoint, built here, deleted after) with its tables in
+        # pinned host memory against the same model fully on the GPU; a rerun reuses a checkpoint left by a cut one
+        Step("offload_1.6b", 540, "bench_offload.py",
+             ["--device", "cuda", "--checkpoints", "/tmp/ultramem_offload_checkpoints", "--build", "--cleanup",
+              "--runs", "gpu-resident,cpu-offload", "--batch-sizes", "1,8", "--results-dir", "{results}",
+              "--name", "offload"]),  # fmt: skip
     ]
 
 
