@@ -14,7 +14,9 @@ built by the run deleted after it with --cleanup):
 
 Runs (`--runs`): `dense` = dense-1.6b in memory; `disk` / `disk-sync` = ultramem-1.6b-x12 with its tables
 memory-mapped, lookups in the skip-layer window on a background thread / blocking (the overlap, measured);
-`disk-x1/16`, `disk-x1/4` = the same model with 16x / 4x fewer value rows (the time as the table grows 16x).
+`disk-x1/16`, `disk-x1/4` = the same model with 16x / 4x fewer value rows (the time as the table grows 16x);
+`disk-t151m`, `disk-t151m-x4`, `disk-t151m-x16` = the same model with tables of ultramem-151m-x12's size (3.7 GB)
+and 4x / 16x that (up to 59.3 GB: a 64 GB checkpoint, one at a time on disk with --cleanup).
 
 GPU (not run: no GPU in the session that wrote this): the tables in pinned host memory with a model larger than
 an 80 GB GPU (`cpu-offload-gpu`: 2.25x the rows of ultramem-1.6b-x12, 89 GB of tables, needs ~100 GB host RAM),
@@ -63,6 +65,10 @@ RUNS: dict[str, Run] = {
     "disk-sync": Run("ultramem-1.6b-x12", "disk", asynchronous=False),
     "disk-x1/16": Run("ultramem-1.6b-x12", "disk", overrides={"memory_num_keys": 896}),
     "disk-x1/4": Run("ultramem-1.6b-x12", "disk", overrides={"memory_num_keys": 1792}),
+    # the same model with tables of ultramem-151m-x12's size (3.7 GB), 4x and 16x that (14.8, 59.3 GB)
+    "disk-t151m": Run("ultramem-1.6b-x12", "disk", overrides={"memory_num_keys": 1098}),
+    "disk-t151m-x4": Run("ultramem-1.6b-x12", "disk", overrides={"memory_num_keys": 2196}),
+    "disk-t151m-x16": Run("ultramem-1.6b-x12", "disk", overrides={"memory_num_keys": 4392}),
     "gpu-resident": Run("ultramem-1.6b-x12", None),
     "cpu-offload": Run("ultramem-1.6b-x12", "cpu"),
     "cpu-offload-gpu": Run("ultramem-1.6b-x12", "cpu", overrides={"memory_num_keys": 5376}),
@@ -191,7 +197,11 @@ def run_isolated(label: str, folder: Path, batch: int, args: argparse.Namespace)
         return pool.apply(decode, (label, folder, batch, args))
 
 
-SCALING_RUNS = ("disk-x1/16", "disk-x1/4", "disk")
+# The tables growing 16x: from 1/16 of ultramem-1.6b-x12's to its own, and from ultramem-151m-x12's size up.
+SCALING_SERIES = {
+    "16x from 2.5 GB": ("disk-x1/16", "disk-x1/4", "disk"),
+    "16x from 3.7 GB": ("disk-t151m", "disk-t151m-x4", "disk-t151m-x16"),
+}
 
 
 def summary_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -199,17 +209,17 @@ def summary_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by = {(r["run"], r["batch"]): r["ms"] for r in rows}
     table = []
     for batch in sorted({r["batch"] for r in rows}):
-        scaled = [by[(run, batch)] for run in SCALING_RUNS if (run, batch) in by]
         ratio = lambda a, b: by[(a, batch)] / by[(b, batch)] if (a, batch) in by and (b, batch) in by else None  # noqa: E731
-        table.append(
-            {
-                "batch": batch,
-                "ultramem/dense": ratio("disk", "dense"),
-                "sync/async": ratio("disk-sync", "disk"),
-                "16x table spread": max(scaled) / min(scaled) - 1 if len(scaled) > 1 else None,
-                "offload/resident (gpu)": ratio("cpu-offload", "gpu-resident"),
-            }
-        )
+        row = {
+            "batch": batch,
+            "ultramem/dense": ratio("disk", "dense"),
+            "sync/async": ratio("disk-sync", "disk"),
+            "offload/resident (gpu)": ratio("cpu-offload", "gpu-resident"),
+        }
+        for series, runs in SCALING_SERIES.items():
+            scaled = [by[(run, batch)] for run in runs if (run, batch) in by]
+            row[f"spread, {series}"] = max(scaled) / min(scaled) - 1 if len(scaled) > 1 else None
+        table.append(row)
     return table
 
 
@@ -228,7 +238,11 @@ COLUMNS = [
     ("cpu_ms", "CPU ms"),
     ("load_avg_1min", "loadavg"),
 ]
-SUMMARY_COLUMNS = [(k, k) for k in ("batch", "ultramem/dense", "sync/async", "16x table spread", "offload/resident (gpu)")]
+SUMMARY_COLUMNS = [
+    (k, k)
+    for k in ("batch", "ultramem/dense", "sync/async", *(f"spread, {series}" for series in SCALING_SERIES),
+              "offload/resident (gpu)")
+]
 
 
 def plot(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
@@ -239,10 +253,12 @@ def plot(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         series = {run: ([r["batch"] for r in rows if r["run"] == run], [r[key] for r in rows if r["run"] == run]) for run in runs}
         panels.append((f"decode step, {what}", "ms / step", series))
     scaling = {}
-    for batch in args.batch_sizes:
-        for key, what in (("median_ms", "wall"), ("cpu_ms", "CPU")):
-            points = sorted((r["table_gb"], r[key]) for r in rows if r["run"] in SCALING_RUNS and r["batch"] == batch)
-            scaling[f"batch {batch}, {what}"] = ([p[0] for p in points], [p[1] for p in points])
+    for series, series_runs in SCALING_SERIES.items():
+        for batch in args.batch_sizes:
+            for key, what in (("median_ms", "wall"), ("cpu_ms", "CPU")):
+                points = sorted((r["table_gb"], r[key]) for r in rows if r["run"] in series_runs and r["batch"] == batch)
+                if points:
+                    scaling[f"{series}, batch {batch}, {what}"] = ([p[0] for p in points], [p[1] for p in points])
     panels.append(("tables on disk growing 16x (x: GB)", "ms / step", scaling))
     common.plot_panels(args, panels, "batch size | value-table GB", f"memory_offload, {str(args.dtype)[6:]}, {args.device}")
 
