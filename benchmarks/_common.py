@@ -194,7 +194,6 @@ def measure_interleaved(fns: dict[str, Callable[[], Any]], args: argparse.Namesp
     for _ in range(args.warmup):
         for fn in fns.values():
             fn()
-    synchronize(args.device)
     times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in fns}
     for _ in range(args.iters):
         for name, fn in fns.items():
