@@ -62,7 +62,7 @@ def measure(args: argparse.Namespace, mesh) -> list[dict]:
                 dist.barrier()
                 start = time.perf_counter()
                 with count_bytes() as sent:
-                    pooled = store.lookup_reduce(*lookups, shape.num_groups, TORCH_MEMORY_OPS)
+                    pooled = store(*lookups, shape.num_groups, TORCH_MEMORY_OPS)
                     forward = sum(sent.values())
                     pooled.square().sum().backward()
                 times.append(time.perf_counter() - start)
@@ -81,7 +81,7 @@ def train_large(args: argparse.Namespace, mesh) -> dict:
     shape = LookupShape(args.tokens, args.slots, args.large_value_dim, args.cores, args.groups)
     start = time.perf_counter()
     for _ in range(args.large_steps):
-        pooled = store.lookup_reduce(*_lookups(shape, args.large_rows), shape.num_groups, TORCH_MEMORY_OPS)
+        pooled = store(*_lookups(shape, args.large_rows), shape.num_groups, TORCH_MEMORY_OPS)
         pooled.square().mean().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)

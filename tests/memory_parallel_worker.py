@@ -111,7 +111,7 @@ def store_checks(mesh, rank: int) -> dict:
             store = type_of(key).from_table(table, "values.weight", mesh, **options)
             scores_mine = scores.clone().requires_grad_()
             with count_bytes() as sent, LargestTensor() as largest:
-                pooled = store.lookup_reduce(rows, groups, scores_mine, groups_n, TORCH_MEMORY_OPS)
+                pooled = store(rows, groups, scores_mine, groups_n, TORCH_MEMORY_OPS)
                 forward = dict(sent)
                 pooled.pow(2).sum().backward()
             shard = full_grad.chunk(size, dim=store.shard_dim)[mesh.get_local_rank("shard")]

@@ -279,12 +279,14 @@ def test_incremental_decoding_matches_full_recompute(attn_implementation):
     torch.testing.assert_close(incremental[real], full[real], rtol=1e-5, atol=1e-5)
 
 
-def test_cached_generation_equals_uncached():
-    """Greedy generation with the KV + query-conv cache equals recomputing everything at every step."""
+@pytest.mark.parametrize("num_beams", [1, 3], ids=["greedy", "beam-search"])
+def test_cached_generation_equals_uncached(num_beams):
+    """Generation with the KV + query-conv cache equals recomputing everything at every step; beam search
+    reorders the cache's query-conv states with its beams."""
     config = small_config(vocab_size=211)
     model = _model(config, seed=7)
     input_ids, attention_mask = _left_padded_batch(config.vocab_size, [12, 8, 3], seed=4)
-    kwargs = dict(attention_mask=attention_mask, max_new_tokens=32, do_sample=False, pad_token_id=0)
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=32, do_sample=False, pad_token_id=0, num_beams=num_beams)
     cached = model.generate(input_ids, use_cache=True, **kwargs)
     uncached = model.generate(input_ids, use_cache=False, **kwargs)
     assert cached.shape == (3, input_ids.shape[1] + 32)

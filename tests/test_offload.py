@@ -13,9 +13,11 @@ import pytest
 import torch
 from conftest import small_config
 from transformers import AutoTokenizer, StaticCache
+from transformers.testing_utils import CaptureLogger
 
 from ultramem import UltraMemConfig, UltraMemConfigError, UltraMemForCausalLM
-from ultramem.modeling_ultramem import MemoryValueTable
+from ultramem.modeling_ultramem import MemoryValueTable, offloaded_by_accelerate
+from ultramem.modeling_ultramem import logger as modeling_logger
 from ultramem.offload import DiskValueStore, HostValueStore, OffloadCheckpointError, SafetensorsCheckpoint
 from ultramem.offload.random_checkpoint import write_random_checkpoint
 
@@ -233,3 +235,23 @@ def test_memory_offload_reaches_the_model_from_pipeline_and_lm_eval(saved, entry
         arguments = f"pretrained={folder},memory_offload=disk,trust_remote_code=True,dtype=float32"
         model = HFLM.create_from_arg_string(arguments, {"device": "cpu", "batch_size": 1}).model
     assert {type(layer.values).__name__ for layer in model.model.memory_layers} == {"DiskValueStore"}
+
+
+def test_accelerate_device_map_disk_offload_matches_in_memory_model(saved, tmp_path):
+    """Transformers' own big-model path (`device_map`, `max_memory`, `offload_folder`) runs the model: Accelerate's
+    hooks load the offloaded value tables in their forward and the cores for the aux loss, and a warning points to
+    `memory_offload`, which reads only the selected rows."""
+    folder, reference = saved
+    half = sum(p.numel() * p.element_size() for p in reference.parameters()) // 2
+    with CaptureLogger(modeling_logger) as captured:
+        model = UltraMemForCausalLM.from_pretrained(
+            folder, device_map="auto", max_memory={"cpu": half}, offload_folder=tmp_path
+        ).eval()
+    placements = set(model.hf_device_map.values())
+    assert "disk" in placements and len(placements) > 1, model.hf_device_map  # part kept in memory, part on disk
+    assert any(offloaded_by_accelerate(layer.values) for layer in model.model.memory_layers)
+    assert "reads only the selected rows" in captured.out
+    output = model(**PROMPT)
+    torch.testing.assert_close(output.logits, reference(**PROMPT).logits, rtol=0, atol=0)
+    torch.testing.assert_close(output.aux_loss, reference(**PROMPT).aux_loss, rtol=0, atol=0)
+    assert torch.equal(greedy(model), greedy(reference))

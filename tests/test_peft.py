@@ -50,3 +50,16 @@ def test_lora_trains_only_the_adapters_and_round_trips(tmp_path: Path) -> None:
     reloaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
     with torch.no_grad():
         torch.testing.assert_close(reloaded.eval()(input_ids=tokens[:2]).logits, trained_logits)
+
+
+def test_lora_on_the_value_tables_is_refused_and_modules_to_save_trains_them() -> None:
+    input_ids = torch.randint(1, small_config().vocab_size, (2, 8))
+    lora = peft.get_peft_model(UltraMemForCausalLM(small_config()), peft.LoraConfig(r=2, target_modules=["values"]))
+    with pytest.raises(ValueError, match=r"PEFT adapters cannot target the value tables \(`values`\)"):
+        lora(input_ids=input_ids)
+    saved = peft.get_peft_model(
+        UltraMemForCausalLM(small_config()), peft.LoraConfig(r=2, target_modules=["proj"], modules_to_save=["values"])
+    )
+    saved(input_ids=input_ids, labels=input_ids).loss.backward()
+    copies = [p for name, p in saved.named_parameters() if "values.modules_to_save" in name]
+    assert copies and all(p.grad is not None and p.grad.abs().sum() > 0 for p in copies)

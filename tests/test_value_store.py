@@ -1,4 +1,4 @@
-"""The value-store seam: the memory layer reads values only through `lookup_reduce` of its store."""
+"""The value-store seam: the memory layer reads values only by calling its store (the lookup-reduce)."""
 
 import pytest
 import torch
@@ -21,7 +21,7 @@ class RecordingStore(nn.Module):
     def from_table(cls, table: MemoryValueTable, name: str) -> "RecordingStore":
         return cls(table.weight, name)
 
-    def lookup_reduce(self, rows, groups, scores, num_groups, ops):
+    def forward(self, rows, groups, scores, num_groups, ops):
         self.requests.append(rows)
         return ops.lookup_reduce(self.weight, rows, groups, scores, num_groups)
 

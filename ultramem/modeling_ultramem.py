@@ -20,7 +20,7 @@ One memory layer, for one token (paper section 3):
 import functools
 import math
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
 from statistics import NormalDist
@@ -44,12 +44,15 @@ from transformers.models.llama.modeling_llama import (
     eager_attention_forward,
 )
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_ultramem import TUCKER, UltraMemConfig, validate_memory_offload
 from .memory_ops import lookup_reduce, lookup_reduce_embedding_bag, tucker_candidate_topk
+
+logger = logging.get_logger(__name__)
+
 
 class MemoryOps(Protocol):
     """The memory layer's two compute kernels, with the contract of `memory_ops` (their reference).
@@ -192,10 +195,11 @@ class ScaledLayerNorm(nn.LayerNorm):
 class MemoryValueTable(nn.Embedding):
     """The physical value table V (N, Dv) of one memory layer, held whole on this process's device.
 
-    This is the "local" value store. A value store is any module that answers `lookup_reduce` for the
+    This is the "local" value store. A value store is any module whose forward is the lookup-reduce of the
     selected rows; where its values live (this device, shards on other ranks, host memory, a memory-mapped
-    file) is its own business, and the memory layer only ever calls this one method. Stores are registered
-    in `VALUE_STORES` and swapped in by `UltraMemPreTrainedModel.set_value_store`.
+    file) is its own business, and the memory layer only ever calls it. Being a module call, every store is
+    seen by module hooks (Accelerate's `device_map` offload loads an offloaded table in them). Stores are
+    registered in `VALUE_STORES` and swapped in by `UltraMemPreTrainedModel.set_value_store`.
     """
 
     def __init__(self, num_values: int, value_dim: int, init_std: float):
@@ -205,7 +209,7 @@ class MemoryValueTable(nn.Embedding):
     def init_ultramem(self) -> None:
         init.normal_(self.weight, std=self.init_std)
 
-    def lookup_reduce(
+    def forward(
         self, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor, num_groups: int, ops: MemoryOps
     ) -> torch.Tensor:
         """rows, groups (T, K), scores (T, K, h) -> (T, E, Dv): see `memory_ops.lookup_reduce`."""
@@ -216,13 +220,14 @@ class ValueStore(Protocol):
     """Where a memory layer's values live: the one interface the memory layer reads values through.
 
     `from_table` builds the store from a layer's `MemoryValueTable` (taking its weight or only the part it
-    keeps; `name` is the weight's state-dict key, e.g. to find it in a checkpoint); `lookup_reduce` returns the pooled (T, E, Dv) values of the selected rows on the device of `scores`.
+    keeps; `name` is the weight's state-dict key, e.g. to find it in a checkpoint); calling the store (its
+    `forward`) returns the pooled (T, E, Dv) values of the selected rows on the device of `scores`.
     """
 
     @classmethod
     def from_table(cls, table: MemoryValueTable, name: str, **options) -> nn.Module: ...
 
-    def lookup_reduce(
+    def __call__(
         self, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor, num_groups: int, ops: MemoryOps
     ) -> torch.Tensor: ...
 
@@ -242,7 +247,7 @@ VALUE_STORES: dict[str, type[ValueStore]] = {"local": _LocalValueStore}
 `ultramem` package registers the sharded (memory parallelism) and offloaded ("cpu", "disk") stores.
 
 A store may also offer `lookup_reduce_async(rows, groups, scores, num_groups, ops)`, same arguments, returning
-an object whose `result()` is what `lookup_reduce` returns: the memory layer then starts the read when block `a`
+an object whose `result()` is what calling the store returns: the memory layer then starts the read when block `a`
 starts and collects it after block `b` (the skip-layer window, see `UltraMemMemoryLayer.start`)."""
 
 
@@ -260,7 +265,7 @@ class DeferredValueTable(nn.Module):
         self.num_embeddings, self.embedding_dim, self.offload = num_values, value_dim, offload
         self.init_std = init_std
 
-    def lookup_reduce(self, *args, **kwargs) -> torch.Tensor:
+    def forward(self, *args, **kwargs) -> torch.Tensor:
         raise RuntimeError(
             f"UltraMemConfig.memory_offload={self.offload!r}: a value store attaches the value tables in "
             "from_pretrained(path, memory_offload=...), or in set_value_store('number' | 'dimension') after deferred_value_tables(); "
@@ -797,7 +802,8 @@ class ImplicitValueExpansion(nn.Module):
 
     The n^2 = E * N virtual addresses are shuffled by a fixed bijection, stored in the checkpoint so it
     is identical after reload on any machine. Shuffled address v' reads physical row v' mod N into
-    group v' div N; the E pooled groups go through their projectors as one GEMM.
+    group v' div N; the E pooled groups go through their projectors as one GEMM. The memory layer reads the
+    rows from its value store in between (`physical_slots`, then the store, then `forward`).
     """
 
     def __init__(self, config: UltraMemConfig, scales: MemoryInitScales):
@@ -834,21 +840,9 @@ class ImplicitValueExpansion(nn.Module):
             virtual_index = self.virtual_to_physical[virtual_index]
         return virtual_index % self.num_values, torch.div(virtual_index, self.num_values, rounding_mode="floor")
 
-    def forward(
-        self, values: ValueStore, virtual_index: torch.Tensor, scores: torch.Tensor, ops: MemoryOps
-    ) -> torch.Tensor:
-        """virtual_index (T, K), scores (T, K, h) -> output (T, D), reading the rows from the value store."""
-        rows, groups = self.physical_slots(virtual_index)
-        pooled = values.lookup_reduce(rows, groups, scores, self.num_groups, ops)  # (T, E, Dv)
-        return self.projector(pooled.flatten(1).to(scores.dtype))
-
-    def start(
-        self, values: ValueStore, virtual_index: torch.Tensor, scores: torch.Tensor, ops: MemoryOps
-    ) -> Callable[[], torch.Tensor]:
-        """`forward` with the store's asynchronous lookup: returns a call that waits for the rows and projects."""
-        rows, groups = self.physical_slots(virtual_index)
-        pending = values.lookup_reduce_async(rows, groups, scores, self.num_groups, ops)
-        return lambda: self.projector(pending.result().flatten(1).to(scores.dtype))
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Pooled values (T, E, Dv) of the E groups -> output (T, D)."""
+        return self.projector(pooled.flatten(1))
 
 
 class UltraMemMemoryLayer(GradientCheckpointingLayer):
@@ -896,8 +890,13 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         padding_mask: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
     ) -> torch.Tensor:
+        if hasattr(self.values, "base_layer"):  # a PEFT adapter layer wraps the table and adds to the rows it embeds
+            raise ValueError(
+                "PEFT adapters cannot target the value tables (`values`): the memory layer pools the rows it reads "
+                "instead of embedding them. Train them with modules_to_save=['values'], or leave them frozen."
+            )
         slots = self._selected_slots(hidden_states, padding_mask, past_key_values)
-        return self.dropout(self.value_expansion(self.values, *slots).view(hidden_states.shape))
+        return self._output(self.values(*slots), hidden_states)
 
     def start(
         self,
@@ -914,23 +913,43 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
             output = self(hidden_states, padding_mask, past_key_values=past_key_values)
             return lambda: output
         slots = self._selected_slots(hidden_states, padding_mask, past_key_values)
-        finish = self.value_expansion.start(self.values, *slots)
-        return lambda: self.dropout(finish().view(hidden_states.shape))
+        pending = self.values.lookup_reduce_async(*slots)
+        return lambda: self._output(pending.result(), hidden_states)
 
     def _selected_slots(
         self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None, past_key_values: Cache | None
-    ) -> tuple[torch.Tensor, torch.Tensor, MemoryOps]:
-        """Virtual addresses (B*T, H*m), scores (B*T, H*m, h) and the memory ops, for the value lookup."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, MemoryOps]:
+        """The value store's arguments: physical rows and IVE groups (B*T, H*m), scores (B*T, H*m, h), E, the ops."""
         batch, length, _ = hidden_states.shape
         ops = select_memory_ops(self.config.memory_kernel, hidden_states.device)
         virtual_index, scores = self.retrieve(hidden_states, padding_mask, past_key_values, ops)
         num_slots = virtual_index.shape[-2] * virtual_index.shape[-1]
-        return virtual_index.reshape(batch * length, num_slots), scores.reshape(batch * length, num_slots, -1), ops
+        rows, groups = self.value_expansion.physical_slots(virtual_index.reshape(batch * length, num_slots))
+        return rows, groups, scores.reshape(batch * length, num_slots, -1), self.value_expansion.num_groups, ops
+
+    def _output(self, pooled: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The store's pooled values (B*T, E, Dv) -> the layer's output (B, T, D)."""
+        return self.dropout(self.value_expansion(pooled.to(hidden_states.dtype)).view(hidden_states.shape))
 
     def aux_loss(self) -> torch.Tensor:
         if isinstance(self.retrieval, TuckerQueryKeyRetrieval):
             return tucker_aux_loss(self.retrieval.cores, self.config.aux_loss_alpha, self.config.aux_loss_tau)
         return self.norm.weight.new_zeros((), dtype=torch.float32)
+
+
+def offloaded_by_accelerate(module: nn.Module) -> bool:
+    """Whether `device_map` placed the module on "cpu" or "disk" beside an accelerator, or on "disk": Accelerate's
+    hooks then load its weights for each of its forwards and leave meta tensors otherwise."""
+    return getattr(getattr(module, "_hf_hook", None), "offload", False)
+
+
+def offloaded_weights_loaded(module: nn.Module) -> AbstractContextManager:
+    """Loads the weights of a module `offloaded_by_accelerate`, for a read outside its forward."""
+    if not offloaded_by_accelerate(module):
+        return nullcontext()
+    from accelerate.utils import align_module_device
+
+    return align_module_device(module)
 
 
 class UltraMemPreTrainedModel(PreTrainedModel):
@@ -999,7 +1018,14 @@ class UltraMemPreTrainedModel(PreTrainedModel):
         config = kwargs.get("config")
         offload = kwargs.get("memory_offload", getattr(config, "memory_offload", None))
         if not offload:
-            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+            model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+            layers = [module for module in model.modules() if isinstance(module, UltraMemMemoryLayer)]
+            if any(offloaded_by_accelerate(layer.values) for layer in layers):
+                logger.warning(
+                    "device_map offloads UltraMem value tables: Accelerate loads each of them whole at every "
+                    "forward. from_pretrained(..., memory_offload='cpu' | 'disk') reads only the selected rows."
+                )
+            return model
         validate_memory_offload(offload)
         store = offload_store(offload)
         checkpoint = store.find_checkpoint(pretrained_model_name_or_path, **kwargs)
@@ -1046,14 +1072,15 @@ class UltraMemModel(UltraMemPreTrainedModel):
         `device_map` spreads the memory layers), summed on the device of the first memory layer. It runs at
         every forward, decode steps included; cached at inference (see `InferenceCache`).
         """
-        cores = tuple(
-            layer.retrieval.cores
-            for layer in self.memory_layers
-            if isinstance(layer.retrieval, TuckerQueryKeyRetrieval)
-        )
-        if not cores:
-            return self.embed_tokens.weight.new_zeros((), dtype=torch.float32)
-        return self.inference_cache.get("aux_loss", cores, lambda: self._aux_loss_by_device(cores))
+        retrievals = [layer.retrieval for layer in self.memory_layers if isinstance(layer.retrieval, TuckerQueryKeyRetrieval)]
+        with ExitStack() as loaded:
+            if not retrievals:
+                loaded.enter_context(offloaded_weights_loaded(self.norm))
+                return self.norm.weight.new_zeros((), dtype=torch.float32)
+            for retrieval in retrievals:
+                loaded.enter_context(offloaded_weights_loaded(retrieval))
+            cores = tuple(retrieval.cores for retrieval in retrievals)
+            return self.inference_cache.get("aux_loss", cores, lambda: self._aux_loss_by_device(cores))
 
     def _aux_loss_by_device(self, cores: tuple[torch.Tensor, ...]) -> torch.Tensor:
         cores_by_device: dict[torch.device, list[torch.Tensor]] = {}

@@ -1,6 +1,6 @@
 """The offloaded value stores: a table in host memory ("cpu") or memory-mapped from a safetensors file ("disk").
 
-Both answer the memory layer's `lookup_reduce` the same way: the selected rows are deduplicated and sorted
+Both answer the memory layer's lookup-reduce (their `forward`) the same way: the selected rows are deduplicated and sorted
 (each row, and so each page of a mapped file, is read once and in file order), gathered on the host, pooled
 into the IVE groups by the PyTorch reference (`memory_ops.lookup_reduce`), and only the pooled (T, E, Dv)
 result goes to the model's device. `lookup_reduce_async` does the host part in one background thread, so
@@ -81,7 +81,7 @@ class OffloadedValueStore(nn.Module):
         """Checked before the rest of the model loads, so a bad checkpoint fails first."""
         return SafetensorsCheckpoint.find(path, **from_pretrained_kwargs)
 
-    def lookup_reduce(self, rows, groups, scores, num_groups, ops=None) -> torch.Tensor:
+    def forward(self, rows, groups, scores, num_groups, ops=None) -> torch.Tensor:
         """rows, groups (T, K), scores (T, K, h) -> (T, E, Dv) on the device of `scores` (ops: host reference)."""
         return self._start(rows, groups, scores, num_groups, background=False).result()
 

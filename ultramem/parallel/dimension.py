@@ -51,7 +51,7 @@ class DimensionShardedValues(ShardedValueStore):
         core = self.rank // (self.size // num_cores)
         return scores[..., core : core + 1]
 
-    def lookup_reduce(
+    def forward(
         self, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor, num_groups: int, ops: MemoryOps
     ) -> torch.Tensor:
         """rows, groups (T, K), scores (T, K, h) -> (T, E, Dv), as `memory_ops.lookup_reduce` on the whole table."""

@@ -42,7 +42,7 @@ class NumberShardedValues(ShardedValueStore):
                 f"divide them; use a memory_parallel_size dividing {shape[0]}, or memory_parallel='dimension'"
             )
 
-    def lookup_reduce(
+    def forward(
         self, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor, num_groups: int, ops: MemoryOps
     ) -> torch.Tensor:
         """rows, groups (T, K), scores (T, K, h) -> (T, E, Dv), as `memory_ops.lookup_reduce` on the whole table."""
