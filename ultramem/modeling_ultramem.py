@@ -943,13 +943,21 @@ def offloaded_by_accelerate(module: nn.Module) -> bool:
     return getattr(getattr(module, "_hf_hook", None), "offload", False)
 
 
-def offloaded_weights_loaded(module: nn.Module) -> AbstractContextManager:
-    """Loads the weights of a module `offloaded_by_accelerate`, for a read outside its forward."""
-    if not offloaded_by_accelerate(module):
-        return nullcontext()
+def offloaded_weights_loaded(modules: list[nn.Module]) -> AbstractContextManager:
+    """Loads the weights of those `modules` that are `offloaded_by_accelerate`, for a read outside their forward
+    (a no-op context otherwise, which torch.compile traces)."""
+    offloaded = [module for module in modules if offloaded_by_accelerate(module)]
+    return _weights_loaded(offloaded) if offloaded else nullcontext()
+
+
+@contextmanager
+def _weights_loaded(modules: list[nn.Module]) -> Iterator[None]:
     from accelerate.utils import align_module_device
 
-    return align_module_device(module)
+    with ExitStack() as loaded:
+        for module in modules:
+            loaded.enter_context(align_module_device(module))
+        yield
 
 
 class UltraMemPreTrainedModel(PreTrainedModel):
@@ -1073,12 +1081,9 @@ class UltraMemModel(UltraMemPreTrainedModel):
         every forward, decode steps included; cached at inference (see `InferenceCache`).
         """
         retrievals = [layer.retrieval for layer in self.memory_layers if isinstance(layer.retrieval, TuckerQueryKeyRetrieval)]
-        with ExitStack() as loaded:
+        with offloaded_weights_loaded([*retrievals, self.norm]):
             if not retrievals:
-                loaded.enter_context(offloaded_weights_loaded(self.norm))
                 return self.norm.weight.new_zeros((), dtype=torch.float32)
-            for retrieval in retrievals:
-                loaded.enter_context(offloaded_weights_loaded(retrieval))
             cores = tuple(retrieval.cores for retrieval in retrievals)
             return self.inference_cache.get("aux_loss", cores, lambda: self._aux_loss_by_device(cores))
 
