@@ -938,8 +938,8 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
 
 
 def offloaded_by_accelerate(module: nn.Module) -> bool:
-    """Whether `device_map` placed the module on "cpu" or "disk" beside an accelerator, or on "disk": Accelerate's
-    hooks then load its weights for each of its forwards and leave meta tensors otherwise."""
+    """Whether Accelerate offloads the module (`device_map` "disk", or "cpu" beside an accelerator): its hooks
+    load the weights for each of its forwards and leave meta tensors otherwise."""
     return getattr(getattr(module, "_hf_hook", None), "offload", False)
 
 
@@ -993,11 +993,13 @@ class UltraMemPreTrainedModel(PreTrainedModel):
             total -= sum(w.numel() for w in weights.values() if w.requires_grad or not only_trainable)
         return total
 
+    def named_memory_layers(self) -> Iterator[tuple[str, UltraMemMemoryLayer]]:
+        """(module name, memory layer) of every memory layer, in a base model or a model with a head."""
+        return ((name, module) for name, module in self.named_modules() if isinstance(module, UltraMemMemoryLayer))
+
     def get_value_table_names(self) -> list[str]:
         """Names of the memory value tables, for the optimizer's value-LR parameter group."""
-        return [
-            f"{name}.values.weight" for name, module in self.named_modules() if isinstance(module, UltraMemMemoryLayer)
-        ]
+        return [f"{name}.values.weight" for name, _ in self.named_memory_layers()]
 
     def set_value_store(self, store: str, **options) -> None:
         """Put every memory layer's values in the value store `store` of `VALUE_STORES` (see `ValueStore`).
@@ -1009,11 +1011,10 @@ class UltraMemPreTrainedModel(PreTrainedModel):
         self._install_value_store(VALUE_STORES[store], **options)
 
     def _install_value_store(self, store: type[ValueStore], **options) -> None:
-        for name, layer in self.named_modules():
-            if isinstance(layer, UltraMemMemoryLayer):
-                if not isinstance(layer.values, (MemoryValueTable, DeferredValueTable)):
-                    raise ValueError(f"{name}.values is already a {type(layer.values).__name__} store")
-                layer.values = store.from_table(layer.values, f"{name}.values.weight", **options)
+        for name, layer in self.named_memory_layers():
+            if not isinstance(layer.values, (MemoryValueTable, DeferredValueTable)):
+                raise ValueError(f"{name}.values is already a {type(layer.values).__name__} store")
+            layer.values = store.from_table(layer.values, f"{name}.values.weight", **options)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
@@ -1027,8 +1028,7 @@ class UltraMemPreTrainedModel(PreTrainedModel):
         offload = kwargs.get("memory_offload", getattr(config, "memory_offload", None))
         if not offload:
             model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-            layers = [module for module in model.modules() if isinstance(module, UltraMemMemoryLayer)]
-            if any(offloaded_by_accelerate(layer.values) for layer in layers):
+            if any(offloaded_by_accelerate(layer.values) for _, layer in model.named_memory_layers()):
                 logger.warning(
                     "device_map offloads UltraMem value tables: Accelerate loads each of them whole at every "
                     "forward. from_pretrained(..., memory_offload='cpu' | 'disk') reads only the selected rows."
@@ -1081,7 +1081,7 @@ class UltraMemModel(UltraMemPreTrainedModel):
         every forward, decode steps included; cached at inference (see `InferenceCache`).
         """
         retrievals = [layer.retrieval for layer in self.memory_layers if isinstance(layer.retrieval, TuckerQueryKeyRetrieval)]
-        with offloaded_weights_loaded([*retrievals, self.norm]):
+        with offloaded_weights_loaded(retrievals or [self.norm]):
             if not retrievals:
                 return self.norm.weight.new_zeros((), dtype=torch.float32)
             cores = tuple(retrieval.cores for retrieval in retrievals)
