@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import small_config
-from transformers import DynamicCache, GPTNeoXConfig, GPTNeoXForCausalLM
+from transformers import DataCollatorWithFlattening, DynamicCache, GPTNeoXConfig, GPTNeoXForCausalLM
 
 from ultramem import UltraMemForCausalLM
 from ultramem.diagnostics import retrieval_diagnostics
@@ -257,6 +257,28 @@ def test_left_padding_does_not_leak_into_query_conv():
         padded_garbage = model(garbage, attention_mask=attention_mask, position_ids=position_ids).logits
     torch.testing.assert_close(padded[1, -5:], alone[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(padded[1, -5:], padded_garbage[1, -5:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_packed_sequences_do_not_leak_into_each_other(attn_implementation):
+    """Padding-free rows (`DataCollatorWithFlattening`) give each sequence's own logits and gradients.
+
+    Attention stays within each sequence through Transformers' packed mask; the query convolutions must too.
+    """
+    config = small_config(use_cache=False)
+    config._attn_implementation = attn_implementation
+    model = _model(config)
+    generator = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(1, config.vocab_size, (length,), generator=generator) for length in (7, 2, 5)]
+    batch = DataCollatorWithFlattening()([{"input_ids": sequence.tolist()} for sequence in sequences])
+    packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    alone = [model(sequence[None]).logits for sequence in sequences]
+    torch.testing.assert_close(packed, torch.cat(alone, 1), rtol=1e-5, atol=1e-5)
+
+    conv = model.model.memory_layers[0].query.conv
+    packed_grad = torch.autograd.grad(packed.square().sum(), conv.weight)[0]
+    alone_grad = torch.autograd.grad(sum(logits.square().sum() for logits in alone), conv.weight)[0]
+    torch.testing.assert_close(packed_grad, alone_grad, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])

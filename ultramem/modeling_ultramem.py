@@ -34,7 +34,7 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, find_packed_sequence_indices
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
@@ -433,7 +433,9 @@ class CausalDepthwiseConv(nn.Module):
     """Causal depthwise Conv1d over time (trick 4), with its last k-1 inputs kept in the generation cache.
 
     Padded positions are zeroed before the convolution, so left padding never leaks into a real token's
-    query, and the cached state is exactly what a full recomputation would see.
+    query, and the cached state is exactly what a full recomputation would see. Rows that pack several
+    sequences (`sequence_ids`, padding-free training) are convolved within each sequence only, as attention
+    attends within each.
     """
 
     def __init__(self, channels: int, kernel_size: int, cache_layer_idx: int, state_idx: int):
@@ -456,9 +458,12 @@ class CausalDepthwiseConv(nn.Module):
         x: torch.Tensor,
         padding_mask: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
+        sequence_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if padding_mask is not None:
             x = x * padding_mask.unsqueeze(-1).to(x.dtype)
+        if sequence_ids is not None:
+            return self._within_sequences(x, sequence_ids)
         x = x.transpose(1, 2)  # (B, D, T)
         context = self.kernel_size - 1
         window = None
@@ -484,6 +489,19 @@ class CausalDepthwiseConv(nn.Module):
         if x.shape[-1] == 1:  # a decode step: one dot product per channel, a fraction of conv1d's cost on CPU
             return ((window * self.weight[:, 0]).sum(-1) + self.bias).unsqueeze(1)  # (B, 1, D)
         return F.conv1d(window, self.weight, self.bias, groups=x.shape[1]).transpose(1, 2)  # (B, T, D)
+
+    def _within_sequences(self, x: torch.Tensor, sequence_ids: torch.Tensor) -> torch.Tensor:
+        """The convolution of packed rows x (B, T, D), each tap masked where it would reach into the previous sequence.
+
+        sequence_ids (B, T): the index of the sequence each token belongs to. Tap `shift` multiplies x[t - shift]
+        by weight[..., k-1-shift], as in conv1d over the zero-padded window.
+        """
+        output = x * self.weight[:, 0, -1] + self.bias
+        for shift in range(1, min(self.kernel_size, x.shape[1])):
+            same_sequence = (sequence_ids[:, shift:] == sequence_ids[:, :-shift]).unsqueeze(-1)  # (B, T-shift, 1)
+            earlier = F.pad(x[:, :-shift] * same_sequence, (0, 0, shift, 0))  # x[t - shift], zero across a boundary
+            output = output + earlier * self.weight[:, 0, -1 - shift]
+        return output
 
 
 class MemoryQuery(nn.Module):
@@ -513,10 +531,14 @@ class MemoryQuery(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, padding_mask: torch.Tensor | None, past_key_values: Cache | None
+        self,
+        x: torch.Tensor,
+        padding_mask: torch.Tensor | None,
+        past_key_values: Cache | None,
+        sequence_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.conv is not None:
-            x = self.conv(x, padding_mask, past_key_values)
+            x = self.conv(x, padding_mask, past_key_values, sequence_ids)
         query = self.proj(x).unflatten(-1, (self.num_heads, self.num_queries, self.rank, self.part_dim))
         query = self.norm(query)  # (B, T, H, 1|2, r, Dk/r)
         return query[..., 0, :, :], query[..., -1, :, :]  # row and column queries, (B, T, H, r, Dk/r)
@@ -875,10 +897,15 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         padding_mask: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
         ops: MemoryOps | None = None,
+        sequence_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Virtual addresses (B, T, H, m) and scores (B, T, H, m, h) for the residual stream (B, T, D)."""
+        """Virtual addresses (B, T, H, m) and scores (B, T, H, m, h) for the residual stream (B, T, D).
+
+        padding_mask (B, T): 0 at padded tokens. sequence_ids (B, T): for rows that pack several sequences, the
+        sequence of each token (Transformers' `find_packed_sequence_indices`); None when each row is one sequence.
+        """
         ops = ops or select_memory_ops(self.config.memory_kernel, hidden_states.device)
-        row_query, col_query = self.query(self.norm(hidden_states), padding_mask, past_key_values)
+        row_query, col_query = self.query(self.norm(hidden_states), padding_mask, past_key_values, sequence_ids)
         virtual_index, scores = self.retrieval(row_query, col_query, ops)
         if self.config.memory_score_softmax:
             scores = scores.softmax(dim=-2)
@@ -889,13 +916,14 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         padding_mask: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
+        sequence_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if hasattr(self.values, "base_layer"):  # a PEFT adapter layer wraps the table and adds to the rows it embeds
             raise ValueError(
                 "PEFT adapters cannot target the value tables (`values`): the memory layer pools the rows it reads "
                 "instead of embedding them. Train them with modules_to_save=['values'], or leave them frozen."
             )
-        slots = self._selected_slots(hidden_states, padding_mask, past_key_values)
+        slots = self._selected_slots(hidden_states, padding_mask, past_key_values, sequence_ids)
         return self._output(self.values(*slots), hidden_states)
 
     def start(
@@ -903,6 +931,7 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         padding_mask: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
+        sequence_ids: torch.Tensor | None = None,
     ) -> Callable[[], torch.Tensor]:
         """Start the layer at its read block; the returned call gives its output, wanted after the write block.
 
@@ -910,19 +939,23 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         blocks in between compute; any other store runs `forward` now (gradient checkpointing included).
         """
         if not hasattr(self.values, "lookup_reduce_async"):
-            output = self(hidden_states, padding_mask, past_key_values=past_key_values)
+            output = self(hidden_states, padding_mask, past_key_values=past_key_values, sequence_ids=sequence_ids)
             return lambda: output
-        slots = self._selected_slots(hidden_states, padding_mask, past_key_values)
+        slots = self._selected_slots(hidden_states, padding_mask, past_key_values, sequence_ids)
         pending = self.values.lookup_reduce_async(*slots)
         return lambda: self._output(pending.result(), hidden_states)
 
     def _selected_slots(
-        self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None, past_key_values: Cache | None
+        self,
+        hidden_states: torch.Tensor,
+        padding_mask: torch.Tensor | None,
+        past_key_values: Cache | None,
+        sequence_ids: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, MemoryOps]:
         """The value store's arguments: physical rows and IVE groups (B*T, H*m), scores (B*T, H*m, h), E, the ops."""
         batch, length, _ = hidden_states.shape
         ops = select_memory_ops(self.config.memory_kernel, hidden_states.device)
-        virtual_index, scores = self.retrieve(hidden_states, padding_mask, past_key_values, ops)
+        virtual_index, scores = self.retrieve(hidden_states, padding_mask, past_key_values, ops, sequence_ids)
         num_slots = virtual_index.shape[-2] * virtual_index.shape[-1]
         rows, groups = self.value_expansion.physical_slots(virtual_index.reshape(batch * length, num_slots))
         return rows, groups, scores.reshape(batch * length, num_slots, -1), self.value_expansion.num_groups, ops
@@ -1115,6 +1148,7 @@ class UltraMemModel(UltraMemPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, D)
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
+        caller_position_ids = position_ids is not None
         if position_ids is None:
             past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
@@ -1135,6 +1169,11 @@ class UltraMemModel(UltraMemPreTrainedModel):
             padding_mask = None
             if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
                 padding_mask = attention_mask[:, -inputs_embeds.shape[1] :]
+        # Rows packing several sequences (padding-free training): the query convolutions stay within each sequence,
+        # under the condition on which `create_causal_mask` keeps attention within each (no mask, no cache)
+        sequence_ids = None
+        if attention_mask is None and past_key_values is None and caller_position_ids:
+            sequence_ids = find_packed_sequence_indices(position_ids.expand(inputs_embeds.shape[0], -1))
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
@@ -1142,7 +1181,9 @@ class UltraMemModel(UltraMemPreTrainedModel):
         for block_idx, decoder_layer in enumerate(self.layers):
             for memory_layer in self.memory_layers:
                 if memory_layer.read_block == block_idx:  # starts as soon as its input exists
-                    pending[memory_layer.memory_idx] = memory_layer.start(hidden_states, padding_mask, past_key_values)
+                    pending[memory_layer.memory_idx] = memory_layer.start(
+                        hidden_states, padding_mask, past_key_values, sequence_ids
+                    )
             writes = [pending.pop(layer.memory_idx)() for layer in self.memory_layers if layer.write_block == block_idx]
             hidden_states = decoder_layer(
                 hidden_states,
