@@ -61,8 +61,9 @@ def test_config_round_trips_through_dict():
     again = UltraMemConfig.from_dict(config.to_dict())
     assert again.to_dict() == config.to_dict()
     assert again.memory_layers == [[0, 2], [1, 3], [1, 1]]
-    # two memory layers read block 1, so its cache layer holds two conv states
-    assert again.layer_types[:2] == ["hybrid", "hybrid"] and again.number_of_conv_states == 2
+    # two memory layers read block 1: the second keeps its conv state in a cache layer no memory layer reads
+    assert again.memory_conv_state_slots == [(0, 0), (1, 0), (2, 0)]
+    assert again.layer_types == ["hybrid", "hybrid", "hybrid", "full_attention"] and again.number_of_conv_states == 1
 
 
 @pytest.mark.parametrize("name", sorted(PAPER_FIGURES))

@@ -316,6 +316,26 @@ def test_cached_generation_equals_uncached(num_beams):
     assert len(set(cached[:, -32:].flatten().tolist())) > 3  # not a degenerate constant output
 
 
+@pytest.mark.parametrize("prompt_length", [1, 18])
+def test_assisted_and_prompt_lookup_decoding_equal_greedy(prompt_length):
+    """Candidate tokens that the model rejects are cropped from its cache, query-conv states included.
+
+    The assistant is another model, so candidates are rejected (its own greedy output differs); two memory
+    layers read the same block (each needs a conv-state slot of its own: `crop` fails on an unfilled one); a
+    one-token prompt is shorter than the conv's k-1 = 3 past inputs.
+    """
+    config = small_config(vocab_size=211, query_conv_kernel_size=4)
+    model, assistant = _model(config, seed=7), _model(config, seed=8)
+    generator = torch.Generator().manual_seed(5)
+    ngram = torch.randint(1, config.vocab_size, (1, 9), generator=generator)
+    input_ids = ngram.repeat(1, 2)[:, :prompt_length]  # repeated n-grams, for prompt lookup's candidates
+    kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
+    greedy = model.generate(input_ids, **kwargs)
+    assert not torch.equal(assistant.generate(input_ids, **kwargs), greedy)
+    assert torch.equal(model.generate(input_ids, assistant_model=assistant, **kwargs), greedy)
+    assert torch.equal(model.generate(input_ids, prompt_lookup_num_tokens=3, **kwargs), greedy)
+
+
 def test_plain_dynamic_cache_gives_a_clear_error():
     model = _model(small_config())
     with pytest.raises(ValueError, match="DynamicCache\\(config=model.config\\)"):

@@ -154,13 +154,13 @@ class UltraMemConfig(PreTrainedConfig):
         self.validate_ultramem()
 
     def _derive_cache_layout(self) -> None:
-        """Blocks that a memory layer with a query conv reads from keep its conv state in their cache layer."""
-        has_conv_state = self.use_query_conv and self.query_conv_kernel_size > 1
-        read_blocks = [a for a, _ in self.memory_layers] if has_conv_state else []
+        """Cache layers that hold a memory layer's query-conv state are "hybrid" (KV and conv states)."""
+        slots = self.memory_conv_state_slots
         self.layer_types = [
-            "hybrid" if i in read_blocks else "full_attention" for i in range(max(self.num_hidden_layers, 0))
+            "hybrid" if any(layer == i for layer, _ in slots) else "full_attention"
+            for i in range(max(self.num_hidden_layers, 0))
         ]
-        self.number_of_conv_states = max([read_blocks.count(a) for a in read_blocks], default=1)
+        self.number_of_conv_states = max([state + 1 for _, state in slots], default=1)
 
     @property
     def head_dim(self) -> int:
@@ -171,13 +171,28 @@ class UltraMemConfig(PreTrainedConfig):
         return len(self.memory_layers)
 
     @property
-    def memory_read_block_slots(self) -> list[tuple[int, int]]:
-        """(block, conv-state index) of every memory layer, in `memory_layers` order."""
-        seen: dict[int, int] = {}
+    def memory_conv_state_slots(self) -> list[tuple[int, int]]:
+        """(cache layer, state index) of each memory layer's query-conv state, in `memory_layers` order; [] without one.
+
+        Every hybrid cache layer is built with `number_of_conv_states` slots, and Transformers' `crop` (assisted and
+        prompt-lookup decoding) fails on a slot no layer fills. So each memory layer gets a cache layer of its own,
+        its read block's where free; only with more memory layers than blocks do layers share (round robin).
+        """
+        if not (self.use_query_conv and self.query_conv_kernel_size > 1) or self.num_hidden_layers < 1:
+            return []
+        read_blocks = [a for a, _ in self.memory_layers]
+        first_readers = {a: j for j, a in reversed(list(enumerate(read_blocks)))}
+        free = iter([i for i in range(self.num_hidden_layers) if i not in first_readers])
+        spill = 0
         slots = []
-        for a, _ in self.memory_layers:
-            slots.append((a, seen.get(a, 0)))
-            seen[a] = seen.get(a, 0) + 1
+        for j, a in enumerate(read_blocks):
+            if first_readers[a] == j:
+                slots.append((a, 0))
+            elif (layer := next(free, None)) is not None:
+                slots.append((layer, 0))
+            else:
+                slots.append((spill % self.num_hidden_layers, 1 + spill // self.num_hidden_layers))
+                spill += 1
         return slots
 
     def to_dict(self) -> dict:

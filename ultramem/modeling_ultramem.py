@@ -478,12 +478,17 @@ class CausalDepthwiseConv(nn.Module):
                 )
             has_past = past_key_values.get_conv_state(self.cache_layer_idx, self.state_idx) is not None
             # With a previous state the cache returns cat(state, x) before overwriting its state in place
-            # (so the old state must not be read after this call); on prefill it returns x, unpadded.
+            # (so the old state must not be read after this call); on prefill it returns x, unpadded. While
+            # `generate` records the past to roll it back (assisted decoding) the state is longer or shorter than
+            # k-1: the window is its last k-1+T inputs, zeros before the first token.
             updated = past_key_values.update_conv_state(
                 x, self.cache_layer_idx, self.state_idx, conv_kernel_size=context
             )
             if has_past:
-                window = updated.to(x.dtype)
+                width = context + x.shape[-1]
+                window = updated[..., -width:].to(x.dtype)
+                if window.shape[-1] < width:
+                    window = F.pad(window, (width - window.shape[-1], 0))
         if window is None:
             window = F.pad(x, (context, 0))  # (B, D, k-1+T): zeros before the first token
         if x.shape[-1] == 1:  # a decode step: one dot product per channel, a fraction of conv1d's cost on CPU
@@ -875,10 +880,10 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         self.config = config
         self.memory_idx = memory_idx
         self.read_block, self.write_block = config.memory_layers[memory_idx]
-        _, state_idx = config.memory_read_block_slots[memory_idx]
+        conv_state_slot = config.memory_conv_state_slots[memory_idx] if config.memory_conv_state_slots else (0, 0)
         scales = MemoryInitScales.from_config(config)
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.query = MemoryQuery(config, scales, self.read_block, state_idx)
+        self.query = MemoryQuery(config, scales, *conv_state_slot)
         retrieval_cls = TuckerQueryKeyRetrieval if config.retrieval_mode == TUCKER else ProductKeyRetrieval
         self.retrieval = retrieval_cls(config, scales)
         self.values = (
