@@ -7,7 +7,12 @@ import torch.nn.functional as F
 from conftest import small_config
 from transformers import DataCollatorWithFlattening, DynamicCache, GPTNeoXConfig, GPTNeoXForCausalLM
 
-from ultramem import UltraMemForCausalLM
+from ultramem import (
+    UltraMemForCausalLM,
+    UltraMemForQuestionAnswering,
+    UltraMemForSequenceClassification,
+    UltraMemForTokenClassification,
+)
 from ultramem.diagnostics import retrieval_diagnostics
 from ultramem.modeling_ultramem import mcs_output_gain
 
@@ -345,6 +350,35 @@ def test_plain_dynamic_cache_gives_a_clear_error():
 # ----------------------------------------------------------------------------------------------------
 # Transformers features
 # ----------------------------------------------------------------------------------------------------
+
+
+def test_task_heads_pool_like_llama_and_add_the_aux_loss():
+    """Sequence classification scores the last non-padding token (left or right padding); every head's loss
+    is its task loss plus the TDQKR aux loss, and reaches the Tucker cores."""
+    config = small_config(num_labels=3)
+    torch.manual_seed(0)
+    input_ids = torch.tensor([[0, 0, 5, 9, 3, 44], [8, 1, 7, 2, 6, 0]])  # pad_token_id = 0, left and right
+    labels = torch.tensor([2, 0])
+    classifier = UltraMemForSequenceClassification(config)
+    out = classifier(input_ids, labels=labels)
+    scores = classifier.score(classifier.model(input_ids).last_hidden_state)  # (B, T, 3)
+    pooled = scores[torch.arange(2), torch.tensor([5, 4])]
+    torch.testing.assert_close(out.logits, pooled)
+    torch.testing.assert_close(out.loss, F.cross_entropy(pooled, labels) + classifier.model.aux_loss())
+    out.loss.backward()
+    assert classifier.model.memory_layers[0].retrieval.cores.grad.abs().sum() > 0
+
+    tagger = UltraMemForTokenClassification(config)
+    token_labels = torch.randint(0, 3, input_ids.shape)
+    out = tagger(input_ids, labels=token_labels)
+    torch.testing.assert_close(out.loss, F.cross_entropy(out.logits.flatten(0, 1), token_labels.flatten()) + tagger.model.aux_loss())
+
+    reader = UltraMemForQuestionAnswering(config)
+    start, end = torch.tensor([1, 2]), torch.tensor([3, 4])
+    out = reader(input_ids, start_positions=start, end_positions=end)
+    span_loss = (F.cross_entropy(out.start_logits, start) + F.cross_entropy(out.end_logits, end)) / 2
+    torch.testing.assert_close(out.loss, span_loss + reader.model.aux_loss())
+    assert isinstance(reader(input_ids, start_positions=start, end_positions=end, return_dict=False), tuple)
 
 
 def test_inputs_embeds_and_hidden_states():

@@ -23,18 +23,21 @@ LOAD_SCRIPT = textwrap.dedent(
     else:
         import ultramem  # registers the Auto classes
     import torch
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
     folder = sys.argv[1]
     kwargs = {"trust_remote_code": True} if sys.argv[2] == "remote" else {}
     config = AutoConfig.from_pretrained(folder, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(folder, **kwargs).eval()
     base = AutoModel.from_pretrained(folder, **kwargs)
+    classifier = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=3, **kwargs).eval()
     inputs = torch.load(folder + "/inputs.pt")
     with torch.no_grad():
         logits = model(**inputs).logits
+        hidden = [m.model(**inputs).last_hidden_state for m in (model, classifier)]
     shuffles = [layer.value_expansion.virtual_to_physical for layer in model.model.memory_layers]
-    torch.save({"logits": logits, "shuffles": shuffles, "classes": [type(config).__name__, type(model).__name__,
-               type(base).__name__, type(model).__module__]}, folder + "/result-" + sys.argv[2] + ".pt")
+    classes = [type(config).__name__, type(model).__name__, type(base).__name__, type(classifier).__name__]
+    torch.save({"logits": logits, "shuffles": shuffles, "classes": classes, "module": type(model).__module__,
+               "hidden": hidden}, folder + "/result-" + sys.argv[2] + ".pt")
     """
 )
 
@@ -66,6 +69,9 @@ def test_folder_has_safetensors_code_and_auto_map(saved):
         "AutoConfig": "configuration_ultramem.UltraMemConfig",
         "AutoModel": "modeling_ultramem.UltraMemModel",
         "AutoModelForCausalLM": "modeling_ultramem.UltraMemForCausalLM",
+        "AutoModelForSequenceClassification": "modeling_ultramem.UltraMemForSequenceClassification",
+        "AutoModelForTokenClassification": "modeling_ultramem.UltraMemForTokenClassification",
+        "AutoModelForQuestionAnswering": "modeling_ultramem.UltraMemForQuestionAnswering",
     }
     with safe_open(folder / "model.safetensors", "pt") as tensors:
         assert "model.memory_layers.0.value_expansion.virtual_to_physical" in tensors.keys()
@@ -80,12 +86,12 @@ def test_fresh_process_loads_identical_model(saved, mode, tmp_path):
     assert torch.equal(result["logits"], logits)
     for before, after in zip(shuffles, result["shuffles"]):
         assert torch.equal(before, after)
-    config_cls, model_cls, base_cls, module = result["classes"]
-    assert (config_cls, model_cls, base_cls) == ("UltraMemConfig", "UltraMemForCausalLM", "UltraMemModel")
+    assert result["classes"] == ["UltraMemConfig", "UltraMemForCausalLM", "UltraMemModel", "UltraMemForSequenceClassification"]
+    torch.testing.assert_close(result["hidden"][1], result["hidden"][0], rtol=0, atol=0)  # the LM's backbone, loaded
     if mode == "remote":
-        assert module.startswith("transformers_modules.")
+        assert result["module"].startswith("transformers_modules.")
     else:
-        assert module == "ultramem.modeling_ultramem"
+        assert result["module"] == "ultramem.modeling_ultramem"
 
 
 def test_shuffle_is_stored_not_rederived(saved):

@@ -3,13 +3,18 @@
 Importing the package registers the config and models with the Auto classes.
 """
 
+import transformers
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .configuration_ultramem import UltraMemConfig, UltraMemConfigError
 from . import offload  # noqa: F401 - registers the "cpu" and "disk" value stores
 from .modeling_ultramem import (
+    TASK_HEADS,
     UltraMemCausalLMOutputWithPast,
     UltraMemForCausalLM,
+    UltraMemForQuestionAnswering,
+    UltraMemForSequenceClassification,
+    UltraMemForTokenClassification,
     UltraMemModel,
     UltraMemPreTrainedModel,
 )
@@ -20,12 +25,18 @@ AutoModelForCausalLM.register(UltraMemConfig, UltraMemForCausalLM, exist_ok=True
 UltraMemConfig.register_for_auto_class()
 UltraMemModel.register_for_auto_class("AutoModel")
 UltraMemForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+for auto_class, head in TASK_HEADS.items():
+    getattr(transformers, auto_class).register(UltraMemConfig, head, exist_ok=True)
+    head.register_for_auto_class(auto_class)
 
 __all__ = [
     "UltraMemCausalLMOutputWithPast",
     "UltraMemConfig",
     "UltraMemConfigError",
     "UltraMemForCausalLM",
+    "UltraMemForQuestionAnswering",
+    "UltraMemForSequenceClassification",
+    "UltraMemForTokenClassification",
     "UltraMemModel",
     "UltraMemPreTrainedModel",
 ]

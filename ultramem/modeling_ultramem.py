@@ -35,7 +35,12 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, find_packed_sequence_indices
-from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_layers import (
+    GenericForQuestionAnswering,
+    GenericForSequenceClassification,
+    GenericForTokenClassification,
+    GradientCheckpointingLayer,
+)
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.llama.modeling_llama import (
@@ -1080,11 +1085,13 @@ class UltraMemPreTrainedModel(PreTrainedModel):
         return model
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """Also map AutoConfig and AutoModel in `auto_map` (Transformers writes only the saved class)."""
+        """Map AutoConfig and every Auto class with an UltraMem model in `auto_map` (Transformers writes only the saved
+        class), so a checkpoint of any head loads with any of them."""
         self.config.auto_map = {
             "AutoConfig": "configuration_ultramem.UltraMemConfig",
             "AutoModel": "modeling_ultramem.UltraMemModel",
             "AutoModelForCausalLM": "modeling_ultramem.UltraMemForCausalLM",
+            **{auto_class: f"modeling_ultramem.{head.__name__}" for auto_class, head in TASK_HEADS.items()},
         }
         return super().save_pretrained(save_directory, *args, **kwargs)
 
@@ -1266,4 +1273,43 @@ class UltraMemForCausalLM(UltraMemPreTrainedModel, GenerationMixin):
         )
 
 
-__all__ = ["UltraMemForCausalLM", "UltraMemModel", "UltraMemPreTrainedModel"]
+class TaskHeadWithAuxLoss:
+    """A Transformers task head on UltraMemModel whose loss also holds the TDQKR aux loss, as the causal LM's does.
+
+    Without it fine-tuning would leave the Tucker cores free to drift from the rank-1 approximation retrieval uses.
+    """
+
+    @can_return_tuple
+    def forward(self, *args, **kwargs):
+        output = super().forward(*args, return_dict=True, **kwargs)
+        if output.loss is not None:
+            output.loss = output.loss + self.model.aux_loss().to(output.loss.device, output.loss.dtype)
+        return output
+
+
+class UltraMemForSequenceClassification(TaskHeadWithAuxLoss, GenericForSequenceClassification, UltraMemPreTrainedModel):
+    """Scores (B, num_labels) from the last non-padding token, as `LlamaForSequenceClassification`."""
+
+
+class UltraMemForTokenClassification(TaskHeadWithAuxLoss, GenericForTokenClassification, UltraMemPreTrainedModel):
+    """Scores (B, T, num_labels) for every token, as `LlamaForTokenClassification`."""
+
+
+class UltraMemForQuestionAnswering(TaskHeadWithAuxLoss, GenericForQuestionAnswering, UltraMemPreTrainedModel):
+    """Span start and end logits (B, T) each, as `LlamaForQuestionAnswering`."""
+
+
+TASK_HEADS = {
+    "AutoModelForSequenceClassification": UltraMemForSequenceClassification,
+    "AutoModelForTokenClassification": UltraMemForTokenClassification,
+    "AutoModelForQuestionAnswering": UltraMemForQuestionAnswering,
+}
+
+__all__ = [
+    "UltraMemForCausalLM",
+    "UltraMemForQuestionAnswering",
+    "UltraMemForSequenceClassification",
+    "UltraMemForTokenClassification",
+    "UltraMemModel",
+    "UltraMemPreTrainedModel",
+]
