@@ -7,7 +7,7 @@ import transformers
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .configuration_ultramem import UltraMemConfig, UltraMemConfigError
-from . import offload  # noqa: F401 - registers the "cpu" and "disk" value stores
+from . import modeling_ultramem, offload  # offload registers the "cpu" and "disk" value stores
 from .modeling_ultramem import (
     TASK_HEADS,
     UltraMemCausalLMOutputWithPast,
@@ -29,14 +29,4 @@ for auto_class, head in TASK_HEADS.items():
     getattr(transformers, auto_class).register(UltraMemConfig, head, exist_ok=True)
     head.register_for_auto_class(auto_class)
 
-__all__ = [
-    "UltraMemCausalLMOutputWithPast",
-    "UltraMemConfig",
-    "UltraMemConfigError",
-    "UltraMemForCausalLM",
-    "UltraMemForQuestionAnswering",
-    "UltraMemForSequenceClassification",
-    "UltraMemForTokenClassification",
-    "UltraMemModel",
-    "UltraMemPreTrainedModel",
-]
+__all__ = ["UltraMemCausalLMOutputWithPast", "UltraMemConfig", "UltraMemConfigError", *modeling_ultramem.__all__]
