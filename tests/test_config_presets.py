@@ -20,6 +20,7 @@ from ultramem.sizing import count_parameters
         (dict(memory_layers=[[0, 4]]), "memory_layers[0]", r"\[0, 4\)"),
         (dict(memory_layers=[[-1, 2]]), "memory_layers[0]", r"\[0, 4\)"),
         (dict(memory_layers=[[0, 1], [3, 2]]), "memory_layers[1]", "a <= b"),
+        (dict(memory_layers=[[0]]), "memory_layers[0]", "a pair \\[a, b\\]"),
         (dict(hidden_size=0), "hidden_size", "positive"),
         (dict(hidden_size=30), "hidden_size", "divisible by num_attention_heads"),
         (dict(num_hidden_layers=0, memory_layers=[]), "num_hidden_layers", "positive"),

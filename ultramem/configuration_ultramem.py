@@ -2,6 +2,7 @@
 
 
 import math
+import numbers
 from typing import Literal, get_args
 
 from huggingface_hub.dataclasses import strict
@@ -146,6 +147,13 @@ class UltraMemConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs):
         # Accept the legacy `rope_theta` keyword as every Transformers config does.
+        for i, pair in enumerate(self.memory_layers or []):
+            _require(
+                isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, numbers.Integral) for x in pair),
+                f"memory_layers[{i}]",
+                pair,
+                "must be a pair [a, b] of block indices (read before block a, write after block b)",
+            )
         self.memory_layers = [[int(a), int(b)] for a, b in (self.memory_layers or [])]
         if self.memory_num_values is None and self.ive_expansion > 0 and self.memory_num_keys > 0:
             self.memory_num_values = self.memory_num_keys**2 // self.ive_expansion
