@@ -20,6 +20,7 @@ from ultramem.modeling_ultramem import MemoryValueTable, offloaded_by_accelerate
 from ultramem.modeling_ultramem import logger as modeling_logger
 from ultramem.offload import DiskValueStore, HostValueStore, OffloadCheckpointError, SafetensorsCheckpoint
 from ultramem.offload.random_checkpoint import write_random_checkpoint
+from ultramem.offload.stores import logger as stores_logger
 
 OFFLOADS = ("cpu", "disk")
 PROMPT = {
@@ -175,6 +176,23 @@ def test_sharded_checkpoint_through_the_remote_code_class(saved, tmp_path):
     assert "STORES transformers_modules" in run("with-ultramem") and "{'DiskValueStore'}" in run("with-ultramem")
     assert torch.equal(torch.load(tmp_path / "tokens.pt"), greedy(reference))
     assert "memory_offload='disk' needs the `ultramem` package installed" in run("without-ultramem")
+
+
+@pytest.mark.parametrize("offload", OFFLOADS)
+def test_training_through_an_offloaded_store_leaves_the_tables_and_says_so(saved, offload):
+    """Every other weight trains (the scores carry gradients back to queries, keys and cores); the table does not."""
+    folder, _ = saved
+    model = UltraMemForCausalLM.from_pretrained(folder, memory_offload=offload).train()
+    store = model.model.memory_layers[0].values
+    table, cores = store.table.clone(), model.model.memory_layers[0].retrieval.cores.detach().clone()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    stores_logger.warning_once.cache_clear()  # said once per process
+    with CaptureLogger(stores_logger) as captured:
+        model(**PROMPT, labels=PROMPT["input_ids"]).loss.backward()
+    optimizer.step()
+    assert "read-only" in captured.out
+    assert torch.equal(store.table, table)
+    assert not torch.equal(model.model.memory_layers[0].retrieval.cores, cores)
 
 
 def test_set_value_store_cpu_offloads_an_in_memory_model(saved):

@@ -16,9 +16,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.utils import logging
 
 from ..memory_ops import lookup_reduce
 from .safetensors_file import OffloadCheckpointError, SafetensorsCheckpoint, advise_will_need
+
+logger = logging.get_logger(__name__)
 
 # One reader: lookups overlap the model's blocks, and each other only through this queue (host cores are few).
 _READER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ultramem-offload")
@@ -45,6 +48,7 @@ class OffloadedValueStore(nn.Module):
     The table is a plain attribute (no parameter or buffer), and a state-dict hook puts it back under the
     table's key, so `save_pretrained` of an offloaded model writes an ordinary checkpoint. `rows_read` counts
     the distinct rows gathered (for tests and benchmarks); `asynchronous=False` makes every lookup blocking.
+    The table is read-only: a store serves inference (training a model through it leaves the table as is).
     """
 
     def __init__(self, table: torch.Tensor, name: str):
@@ -89,6 +93,12 @@ class OffloadedValueStore(nn.Module):
         return self._start(rows, groups, scores, num_groups, background=self.asynchronous)
 
     def _start(self, rows, groups, scores, num_groups, background: bool) -> PendingLookup:
+        if self.training and torch.is_grad_enabled():
+            logger.warning_once(
+                "The value tables served by `memory_offload` are read-only: training updates every other weight "
+                "(scores and queries get their gradients) but not the tables. Load without `memory_offload` to "
+                "train them; to shard tables larger than a device, see `memory_parallel`."
+            )
         device = scores.device
         host = rows.cpu(), groups.cpu(), scores.cpu()  # on a GPU this waits for retrieval, not for later blocks
         if background:
