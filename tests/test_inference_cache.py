@@ -1,6 +1,8 @@
 """InferenceCache: the LayerNorm'd keys, the cores' singular vectors and the aux loss are reused at inference only
 while the weights they come from are unchanged, and a cached forward is the uncached one bit for bit."""
 
+import copy
+
 import pytest
 import torch
 from conftest import small_config
@@ -127,3 +129,15 @@ def test_replacing_a_parameter_invalidates_the_cache():
     fresh = _cached_logits(model)
     assert not torch.allclose(fresh, stale)
     assert torch.equal(fresh, _uncached_logits(model))
+
+
+def test_a_filled_cache_is_neither_saved_nor_copied(tmp_path):
+    """`torch.save(model)` and `copy.deepcopy` work after cached forwards (the cache holds parameters' storages,
+    which `torch.save` refuses beside the parameters) and start with empty caches."""
+    model = _model()
+    expected = _cached_logits(model)
+    torch.save(model, tmp_path / "model.pt")
+    for again in (torch.load(tmp_path / "model.pt", weights_only=False), copy.deepcopy(model)):
+        assert all(not cache.entries for cache in _caches(again))
+        torch.testing.assert_close(_cached_logits(again), expected, rtol=0, atol=0)
+    assert all(cache.entries for cache in _caches(model))

@@ -1,5 +1,6 @@
 """Offloaded value tables (`memory_offload="cpu" | "disk"`, ultramem.offload): same tokens, only selected rows read."""
 
+import copy
 import ctypes
 import json
 import mmap
@@ -193,6 +194,16 @@ def test_training_through_an_offloaded_store_leaves_the_tables_and_says_so(saved
     assert "read-only" in captured.out
     assert torch.equal(store.table, table)
     assert not torch.equal(model.model.memory_layers[0].retrieval.cores, cores)
+
+
+def test_deepcopy_of_a_disk_offloaded_model_shares_the_mapped_tables(saved):
+    folder, reference = saved
+    model = UltraMemForCausalLM.from_pretrained(folder, memory_offload="disk").eval()
+    clone = copy.deepcopy(model)
+    for original, copied in zip(model.model.memory_layers, clone.model.memory_layers):
+        assert copied.values is not original.values and copied.values.table is original.values.table
+        assert copied.query.proj.weight.data_ptr() != original.query.proj.weight.data_ptr()
+    assert torch.equal(greedy(clone), greedy(reference))
 
 
 def test_set_value_store_cpu_offloads_an_in_memory_model(saved):

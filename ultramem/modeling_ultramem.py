@@ -591,6 +591,11 @@ class InferenceCache(nn.Module):
     def clear(self) -> None:
         self.entries.clear()
 
+    def __getstate__(self) -> dict:
+        """Pickled (`torch.save(model)`, `copy.deepcopy`) empty: the entries are derived, and the storages they hold
+        alias parameters under another type, which `torch.save` refuses."""
+        return {**self.__dict__, "entries": {}}
+
     def train(self, mode: bool = True) -> "InferenceCache":
         if mode:
             self.clear()

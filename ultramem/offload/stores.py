@@ -9,8 +9,8 @@ it overlaps the blocks between a memory layer's read and write blocks; on CUDA t
 
 from __future__ import annotations
 
+import copy
 import functools
-
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -58,6 +58,15 @@ class OffloadedValueStore(nn.Module):
         self.asynchronous = True
         self.rows_read = 0
         self.register_state_dict_post_hook(_table_into_state_dict)
+
+    def __deepcopy__(self, memo: dict) -> OffloadedValueStore:
+        """A copy (`copy.deepcopy(model)`, e.g. a frozen reference model) shares the read-only table: a mapped one
+        would otherwise be read whole into memory."""
+        memo[id(self.table)] = self.table
+        clone = self.__class__.__new__(self.__class__)
+        memo[id(self)] = clone
+        clone.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return clone
 
     @property
     def num_embeddings(self) -> int:
