@@ -381,6 +381,34 @@ def test_task_heads_pool_like_llama_and_add_the_aux_loss():
     assert isinstance(reader(input_ids, start_positions=start, end_positions=end, return_dict=False), tuple)
 
 
+def test_task_head_trainer_step_is_the_same_with_gradient_accumulation(tmp_path):
+    """Batch 4 in one step equals 2 x 2 accumulated: the Trainer averages the heads' mean losses over the
+    micro-batches (with `accepts_loss_kwargs` left True, as Llama's heads do, it sums them: twice the step)."""
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    config = small_config(num_labels=3, hidden_dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    initial = UltraMemForSequenceClassification(config).state_dict()
+    generator = torch.Generator().manual_seed(1)
+    data = Dataset.from_dict({"input_ids": torch.randint(1, 97, (4, 6), generator=generator).tolist(), "labels": [0, 1, 2, 1]})
+
+    def one_step(batch_size: int, accumulation: int) -> torch.Tensor:
+        model = UltraMemForSequenceClassification(config)
+        model.load_state_dict(initial)
+        args = TrainingArguments(
+            tmp_path / f"{batch_size}x{accumulation}", per_device_train_batch_size=batch_size,
+            gradient_accumulation_steps=accumulation, max_steps=1, learning_rate=0.1, max_grad_norm=0.0, optim="sgd",
+            lr_scheduler_type="constant", report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True,
+        )
+        Trainer(model=model, args=args, train_dataset=data).train()
+        return model.score.weight.detach()
+
+    whole, accumulated = one_step(4, 1), one_step(2, 2)
+    assert not torch.equal(whole, initial["score.weight"])
+    torch.testing.assert_close(accumulated, whole, rtol=1e-5, atol=1e-6)
+
+
 def test_inputs_embeds_and_hidden_states():
     config = small_config()
     model = _model(config)

@@ -1282,14 +1282,22 @@ class TaskHeadWithAuxLoss:
     """A Transformers task head on UltraMemModel whose loss also holds the TDQKR aux loss, as the causal LM's does.
 
     Without it fine-tuning would leave the Tucker cores free to drift from the rank-1 approximation retrieval uses.
+    The generic heads compute their loss with `self.loss_function` when given labels; the aux loss is added there.
+    Those losses are means over the micro-batch (they take no `num_items_in_batch`), so the Trainer must average
+    them over gradient-accumulation steps itself: `accepts_loss_kwargs = False` (a `**kwargs` forward says otherwise).
     """
 
-    @can_return_tuple
-    def forward(self, *args, **kwargs):
-        output = super().forward(*args, return_dict=True, **kwargs)
-        if output.loss is not None:
-            output.loss = output.loss + self.model.aux_loss().to(output.loss.device, output.loss.dtype)
-        return output
+    accepts_loss_kwargs = False
+
+    @property
+    def loss_function(self) -> Callable[..., torch.Tensor]:
+        task_loss = super().loss_function
+
+        def task_and_aux_loss(*args, **kwargs) -> torch.Tensor:
+            loss = task_loss(*args, **kwargs)
+            return loss + self.model.aux_loss().to(loss.device, loss.dtype)
+
+        return task_and_aux_loss
 
 
 class UltraMemForSequenceClassification(TaskHeadWithAuxLoss, GenericForSequenceClassification, UltraMemPreTrainedModel):
