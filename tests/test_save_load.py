@@ -36,8 +36,10 @@ LOAD_SCRIPT = textwrap.dedent(
         hidden = [m.model(**inputs).last_hidden_state for m in (model, classifier)]
     shuffles = [layer.value_expansion.virtual_to_physical for layer in model.model.memory_layers]
     classes = [type(config).__name__, type(model).__name__, type(base).__name__, type(classifier).__name__]
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # read by the Trainer
     torch.save({"logits": logits, "shuffles": shuffles, "classes": classes, "module": type(model).__module__,
-               "hidden": hidden}, folder + "/result-" + sys.argv[2] + ".pt")
+               "hidden": hidden, "causal_lm_table": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get("ultramem")},
+               folder + "/result-" + sys.argv[2] + ".pt")
     """
 )
 
@@ -88,6 +90,7 @@ def test_fresh_process_loads_identical_model(saved, mode, tmp_path):
         assert torch.equal(before, after)
     assert result["classes"] == ["UltraMemConfig", "UltraMemForCausalLM", "UltraMemModel", "UltraMemForSequenceClassification"]
     torch.testing.assert_close(result["hidden"][1], result["hidden"][0], rtol=0, atol=0)  # the LM's backbone, loaded
+    assert result["causal_lm_table"] == "UltraMemForCausalLM"
     if mode == "remote":
         assert result["module"].startswith("transformers_modules.")
     else:

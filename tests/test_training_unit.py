@@ -104,3 +104,29 @@ def test_atomic_checkpoints_are_their_own_piece(tmp_path):
     data = [{"input_ids": row, "labels": row} for row in ids]
     AtomicCheckpointTrainer(model=UltraMemForCausalLM(small_config()), args=args, train_dataset=data).train()
     assert sorted(path.name for path in tmp_path.iterdir()) == ["checkpoint-2"]
+
+
+@pytest.mark.parametrize("trainer_class", ["Trainer", "UltraMemTrainer"])
+def test_label_smoothing_shifts_the_labels_and_keeps_the_aux_loss(trainer_class, tmp_path):
+    """The Trainer's label smoother shifts labels only for models in Transformers' static causal-LM table (UltraMem
+    adds itself); it computes the LM loss from the logits, so UltraMemTrainer adds the aux loss back."""
+    import torch.nn.functional as F
+    from conftest import small_config
+    from transformers import Trainer, TrainingArguments
+
+    from ultramem import UltraMemForCausalLM
+    from ultramem.training.trainer import UltraMemTrainer
+
+    torch.manual_seed(0)
+    model = UltraMemForCausalLM(small_config(hidden_dropout=0.0, attention_dropout=0.0, aux_loss_alpha=10.0))
+    args = TrainingArguments(tmp_path, label_smoothing_factor=0.1, report_to=[], use_cpu=True)
+    trainer = {"Trainer": Trainer, "UltraMemTrainer": UltraMemTrainer}[trainer_class](model=model, args=args)
+    trainer.current_gradient_accumulation_steps = 1  # set by the training loop, which this test calls into
+    input_ids = torch.randint(1, 97, (2, 8), generator=torch.Generator().manual_seed(1))
+    loss = trainer.compute_loss(model, {"input_ids": input_ids, "labels": input_ids.clone()})
+    logits = model(input_ids).logits
+    smoothed = F.cross_entropy(logits[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten(), label_smoothing=0.1)
+    aux = model.model.aux_loss()
+    assert aux > 0.01
+    expected = smoothed + aux if trainer_class == "UltraMemTrainer" else smoothed
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)

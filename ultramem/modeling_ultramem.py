@@ -43,6 +43,7 @@ from transformers.modeling_layers import (
 )
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
@@ -1276,6 +1277,12 @@ class UltraMemForCausalLM(UltraMemPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
+
+
+# The Trainer's label smoothing shifts the labels only for models named in Transformers' static causal-LM table,
+# which `AutoModelForCausalLM.register` (and `trust_remote_code` loading) leave as they are: without this entry
+# it would train UltraMem to predict the current token. Here so that remote-code copies of this file add it too.
+MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(UltraMemConfig.model_type, UltraMemForCausalLM.__name__)
 
 
 class TaskHeadWithAuxLoss:

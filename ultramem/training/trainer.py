@@ -113,11 +113,16 @@ class UltraMemTrainer(AtomicCheckpointTrainer, FSDPTrainer):
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
-        if model.training and isinstance(outputs, dict) and outputs.get("lm_loss") is not None:
+        if model.training and isinstance(outputs, dict) and outputs.get("aux_loss") is not None:
             lm_scale, aux_scale = self._loss_part_scales(num_items_in_batch)
             aux = outputs["aux_loss"].to(loss.dtype)
-            loss = loss - aux * lm_scale + aux * aux_scale  # the Trainer scaled the aux term like the LM term
-            self._loss_sums["lm_loss"] += outputs["lm_loss"].detach().float() * lm_scale
+            if outputs.get("lm_loss") is not None:  # the model's loss, LM + aux: the Trainer scaled both alike
+                lm_part = outputs["lm_loss"] * lm_scale
+                loss = loss - aux * lm_scale + aux * aux_scale
+            else:  # label smoothing: the Trainer took the labels and computed the LM loss alone from the logits
+                lm_part = loss
+                loss = loss + aux * aux_scale
+            self._loss_sums["lm_loss"] += lm_part.detach().float()
             self._loss_sums["aux_loss"] += aux.detach().float() * aux_scale
         return (loss, outputs) if return_outputs else loss
 
