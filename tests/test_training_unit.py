@@ -1,9 +1,11 @@
-"""Fast checks of the training pieces: LR multiplier, schedule groups, packing, embedded corpus, recipe defaults."""
+"""Fast checks of the training pieces: LR multiplier, schedule groups, packing, embedded corpus, recipe defaults,
+and how the Trainer treats the model's labels, losses and predictions."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from transformers import get_scheduler
@@ -130,3 +132,22 @@ def test_label_smoothing_shifts_the_labels_and_keeps_the_aux_loss(trainer_class,
     assert aux > 0.01
     expected = smoothed + aux if trainer_class == "UltraMemTrainer" else smoothed
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_trainer_predictions_are_the_logits_alone(tmp_path):
+    """As for Llama: `compute_metrics` gets a (samples, T, vocab) array, not a tuple with the loss parts."""
+    from conftest import small_config
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    from ultramem import UltraMemForCausalLM
+
+    torch.manual_seed(0)
+    model = UltraMemForCausalLM(small_config())
+    input_ids = torch.randint(1, 97, (3, 8), generator=torch.Generator().manual_seed(1))
+    data = Dataset.from_dict({"input_ids": input_ids.tolist(), "labels": input_ids.tolist()})
+    args = TrainingArguments(tmp_path, per_device_eval_batch_size=2, report_to=[], use_cpu=True)
+    predictions = Trainer(model=model, args=args).predict(data).predictions
+    with torch.no_grad():
+        expected = model.eval()(input_ids).logits
+    np.testing.assert_allclose(predictions, expected.numpy(), rtol=1e-5, atol=1e-5)

@@ -75,7 +75,8 @@ class UltraMemConfig(PreTrainedConfig):
     """
 
     model_type = "ultramem"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    # The Trainer's predictions are the logits alone, as for Llama (the loss parts are logged, not predictions)
+    keys_to_ignore_at_inference = ["past_key_values", "lm_loss", "aux_loss"]
 
     # Backbone
     vocab_size: int = 50432
