@@ -147,7 +147,6 @@ class UltraMemConfig(PreTrainedConfig):
     number_of_conv_states: int = 1
 
     def __post_init__(self, **kwargs):
-        # Accept the legacy `rope_theta` keyword as every Transformers config does.
         for i, pair in enumerate(self.memory_layers or []):
             _require(
                 isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, numbers.Integral) for x in pair),
@@ -159,6 +158,7 @@ class UltraMemConfig(PreTrainedConfig):
         if self.memory_num_values is None and self.ive_expansion > 0 and self.memory_num_keys > 0:
             self.memory_num_values = self.memory_num_keys**2 // self.ive_expansion
         self._derive_cache_layout()
+        # Accept the legacy `rope_theta` keyword as every Transformers config does.
         super().__post_init__(**kwargs)
         self.validate_ultramem()
 
@@ -185,7 +185,8 @@ class UltraMemConfig(PreTrainedConfig):
 
         Every hybrid cache layer is built with `number_of_conv_states` slots, and Transformers' `crop` (assisted and
         prompt-lookup decoding) fails on a slot no layer fills. So each memory layer gets a cache layer of its own,
-        its read block's where free; only with more memory layers than blocks do layers share (round robin).
+        its read block's where free. Only with more memory layers than blocks do layers share (round robin), and
+        assisted decoding then needs a multiple of the number of blocks.
         """
         if not (self.use_query_conv and self.query_conv_kernel_size > 1) or self.num_hidden_layers < 1:
             return []
