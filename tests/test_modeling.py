@@ -341,6 +341,21 @@ def test_assisted_and_prompt_lookup_decoding_equal_greedy(prompt_length):
     assert torch.equal(model.generate(input_ids, prompt_lookup_num_tokens=3, **kwargs), greedy)
 
 
+def test_continuous_batching_equals_generate_without_query_convs_and_is_refused_with_them():
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    prompts = [[1, 2, 3], [4, 5]]
+    generation = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
+    paged = ContinuousBatchingConfig(num_blocks=16, page_size=16, max_batch_tokens=64)  # a few kB, not a share of RAM
+    model = _model(small_config(vocab_size=211, use_query_conv=False))
+    batched = model.generate_batch(inputs=prompts, generation_config=generation, continuous_batching_config=paged)
+    expected = [model.generate(torch.tensor([p]), generation_config=generation)[0, len(p) :].tolist() for p in prompts]
+    assert [batched[key].generated_tokens for key in sorted(batched)] == expected
+    with pytest.raises(NotImplementedError, match="query-conv states"):
+        _model(small_config()).generate_batch(inputs=prompts, generation_config=generation, continuous_batching_config=paged)
+
+
 def test_plain_dynamic_cache_gives_a_clear_error():
     model = _model(small_config())
     with pytest.raises(ValueError, match="DynamicCache\\(config=model.config\\)"):

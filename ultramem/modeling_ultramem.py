@@ -1226,6 +1226,17 @@ class UltraMemForCausalLM(UltraMemPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    def init_continuous_batching(self, *args, **kwargs):
+        """Continuous batching (`generate_batch`, `transformers serve`) works without query convs: every other part
+        of a memory layer is per token. Its paged cache has no place for conv states, so it is refused with them."""
+        if self.config.memory_conv_state_slots:
+            raise NotImplementedError(
+                "Continuous batching (generate_batch, init_continuous_batching) has no cache for UltraMem's query-conv "
+                "states (use_query_conv=True with query_conv_kernel_size > 1): use model.generate(), which batches "
+                "with left padding."
+            )
+        return super().init_continuous_batching(*args, **kwargs)
+
     @can_return_tuple
     def forward(
         self,
