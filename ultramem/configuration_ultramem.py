@@ -165,10 +165,8 @@ class UltraMemConfig(PreTrainedConfig):
     def _derive_cache_layout(self) -> None:
         """Cache layers that hold a memory layer's query-conv state are "hybrid" (KV and conv states)."""
         slots = self.memory_conv_state_slots
-        self.layer_types = [
-            "hybrid" if any(layer == i for layer, _ in slots) else "full_attention"
-            for i in range(max(self.num_hidden_layers, 0))
-        ]
+        hybrid = {layer for layer, _ in slots}
+        self.layer_types = ["hybrid" if i in hybrid else "full_attention" for i in range(max(self.num_hidden_layers, 0))]
         self.number_of_conv_states = max([state + 1 for _, state in slots], default=1)
 
     @property
@@ -191,7 +189,9 @@ class UltraMemConfig(PreTrainedConfig):
         if not (self.use_query_conv and self.query_conv_kernel_size > 1) or self.num_hidden_layers < 1:
             return []
         read_blocks = [a for a, _ in self.memory_layers]
-        first_readers = {a: j for j, a in reversed(list(enumerate(read_blocks)))}
+        first_readers: dict[int, int] = {}  # block -> the first memory layer reading it
+        for j, a in enumerate(read_blocks):
+            first_readers.setdefault(a, j)
         free = iter([i for i in range(self.num_hidden_layers) if i not in first_readers])
         spill = 0
         slots = []

@@ -1167,7 +1167,12 @@ class UltraMemModel(UltraMemPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, D)
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
-        caller_position_ids = position_ids is not None
+        # Rows packing several sequences (padding-free training, the caller's restarting `position_ids`): the query
+        # convolutions stay within each sequence, under the condition on which `create_causal_mask` keeps attention
+        # within each (no mask, no cache)
+        sequence_ids = None
+        if position_ids is not None and attention_mask is None and past_key_values is None:
+            sequence_ids = find_packed_sequence_indices(position_ids.expand(inputs_embeds.shape[0], -1))
         if position_ids is None:
             past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
@@ -1188,11 +1193,6 @@ class UltraMemModel(UltraMemPreTrainedModel):
             padding_mask = None
             if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
                 padding_mask = attention_mask[:, -inputs_embeds.shape[1] :]
-        # Rows packing several sequences (padding-free training): the query convolutions stay within each sequence,
-        # under the condition on which `create_causal_mask` keeps attention within each (no mask, no cache)
-        sequence_ids = None
-        if attention_mask is None and past_key_values is None and caller_position_ids:
-            sequence_ids = find_packed_sequence_indices(position_ids.expand(inputs_embeds.shape[0], -1))
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
