@@ -57,6 +57,15 @@ def test_invalid_config_names_field_value_and_range(overrides, field, allowed):
     assert __import__("re").search(allowed, message), message
 
 
+def test_ratios_and_multipliers_accept_integers_as_llama_dropout_does():
+    """`attention_dropout=0` passes LlamaConfig's strict field check; it must pass ours, as must `aux_loss_tau=0`
+    or `value_lr_multiplier=1` (a hand-written config.json or --config_file has them as JSON integers)."""
+    integers = dict(attention_dropout=0, hidden_dropout=0, aux_loss_alpha=0, aux_loss_tau=0, value_lr_multiplier=1)
+    config = small_config(**integers)
+    again = UltraMemConfig.from_dict(config.to_dict())
+    assert {field: getattr(again, field) for field in integers} == integers
+
+
 def test_config_round_trips_through_dict():
     config = small_config()
     again = UltraMemConfig.from_dict(config.to_dict())

@@ -91,8 +91,8 @@ class UltraMemConfig(PreTrainedConfig):
     initializer_range: float = 0.02
     attention_bias: bool = False
     mlp_bias: bool = False
-    attention_dropout: float = 0.0
-    hidden_dropout: float = 0.0
+    attention_dropout: float | int = 0.0  # float | int as Llama's: 0 and 1 are natural to write
+    hidden_dropout: float | int = 0.0
     tie_word_embeddings: bool = False
     use_cache: bool = True
     bos_token_id: int | None = 0
@@ -125,12 +125,12 @@ class UltraMemConfig(PreTrainedConfig):
     ive_shuffle_seed: int = 0
 
     # Aux loss on the Tucker core's non-leading singular values
-    aux_loss_alpha: float = 0.001
-    aux_loss_tau: float = 0.15
+    aux_loss_alpha: float | int = 0.001
+    aux_loss_tau: float | int = 0.15
 
     # Init and optimisation switches
     improved_init: bool = True
-    value_lr_multiplier: float = 10.0
+    value_lr_multiplier: float | int = 10.0
     value_lr_decay: bool = True
 
     # Which implementation of the memory ops runs (MEMORY_KERNELS): "torch" = the PyTorch reference, "embedding_bag" =
