@@ -76,6 +76,23 @@ def test_config_round_trips_through_dict():
     assert again.layer_types == ["hybrid", "hybrid", "hybrid", "full_attention"] and again.number_of_conv_states == 1
 
 
+@pytest.mark.parametrize(
+    "memory_layers, slots",
+    [
+        ([[0, 1], [0, 2], [1, 3], [2, 3], [3, 3]], [(0, 0), (0, 1), (0, 2), (0, 3), (0, 4)]),  # 5 states: one layer
+        ([[1, 1]] * 6, [(1, 0), (1, 1), (0, 0), (0, 1), (2, 0), (2, 1)]),  # 6 = 3 layers x 2, the read block first
+        ([[0, 3]] * 4, [(0, 0), (1, 0), (2, 0), (3, 0)]),
+    ],
+)
+def test_conv_states_fill_every_slot_of_their_cache_layers(memory_layers, slots):
+    """Each hybrid cache layer has `number_of_conv_states` slots; an unfilled one breaks Transformers' `crop`."""
+    config = small_config(memory_layers=memory_layers)
+    assert config.memory_conv_state_slots == slots
+    hybrid = [i for i, kind in enumerate(config.layer_types) if kind == "hybrid"]
+    filled = sorted(set(slots))
+    assert filled == [(layer, state) for layer in hybrid for state in range(config.number_of_conv_states)]
+
+
 @pytest.mark.parametrize("name", sorted(PAPER_FIGURES))
 def test_preset_parameters_within_three_percent_of_paper(name):
     counts = count_parameters(get_config(name))

@@ -321,15 +321,20 @@ def test_cached_generation_equals_uncached(num_beams):
     assert len(set(cached[:, -32:].flatten().tolist())) > 3  # not a degenerate constant output
 
 
-@pytest.mark.parametrize("prompt_length", [1, 18])
-def test_assisted_and_prompt_lookup_decoding_equal_greedy(prompt_length):
+@pytest.mark.parametrize(
+    "prompt_length, overrides",
+    [(1, {}), (18, {}), (18, {"memory_layers": [[0, 1], [0, 2], [1, 3], [2, 3], [3, 3]]})],
+    ids=["prompt1", "prompt18", "5-memory-layers-in-4-blocks"],
+)
+def test_assisted_and_prompt_lookup_decoding_equal_greedy(prompt_length, overrides):
     """Candidate tokens that the model rejects are cropped from its cache, query-conv states included.
 
     The assistant is another model, so candidates are rejected (its own greedy output differs); two memory
     layers read the same block (each needs a conv-state slot of its own: `crop` fails on an unfilled one); a
-    one-token prompt is shorter than the conv's k-1 = 3 past inputs.
+    one-token prompt is shorter than the conv's k-1 = 3 past inputs. With more memory layers than blocks
+    (5 in 4), hybrid cache layers hold several states and none is left unfilled.
     """
-    config = small_config(vocab_size=211, query_conv_kernel_size=4)
+    config = small_config(vocab_size=211, query_conv_kernel_size=4, **overrides)
     model, assistant = _model(config, seed=7), _model(config, seed=8)
     generator = torch.Generator().manual_seed(5)
     ngram = torch.randint(1, config.vocab_size, (1, 9), generator=generator)

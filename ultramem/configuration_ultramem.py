@@ -182,28 +182,20 @@ class UltraMemConfig(PreTrainedConfig):
         """(cache layer, state index) of each memory layer's query-conv state, in `memory_layers` order; [] without one.
 
         Every hybrid cache layer is built with `number_of_conv_states` slots, and Transformers' `crop` (assisted and
-        prompt-lookup decoding) fails on a slot no layer fills. So each memory layer gets a cache layer of its own,
-        its read block's where free. Only with more memory layers than blocks do layers share (round robin), and
-        assisted decoding then needs a multiple of the number of blocks.
+        prompt-lookup decoding) fails on a slot no layer fills. So the M states fill h cache layers of s slots
+        exactly (h * s = M, s the fewest that fit in the blocks: s = 1 while M <= blocks), each memory layer in its
+        read block's cache layer where that has room, the rest in the first free slots.
         """
-        if not (self.use_query_conv and self.query_conv_kernel_size > 1) or self.num_hidden_layers < 1:
-            return []
         read_blocks = [a for a, _ in self.memory_layers]
-        first_readers: dict[int, int] = {}  # block -> the first memory layer reading it
-        for j, a in enumerate(read_blocks):
-            first_readers.setdefault(a, j)
-        free = iter([i for i in range(self.num_hidden_layers) if i not in first_readers])
-        spill = 0
-        slots = []
-        for j, a in enumerate(read_blocks):
-            if first_readers[a] == j:
-                slots.append((a, 0))
-            elif (layer := next(free, None)) is not None:
-                slots.append((layer, 0))
-            else:
-                slots.append((spill % self.num_hidden_layers, 1 + spill // self.num_hidden_layers))
-                spill += 1
-        return slots
+        if not (self.use_query_conv and self.query_conv_kernel_size > 1 and read_blocks) or self.num_hidden_layers < 1:
+            return []
+        count = len(read_blocks)
+        states = next(s for s in range(-(-count // self.num_hidden_layers), count + 1) if count % s == 0)
+        by_preference = list(dict.fromkeys(read_blocks + list(range(self.num_hidden_layers))))
+        free = {layer: list(range(states)) for layer in by_preference[: count // states]}  # hybrid layer -> free states
+        slots = [(a, free[a].pop(0)) if free.get(a) else None for a in read_blocks]  # the read block's, in order
+        spare = iter([(layer, state) for layer, left in free.items() for state in left])
+        return [slot or next(spare) for slot in slots]
 
     def to_dict(self) -> dict:
         """Without `memory_offload`: where this process keeps its tables is not part of what a checkpoint means."""
