@@ -251,3 +251,34 @@ def test_push_without_network_is_one_line(checkpoint: Path, env: dict) -> None:
     result = subprocess.run(command, env=child, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert result.stderr.startswith("ultramem-push: error: cannot reach the Hub at ") and result.stderr.count("\n") == 1
+
+
+def _usage_code(card: str) -> str:
+    return card.split("## Usage", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.parametrize(
+    "head, pipeline_tag",
+    [
+        ("UltraMemForCausalLM", "text-generation"),
+        ("UltraMemForSequenceClassification", "text-classification"),
+        ("UltraMemForTokenClassification", "token-classification"),
+        ("UltraMemForQuestionAnswering", "question-answering"),
+    ],
+)
+def test_card_follows_the_checkpoints_head_and_its_usage_runs(
+    head: str, pipeline_tag: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A fine-tuned task head gets its pipeline tag, Auto class and example; the example runs on the folder."""
+    import ultramem
+
+    folder = tmp_path / "head"
+    torch.manual_seed(0)
+    getattr(ultramem, head)(get_config("tiny-ultramem", num_labels=3)).save_pretrained(folder)
+    load_tokenizer().save_pretrained(folder)
+    text = render_card(folder, REPO)
+    assert ModelCard(text).data.pipeline_tag == pipeline_tag
+    auto_class = {"text-generation": "AutoModelForCausalLM"}.get(pipeline_tag, head.replace("UltraMem", "AutoModel"))
+    assert f'{auto_class}.from_pretrained("{REPO}", trust_remote_code=True)' in text
+    exec(_usage_code(text).replace(REPO, str(folder)), {})  # the example, as a user would paste it
+    assert capsys.readouterr().out.endswith("\n")  # printed its answer (an untrained QA head may pick an empty span)

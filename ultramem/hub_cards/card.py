@@ -8,7 +8,7 @@ with empty numbers.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -129,19 +129,69 @@ def _training_section(config: PreTrainedConfig, folder: Path) -> str | None:
     return "## Training recipe\n\n" + "\n".join(lines) + "\n" if lines else None
 
 
-def _usage_section(repo_id: str) -> str:
+@dataclass(frozen=True)
+class CardTask:
+    """What the card says a checkpoint of one head does: its description, Hub pipeline tag, Auto class and usage."""
+
+    description: str
+    pipeline_tag: str
+    auto_class: str
+    example: str  # Python lines after `tokenizer` and `model` are loaded
+
+
+CAUSAL_LM = CardTask(
+    "causal language model",
+    "text-generation",
+    "AutoModelForCausalLM",
+    """inputs = tokenizer("The capital of France is", return_tensors="pt")
+print(tokenizer.decode(model.generate(**inputs, max_new_tokens=20)[0]))""",
+)
+CARD_TASKS = {  # by the suffix of config.architectures[0], as Transformers names its heads
+    "ForCausalLM": CAUSAL_LM,
+    "ForSequenceClassification": CardTask(
+        "sequence classification model",
+        "text-classification",
+        "AutoModelForSequenceClassification",
+        """logits = model(**tokenizer("The whale was never seen again.", return_tensors="pt")).logits  # (1, labels)
+print(model.config.id2label[logits.argmax(-1).item()])""",
+    ),
+    "ForTokenClassification": CardTask(
+        "token classification model",
+        "token-classification",
+        "AutoModelForTokenClassification",
+        """logits = model(**tokenizer("Ishmael sailed from Nantucket.", return_tensors="pt")).logits  # (1, tokens, labels)
+print([model.config.id2label[label] for label in logits.argmax(-1)[0].tolist()])""",
+    ),
+    "ForQuestionAnswering": CardTask(
+        "extractive question answering model",
+        "question-answering",
+        "AutoModelForQuestionAnswering",
+        """inputs = tokenizer("Who sailed?", "Ishmael sailed from Nantucket.", return_tensors="pt")
+outputs = model(**inputs)
+start, end = outputs.start_logits.argmax(-1).item(), outputs.end_logits.argmax(-1).item()
+print(tokenizer.decode(inputs.input_ids[0, start : end + 1]))""",
+    ),
+}
+
+
+def card_task(config: PreTrainedConfig) -> CardTask:
+    """The head of the checkpoint (`config.architectures`); a causal LM when none is recorded."""
+    architecture = (getattr(config, "architectures", None) or [""])[0]
+    return next((task for suffix, task in CARD_TASKS.items() if architecture.endswith(suffix)), CAUSAL_LM)
+
+
+def _usage_section(repo_id: str, task: CardTask) -> str:
     return f"""## Usage
 
 `trust_remote_code=True` loads the model code shipped next to the weights (`auto_map` in config.json); the
 `ultramem` package need not be installed:
 
 ```python
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import {task.auto_class}, AutoTokenizer
 
 tokenizer = AutoTokenizer.from_pretrained("{repo_id}")
-model = AutoModelForCausalLM.from_pretrained("{repo_id}", trust_remote_code=True)
-inputs = tokenizer("The capital of France is", return_tensors="pt")
-print(tokenizer.decode(model.generate(**inputs, max_new_tokens=20)[0]))
+model = {task.auto_class}.from_pretrained("{repo_id}", trust_remote_code=True)
+{task.example}
 ```
 """
 
@@ -192,10 +242,11 @@ def render_card(
     config = load_config(folder)
     name = repo_id.split("/")[-1]
     scored = result is not None and bool(result.scores)
+    task = card_task(config)
     data = ModelCardData(
         license=license,
         library_name="transformers",
-        pipeline_tag="text-generation",
+        pipeline_tag=task.pipeline_tag,
         tags=["ultramem", "memory-layer", config.model_type]
         + (["custom_code"] if getattr(config, "auto_map", None) else []),
         datasets=list(datasets) or None,
@@ -204,12 +255,12 @@ def render_card(
         eval_results=_eval_results(result, settings) if scored else None,
     )
     sections = [
-        f"# {name}\n\n{name} is a causal language model ({_kind(config)}) built with `ultramem`, the reference "
+        f"# {name}\n\n{name} is a {task.description} ({_kind(config)}) built with `ultramem`, the reference "
         f"implementation of [Ultra-Sparse Memory Network]({PAPER}) (ICLR 2025) for Transformers.\n",
         _size_section(config),
         _memory_section(config),
         _training_section(config, folder),
-        _usage_section(repo_id),
+        _usage_section(repo_id, task),
         _eval_section(replace(result, name=name), settings) if scored else None,
         f"## Citation\n\n```bibtex\n{CITATION}\n```\n",
     ]
