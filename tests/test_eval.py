@@ -244,6 +244,8 @@ def test_ultramem_eval_reports_missing_benchmarks_and_compares_checkpoints(
         (["--tasks", "mmlu,nonesuch"], "unknown task 'nonesuch'; allowed: ultramem_paper"),
         (["--limit", "0"], "--limit must be > 0"),
         (["--data-dir", "/nonexistent/eval"], "--data-dir /nonexistent/eval: not a folder"),
+        # BBH CoT's 1024-token answers do not fit tiny-ultramem's 512 positions: refused before anything runs
+        (["--tasks", "bbh", "--data-dir", str(FIXTURES)], "may generate 1024; pass --max-gen-toks N with 1 <= N < 512"),
     ],
 )
 def test_ultramem_eval_rejects_bad_input(

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from ultramem.eval import tasks_path
 from ultramem.eval.benchmarks import Benchmark, select, task_name
 from ultramem.eval.checkpoint import (
+    CheckpointError,
     load_config,
     parameter_counts,
     require_checkpoint,
@@ -71,12 +72,12 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--data-dir {args.data_dir}: not a folder")
 
 
-def _available(task_manager: Any, groups: dict[str, str], offline: bool) -> tuple[list[str], dict[str, str]]:
-    """Split benchmarks into those whose data loads and those missing (key -> reason), by building their tasks."""
-    ready, missing = [], {}
+def _available(task_manager: Any, groups: dict[str, str], offline: bool) -> tuple[dict[str, dict], dict[str, str]]:
+    """Split benchmarks into those whose data loads (key -> its tasks by name) and those missing (key -> reason)."""
+    ready, missing = {}, {}
     for key, group in tqdm(groups.items(), desc="loading benchmark data", unit="benchmark"):
         try:
-            task_manager.load([group])
+            loaded = task_manager.load([group])
         except LocalDataMissing as err:
             missing[key] = str(err)
         except Exception as err:  # noqa: BLE001 - online, any failure to fetch a Hub dataset is reported per benchmark
@@ -84,8 +85,32 @@ def _available(task_manager: Any, groups: dict[str, str], offline: bool) -> tupl
                 raise
             missing[key] = f"could not load the Hub dataset: {type(err).__name__}: {err}"
         else:
-            ready.append(key)
+            ready[key] = loaded["tasks"]
     return ready, missing
+
+
+def _check_generation_fits(checkpoints: list[Path], ready: dict[str, dict], max_gen_toks: int | None) -> None:
+    """lm-eval keeps a generation task's token budget free in the model's context and stops at an assertion, after
+    the other tasks ran, when it does not fit (BBH CoT allows 1024 tokens): say so before anything runs."""
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.models.utils import normalize_gen_kwargs, resolve_max_length
+
+    budgets = [
+        (max_gen_toks or normalize_gen_kwargs(task.config.generation_kwargs or {})["max_gen_toks"], name)
+        for tasks in ready.values()
+        for name, task in tasks.items()
+        if task.OUTPUT_TYPE == "generate_until"
+    ]
+    if not budgets:
+        return
+    budget, task = max(budgets)
+    for checkpoint in checkpoints:
+        context = resolve_max_length(load_config(checkpoint), default=HFLM._DEFAULT_MAX_LENGTH)  # as HFLM reads it
+        if budget >= context:
+            raise CheckpointError(
+                f"--model {checkpoint}: its context is {context} tokens (max_position_embeddings) and {task} may "
+                f"generate {budget}; pass --max-gen-toks N with 1 <= N < {context}"
+            )
 
 
 def _size(checkpoint: Path) -> tuple[float | None, float | None]:
@@ -108,6 +133,7 @@ def evaluate(checkpoints: list[Path], benchmarks: list[Benchmark], args: argpars
         print(f"ultramem-eval: benchmark {key} not scored: {reason}", file=sys.stderr)
     if not ready:
         raise LocalDataMissing("no benchmark data could be read: " + "; ".join(missing.values()))
+    _check_generation_fits(checkpoints, ready, args.max_gen_toks)
     for checkpoint in tqdm(checkpoints, desc="checkpoints", unit="model"):
         output = simple_evaluate(
             model="hf",
@@ -160,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, f"ultramem-eval: error: {err}\n")
     try:
         results = evaluate(checkpoints, benchmarks, args)
-    except LocalDataMissing as err:
+    except (LocalDataMissing, CheckpointError) as err:
         parser.exit(2, f"ultramem-eval: error: {err}\n")
     from importlib.metadata import version
 
