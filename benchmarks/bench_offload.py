@@ -19,7 +19,8 @@ memory-mapped, lookups in the skip-layer window on a background thread / blockin
 and 4x / 16x that (up to 59.3 GB: a 64 GB checkpoint, one at a time on disk with --cleanup).
 
 GPU (not run: no GPU in the session that wrote this): the tables in pinned host memory with a model larger than
-an 80 GB GPU (`cpu-offload-gpu`: 2.25x the rows of ultramem-1.6b-x12, 89 GB of tables, needs ~100 GB host RAM),
+an 80 GB GPU (`cpu-offload-gpu`: 2.25x the rows of ultramem-1.6b-x12, 89 GB of tables, pinned as 6 power-of-two
+blocks of 17.2 GB: needs ~120 GB host RAM),
 against ultramem-1.6b-x12 in pinned host memory and fully on the GPU, where it fits:
 
     python benchmarks/bench_offload.py --device cuda --checkpoints /data/offload --build \\

@@ -55,7 +55,8 @@ def gpu_steps() -> list[Step]:
     return [
         Step("check_gpu", 240, "check_gpu.py", ["--results-dir", "{results}"]),
         Step("bench_kernels", 200, "bench_kernels.py", ["--device", "cuda", "--out-dir", "{results}"]),
-        Step("decode_680m", 280, "bench_decode.py", [*decode, "--sizes", "680m", "--batch-sizes", "1,4,16,64"]),
+        Step("decode_680m", 280, "bench_decode.py",
+             [*decode, "--sizes", "680m", "--batch-sizes", "1,4,16,64", "--name", "decode_680m"]),  # fmt: skip
         Step("scaling", 200, "bench_scaling.py", [*decode, "--size", "680m", "--batch", "16"]),
         Step("train_151m", 200, "bench_train.py",
              ["--device", "cuda", "--sizes", "151m", "--batch", "16", "--seq-len", "2048", "--results-dir", "{results}"]),  # fmt: skip
@@ -65,7 +66,8 @@ def gpu_steps() -> list[Step]:
               "--eval-points", "6", "--eval-blocks", "64", "--output-dir", "{results}",
               "--cache-dir", "{results}/quality_cache"],
              resumable=True),  # fmt: skip
-        Step("decode_1.6b", 280, "bench_decode.py", [*decode, "--sizes", "1.6b", "--batch-sizes", "1,4,16"]),
+        Step("decode_1.6b", 280, "bench_decode.py",
+             [*decode, "--sizes", "1.6b", "--batch-sizes", "1,4,16", "--name", "decode_1.6b"]),  # fmt: skip
         # issue 11 on a GPU: ultramem-1.6b-x12 (a 44 GB checkpoint, built here, deleted after) with its tables in
         # pinned host memory against the same model fully on the GPU; a rerun reuses a checkpoint left by a cut one
         Step("offload_1.6b", 540, "bench_offload.py",

@@ -210,3 +210,12 @@ def test_gpu_campaign_smoke_runs_in_steps_resumes_and_stops_within_its_budget(tm
 
     refused = campaign("--redo", "bench_everything")
     assert refused.returncode == 2 and "--redo bench_everything: allowed step names are check_gpu" in refused.stderr
+
+
+def test_gpu_campaign_steps_of_one_script_write_distinct_results(bench):
+    """Two steps of one script under its default --name write the same JSON, the later replacing the earlier."""
+    campaign = bench("gpu_campaign")
+    for steps in (campaign.gpu_steps(), campaign.smoke_steps()):
+        outputs = [(step.script, step.args[step.args.index("--name") + 1] if "--name" in step.args else None)
+                   for step in steps]  # fmt: skip
+        assert len(outputs) == len(set(outputs)), outputs

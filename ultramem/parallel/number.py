@@ -87,7 +87,9 @@ class NumberShardedValues(ShardedValueStore):
         slot_scores = scores.reshape(-1, num_cores)[order]
         received_scores = all_to_all(slot_scores, receive_slots, send_slots, self.group, "scores")
         # pair id inside this rank's output: offset of the source's block + the id the source gave
-        source = torch.repeat_interleave(torch.arange(self.size, device=owner.device), torch.tensor(receive_slots))
+        source = torch.repeat_interleave(
+            torch.arange(self.size, device=owner.device), receive[:, 0], output_size=len(packed)
+        )  # the repeats on the device too: a CPU tensor there fails index_select on CUDA
         first_received = torch.cumsum(receive[:, 1], 0) - receive[:, 1]
         target = first_received[source] + torch.div(packed, self.rows_per_shard, rounding_mode="floor")
         weight = self.local_weight()

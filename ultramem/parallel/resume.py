@@ -63,8 +63,17 @@ def load_table_states(model: nn.Module, optimizer: torch.optim.Optimizer, checkp
         state = optimizer.state[param]
         for key in (entry.split("/", 1)[1] for entry in saved if entry.startswith(f"{name}/")):
             if key not in state:
-                state[key] = torch.zeros_like(param) if saved[f"{name}/{key}"].size == param.shape else torch.zeros(())
+                shaped = saved[f"{name}/{key}"].size == param.shape
+                state[key] = torch.zeros_like(param) if shaped else _scalar_state(optimizer, param)
     dcp.load(_state_dict(model, optimizer), checkpoint_id=path, no_dist=not dist.is_initialized())  # in place
+
+
+def _scalar_state(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> torch.Tensor:
+    """A zero scalar state (AdamW's `step`) where the optimizer keeps it: on the parameter's device when its group
+    is fused or capturable (the fused CUDA kernel reads it there), on the host otherwise, as `Adam._init_group`."""
+    group = next((group for group in optimizer.param_groups if any(p is param for p in group["params"])), {})
+    on_device = group.get("fused") or group.get("capturable")
+    return torch.zeros((), dtype=torch.float32, device=param.device if on_device else "cpu")
 
 
 def load_dense_weights(model: nn.Module, checkpoint: str) -> None:
