@@ -792,8 +792,8 @@ class TuckerQueryKeyRetrieval(nn.Module):
             return row_index, col_index
         # The quadrant is chosen from the axes' extremes, then one top-m per axis runs on the sign-flipped
         # projections (the bottom-m of a is the top-m of -a): two topk calls instead of four, same candidates.
-        row_min, row_max = row_projected.aminmax(dim=-1, keepdim=True)  # (..., 1)
-        col_min, col_max = col_projected.aminmax(dim=-1, keepdim=True)
+        row_min, row_max = row_projected.amin(dim=-1, keepdim=True), row_projected.amax(dim=-1, keepdim=True)  # (..., 1)
+        col_min, col_max = col_projected.amin(dim=-1, keepdim=True), col_projected.amax(dim=-1, keepdim=True)
         sign = torch.where(row_max * col_max >= row_min * col_min, 1.0, -1.0).to(row_projected.dtype)
         row_index, col_index = ((axis * sign).topk(self.topk, dim=-1).indices for axis in (row_projected, col_projected))
         return row_index, col_index
