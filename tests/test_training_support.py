@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import lzma
 import os
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
+import psutil
 import torch
 from safetensors.torch import load_file
 
@@ -76,14 +76,8 @@ def base_args(config: Path, corpus: Path, output_dir: Path, **flags) -> list[str
     return [item for key, value in values.items() for item in (f"--{key}", str(value))]
 
 
-# DeepSpeed JIT-compiles its CPU communication op on first use, behind a lock file in the extensions folder: one
-# folder per test session, so a compile killed elsewhere (its lock left behind) cannot hang these launches.
-EXTENSIONS_DIR = tempfile.mkdtemp(prefix="ultramem-torch-extensions-")
-
-
 def child_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TORCH_EXTENSIONS_DIR=EXTENSIONS_DIR, **extra)  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", **extra)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return env
 
@@ -107,22 +101,40 @@ def with_free_port(command: list[str]) -> list[str]:
     return command
 
 
-def run_command(command: list[str], timeout: int = 240, **env: str) -> subprocess.CompletedProcess:
-    """Run a launcher or script from the repository root; fail with its output tail when it fails.
+def kill_process_tree(root: int) -> None:
+    """SIGKILL `root` and every process below it, whatever their session.
 
-    It runs in its own process group, killed whole on a timeout, so no worker outlives its test.
-    """
-    process = subprocess.Popen(with_free_port(command), cwd=REPO, env=child_env(**env), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    torchrun starts each worker in a session of its own: killing the launcher's process group alone leaves the
+    workers running (and holding the test's output pipes open, so reading them to the end never returns)."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        launcher = psutil.Process(root)
+        processes = [launcher, *launcher.children(recursive=True)]
+        for process in processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        psutil.wait_procs(processes, timeout=30)
+
+
+def run_command(command: list[str], timeout: int = 240, check: bool = True, **env: str) -> subprocess.CompletedProcess:
+    """Run a launcher or script from the repository root; with `check`, fail with its output tail when it fails.
+
+    On a timeout (its own or the test's) it is killed with all its workers. The result's `args` are the command as
+    run, with the rendezvous port it was given."""
+    command = with_free_port(command)
+    process = subprocess.Popen(command, cwd=REPO, env=child_env(**env), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
+        kill_process_tree(process.pid)
+        stdout, stderr = process.communicate(timeout=60)
         raise AssertionError(f"{' '.join(command[:4])} timed out after {timeout} s:\n{stdout[-3000:]}\n{stderr[-6000:]}")
-    result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
-    assert result.returncode == 0, f"{' '.join(command[:4])} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    return result
+    except BaseException:  # pytest-timeout's alarm or Ctrl-C: no worker outlives its test
+        kill_process_tree(process.pid)
+        raise
+    if check:
+        assert process.returncode == 0, f"{' '.join(command[:4])} failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def python_module(*args: str) -> list[str]:

@@ -40,6 +40,18 @@ def _resolve_deepspeed_shorthand(argv: list[str]) -> list[str]:
     return resolved
 
 
+def _skip_deepspeed_shared_memory_all_reduce() -> None:
+    """Keep DeepSpeed's CPU backend from building its shared-memory all-reduce op, which training never calls.
+
+    Only DeepSpeed-Inference's `inference_all_reduce` uses it. Yet every CPU launch JIT-compiles it in each rank
+    (a C++ toolchain and ~25 s on a fresh machine) and, under the `deepspeed` launcher, each rank maps a 66 MB
+    buffer in /dev/shm that DeepSpeed never unlinks: every launch left 132 MB of RAM behind, and where /dev/shm
+    has less room than that (Docker's default is 64 MB) a rank dies of SIGSEGV/SIGBUS."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def _cpu_distributed_defaults(argv: list[str]) -> dict[str, Any]:
     """Argument defaults that make a multi-process launch (torchrun, accelerate, deepspeed) work without CUDA.
 
@@ -47,13 +59,18 @@ def _cpu_distributed_defaults(argv: list[str]) -> dict[str, Any]:
     trains alone. DeepSpeed's batch-size check reads the world size while `TrainingArguments` is built, so it
     needs a gloo state created first and reused (`use_configured_state`).
     """
-    if torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if torch.cuda.is_available():
         return {}
     if "--deepspeed" in argv:
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+    uses_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if uses_deepspeed:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        _skip_deepspeed_shared_memory_all_reduce()
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return {}
+    if not uses_deepspeed:
         return {"use_cpu": True}
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from accelerate import PartialState
 
     PartialState(backend="gloo")
