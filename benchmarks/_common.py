@@ -313,7 +313,7 @@ def filled_static_cache(model: PreTrainedModel, batch: int, context: int, max_le
     """
     cache = StaticCache(config=model.config, max_cache_len=max_len)
     prompt = torch.randint(1, model.config.vocab_size, (batch, 2), device=model.device)
-    model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
     for layer in cache.layers:
         if getattr(layer, "keys", None) is not None:
             layer.keys[:, :, :context].normal_()
@@ -353,7 +353,7 @@ def decode_step(model: PreTrainedModel, batch: int, args: argparse.Namespace) ->
     forward = decode_forward(model, args)
 
     def step() -> None:
-        forward(input_ids=tokens, past_key_values=cache, use_cache=True)
+        forward(input_ids=tokens, cache=cache, use_cache=True)
 
     return step
 

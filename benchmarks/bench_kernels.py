@@ -295,6 +295,17 @@ def main(argv: list[str] | None = None) -> None:
 
     info = device_info(device)
     copy_gbps = copy_bandwidth_gbps(device, (2**24 if args.smoke else 2**28 if quick else 2**30), repeats)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = args.out_dir / f"bench_kernels_{file_tag(info)}"
+    report = {
+        "device": info,
+        "copy_gbps": copy_gbps,
+        "mode": "smoke" if args.smoke else "quick" if quick else "full",
+        "num_rows": {name: memory_shape(name, num_rows).num_rows for name in configs},
+        "triton": "skipped (interpreter only)" if interpreted or not kernels.triton_available() else "measured",
+        "complete": False,  # the JSON is rewritten after each config and dtype: a run cut short keeps what it measured
+        "results": [],
+    }
     results: list[Result] = []
     for name in configs:
         shape = memory_shape(name, num_rows)
@@ -304,17 +315,10 @@ def main(argv: list[str] | None = None) -> None:
                 results += bench_lookup(shape, groups, cores, dtype, tokens_list, device, copy_gbps, repeats,
                                         interpreted)
             results += bench_candidates(shape, dtype, tokens_list, device, repeats, interpreted)
+            report["results"] = [asdict(r) for r in results]
+            stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
 
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.out_dir / f"bench_kernels_{file_tag(info)}"
-    report = {
-        "device": info,
-        "copy_gbps": copy_gbps,
-        "mode": "smoke" if args.smoke else "quick" if quick else "full",
-        "num_rows": {name: memory_shape(name, num_rows).num_rows for name in configs},
-        "triton": "skipped (interpreter only)" if interpreted or not kernels.triton_available() else "measured",
-        "results": [asdict(r) for r in results],
-    }
+    report["complete"] = True
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
     plot(results, stem.with_suffix(".png"), f"{info['name']} ({report['mode']}), copy {copy_gbps:.0f} GB/s")
     print(f"device: {info['name']}  copy bandwidth: {copy_gbps:.1f} GB/s  wrote {stem}.json/.png")

@@ -153,13 +153,13 @@ def decode(label: str, folder: Path, batch: int, args: argparse.Namespace) -> di
     wall, cpu, disk_mb, major = [], [], [], []
     with torch.no_grad():
         output = model(input_ids=tokens, use_cache=True, logits_to_keep=1)
-        cache = output.past_key_values
+        cache = output.cache
         for _ in range(args.new_tokens):
             next_tokens = output.logits[:, -1:].argmax(-1)
             common.synchronize(args.device)
             start_io = io_counters()  # read outside the timed span (a /proc read and a getrusage)
             start, start_cpu = time.perf_counter(), time.process_time()
-            output = model(input_ids=next_tokens, past_key_values=cache, use_cache=True)
+            output = model(input_ids=next_tokens, cache=cache, use_cache=True)
             common.synchronize(args.device)
             wall.append((time.perf_counter() - start) * 1e3)
             cpu.append((time.process_time() - start_cpu) * 1e3)

@@ -122,6 +122,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             break
         point["status"] = "ok"
         points.append(point)
+        # rewritten after each point: a run cut short keeps what it measured
+        common.write_json(args.results_dir, args.name, {"environment": common.environment(args), "complete": False,
+                                                        "points": points})  # fmt: skip
 
     done = [p for p in points if p["status"] == "ok"]
     table = []
@@ -154,6 +157,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "range": done[-1]["slots"] / done[0]["slots"] if done else None,
         },
         "ultramem_latency_spread": spread,
+        "complete": True,
         "points": points,
         "table": table,
     }

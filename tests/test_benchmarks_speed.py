@@ -76,7 +76,7 @@ def test_bench_decode_interleave_times_the_peers_in_turn(bench, tmp_path, monkey
 def test_bench_scaling_grows_slots_and_experts(bench, tmp_path):
     args = [*TIMING, "--slots", "16384,65536", "--batch", "2", "--context", "8", "--moe-impl", "eager", "--no-plot"]
     payload = bench("bench_scaling").main([*args, "--results-dir", str(tmp_path), "--name", "scaling"])
-    assert read(tmp_path, "scaling")["settings"]["range"] == 4
+    assert read(tmp_path, "scaling")["settings"]["range"] == 4 and read(tmp_path, "scaling")["complete"]
     small, large = payload["points"]
     for point in payload["points"]:  # physical slots = layers * (keys per axis / sqrt(E))^2, rounded
         assert abs(point["physical_slots"] / point["slots"] - 1) < 0.02
@@ -142,7 +142,7 @@ def test_benchmark_script_writes_results(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     report = json.loads((tmp_path / "bench_kernels_cpu.json").read_text())
-    assert report["device"]["type"] == "cpu" and report["results"]
+    assert report["device"]["type"] == "cpu" and report["results"] and report["complete"]
     assert {"torch", "embedding_bag"} <= {row["impl"] for row in report["results"]}
     assert all(row["forward_ms"] > 0 for row in report["results"] if row["status"] == "ok")
     assert (tmp_path / "bench_kernels_cpu.png").stat().st_size > 0

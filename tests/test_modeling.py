@@ -297,9 +297,9 @@ def test_incremental_decoding_matches_full_recompute(attn_implementation):
         full = model(input_ids, attention_mask=attention_mask).logits
         cache = DynamicCache(config=config)
         prefill = 4
-        steps = [model(input_ids[:, :prefill], attention_mask=attention_mask[:, :prefill], past_key_values=cache).logits]
+        steps = [model(input_ids[:, :prefill], attention_mask=attention_mask[:, :prefill], cache=cache).logits]
         for t in range(prefill, input_ids.shape[1]):
-            out = model(input_ids[:, t : t + 1], attention_mask=attention_mask[:, : t + 1], past_key_values=cache)
+            out = model(input_ids[:, t : t + 1], attention_mask=attention_mask[:, : t + 1], cache=cache)
             steps.append(out.logits)
     incremental = torch.cat(steps, dim=1)
     real = attention_mask.bool()
@@ -364,7 +364,7 @@ def test_continuous_batching_equals_generate_without_query_convs_and_is_refused_
 def test_plain_dynamic_cache_gives_a_clear_error():
     model = _model(small_config())
     with pytest.raises(ValueError, match="DynamicCache\\(config=model.config\\)"):
-        model(torch.ones(1, 3, dtype=torch.long), past_key_values=DynamicCache())
+        model(torch.ones(1, 3, dtype=torch.long), cache=DynamicCache())
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -517,8 +517,8 @@ def test_static_cache_extended_decode_matches_full_forward():
         input_ids = torch.randint(1, config.vocab_size, (2, 9))
         full = model(input_ids).logits
         cache = StaticCache(config=config, max_cache_len=16)
-        steps = [model(input_ids[:, :4], past_key_values=cache).logits]
-        steps += [model(input_ids[:, t : t + 1], past_key_values=cache).logits for t in range(4, 9)]
+        steps = [model(input_ids[:, :4], cache=cache).logits]
+        steps += [model(input_ids[:, t : t + 1], cache=cache).logits for t in range(4, 9)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
 
 

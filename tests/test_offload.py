@@ -69,7 +69,7 @@ def greedy_static_cache(model, steps: int = 10) -> torch.Tensor:
     cache = StaticCache(config=model.config, max_cache_len=32)
     mask, tokens = PROMPT["attention_mask"], [PROMPT["input_ids"]]
     for _ in range(steps):
-        logits = model(input_ids=tokens[-1], attention_mask=mask, past_key_values=cache, use_cache=True).logits
+        logits = model(input_ids=tokens[-1], attention_mask=mask, cache=cache, use_cache=True).logits
         tokens.append(logits[:, -1:].argmax(-1))
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
     return torch.cat(tokens, dim=1)

@@ -76,7 +76,7 @@ class UltraMemConfig(PreTrainedConfig):
 
     model_type = "ultramem"
     # The Trainer's predictions are the logits alone, as for Llama (the loss parts are logged, not predictions)
-    keys_to_ignore_at_inference = ["past_key_values", "lm_loss", "aux_loss"]
+    keys_to_ignore_at_inference = ["cache", "lm_loss", "aux_loss"]
 
     # Backbone
     vocab_size: int = 50432

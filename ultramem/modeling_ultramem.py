@@ -51,6 +51,7 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, logging
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
@@ -364,12 +365,13 @@ class UltraMemAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, width, bias=config.attention_bias)
         self.o_proj = nn.Linear(width, config.hidden_size, bias=config.attention_bias)
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
@@ -379,8 +381,8 @@ class UltraMemAttention(nn.Module):
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
@@ -412,20 +414,21 @@ class UltraMemDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
         hidden_states: torch.Tensor,
         memory_output: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         attn_output, _ = self.self_attn(
             self.input_layernorm(hidden_states),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            cache=cache,
             **kwargs,
         )
         hidden_states = hidden_states + self.dropout(attn_output)
@@ -463,7 +466,7 @@ class CausalDepthwiseConv(nn.Module):
         self,
         x: torch.Tensor,
         padding_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         sequence_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if padding_mask is not None:
@@ -473,8 +476,8 @@ class CausalDepthwiseConv(nn.Module):
         x = x.transpose(1, 2)  # (B, D, T)
         context = self.kernel_size - 1
         window = None
-        if past_key_values is not None and context > 0:
-            layers = past_key_values.layers
+        if cache is not None and context > 0:
+            layers = cache.layers
             if len(layers) <= self.cache_layer_idx or not isinstance(
                 layers[self.cache_layer_idx], LinearAttentionCacheLayerMixin
             ):
@@ -482,12 +485,12 @@ class CausalDepthwiseConv(nn.Module):
                     "UltraMem keeps query-conv states in the generation cache: build it with "
                     "DynamicCache(config=model.config) (or let the model create it with use_cache=True)."
                 )
-            has_past = past_key_values.get_conv_state(self.cache_layer_idx, self.state_idx) is not None
+            has_past = cache.get_conv_state(self.cache_layer_idx, self.state_idx) is not None
             # With a previous state the cache returns cat(state, x) before overwriting its state in place
             # (so the old state must not be read after this call); on prefill it returns x, unpadded. While
             # `generate` records the past to roll it back (assisted decoding) the state is longer or shorter than
             # k-1: the window is its last k-1+T inputs, zeros before the first token.
-            updated = past_key_values.update_conv_state(
+            updated = cache.update_conv_state(
                 x, self.cache_layer_idx, self.state_idx, conv_kernel_size=context
             )
             if has_past:
@@ -545,11 +548,11 @@ class MemoryQuery(nn.Module):
         self,
         x: torch.Tensor,
         padding_mask: torch.Tensor | None,
-        past_key_values: Cache | None,
+        cache: Cache | None,
         sequence_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.conv is not None:
-            x = self.conv(x, padding_mask, past_key_values, sequence_ids)
+            x = self.conv(x, padding_mask, cache, sequence_ids)
         query = self.proj(x).unflatten(-1, (self.num_heads, self.num_queries, self.rank, self.part_dim))
         query = self.norm(query)  # (B, T, H, 1|2, r, Dk/r)
         return query[..., 0, :, :], query[..., -1, :, :]  # row and column queries, (B, T, H, r, Dk/r)
@@ -912,7 +915,7 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         padding_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         ops: MemoryOps | None = None,
         sequence_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -922,7 +925,7 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         sequence of each token (Transformers' `find_packed_sequence_indices`); None when each row is one sequence.
         """
         ops = ops or select_memory_ops(self.config.memory_kernel, hidden_states.device)
-        row_query, col_query = self.query(self.norm(hidden_states), padding_mask, past_key_values, sequence_ids)
+        row_query, col_query = self.query(self.norm(hidden_states), padding_mask, cache, sequence_ids)
         virtual_index, scores = self.retrieval(row_query, col_query, ops)
         if self.config.memory_score_softmax:
             scores = scores.softmax(dim=-2)
@@ -932,7 +935,7 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         padding_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         sequence_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if hasattr(self.values, "base_layer"):  # a PEFT adapter layer wraps the table and adds to the rows it embeds
@@ -940,14 +943,14 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
                 "PEFT adapters cannot target the value tables (`values`): the memory layer pools the rows it reads "
                 "instead of embedding them. Train them with modules_to_save=['values'], or leave them frozen."
             )
-        slots = self._selected_slots(hidden_states, padding_mask, past_key_values, sequence_ids)
+        slots = self._selected_slots(hidden_states, padding_mask, cache, sequence_ids)
         return self._output(self.values(*slots), hidden_states)
 
     def start(
         self,
         hidden_states: torch.Tensor,
         padding_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         sequence_ids: torch.Tensor | None = None,
     ) -> Callable[[], torch.Tensor]:
         """Start the layer at its read block; the returned call gives its output, wanted after the write block.
@@ -956,9 +959,9 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         blocks in between compute; any other store runs `forward` now (gradient checkpointing included).
         """
         if not hasattr(self.values, "lookup_reduce_async"):
-            output = self(hidden_states, padding_mask, past_key_values=past_key_values, sequence_ids=sequence_ids)
+            output = self(hidden_states, padding_mask, cache=cache, sequence_ids=sequence_ids)
             return lambda: output
-        slots = self._selected_slots(hidden_states, padding_mask, past_key_values, sequence_ids)
+        slots = self._selected_slots(hidden_states, padding_mask, cache, sequence_ids)
         pending = self.values.lookup_reduce_async(*slots)
         return lambda: self._output(pending.result(), hidden_states)
 
@@ -966,13 +969,13 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         padding_mask: torch.Tensor | None,
-        past_key_values: Cache | None,
+        cache: Cache | None,
         sequence_ids: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, MemoryOps]:
         """The value store's arguments: physical rows and IVE groups (B*T, H*m), scores (B*T, H*m, h), E, the ops."""
         batch, length, _ = hidden_states.shape
         ops = select_memory_ops(self.config.memory_kernel, hidden_states.device)
-        virtual_index, scores = self.retrieve(hidden_states, padding_mask, past_key_values, ops, sequence_ids)
+        virtual_index, scores = self.retrieve(hidden_states, padding_mask, cache, ops, sequence_ids)
         num_slots = virtual_index.shape[-2] * virtual_index.shape[-1]
         rows, groups = self.value_expansion.physical_slots(virtual_index.reshape(batch * length, num_slots))
         return rows, groups, scores.reshape(batch * length, num_slots, -1), self.value_expansion.num_groups, ops
@@ -1016,7 +1019,6 @@ class UltraMemPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["UltraMemDecoderLayer", "UltraMemMemoryLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -1149,6 +1151,7 @@ class UltraMemModel(UltraMemPreTrainedModel):
         ]
         return sum(loss.to(losses[0].device) for loss in losses[1:]) + losses[0]
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -1156,7 +1159,7 @@ class UltraMemModel(UltraMemPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
@@ -1165,16 +1168,16 @@ class UltraMemModel(UltraMemPreTrainedModel):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, D)
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
         # Rows packing several sequences (padding-free training, the caller's restarting `position_ids`): the query
         # convolutions stay within each sequence, under the condition on which `create_causal_mask` keeps attention
         # within each (no mask, no cache)
         sequence_ids = None
-        if position_ids is not None and attention_mask is None and past_key_values is None:
+        if position_ids is not None and attention_mask is None and cache is None:
             sequence_ids = find_packed_sequence_indices(position_ids.expand(inputs_embeds.shape[0], -1))
         if position_ids is None:
-            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
         # `generate` with a static cache passes the masks already built, keyed by layer type: the causal mask,
@@ -1186,7 +1189,7 @@ class UltraMemModel(UltraMemPreTrainedModel):
                 config=self.config,
                 inputs_embeds=inputs_embeds,
                 attention_mask=attention_mask,
-                past_key_values=past_key_values,
+                cache=cache,
                 position_ids=position_ids,
             )
             # (B, T) padding mask of the current tokens for the query convolutions, also on one-token steps
@@ -1201,7 +1204,7 @@ class UltraMemModel(UltraMemPreTrainedModel):
             for memory_layer in self.memory_layers:
                 if memory_layer.read_block == block_idx:  # starts as soon as its input exists
                     pending[memory_layer.memory_idx] = memory_layer.start(
-                        hidden_states, padding_mask, past_key_values, sequence_ids
+                        hidden_states, padding_mask, cache, sequence_ids
                     )
             writes = [pending.pop(layer.memory_idx)() for layer in self.memory_layers if layer.write_block == block_idx]
             hidden_states = decoder_layer(
@@ -1209,11 +1212,11 @@ class UltraMemModel(UltraMemPreTrainedModel):
                 torch.stack(writes).sum(0) if writes else None,  # (B, T, D); positional, see the layer
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
-                past_key_values=past_key_values,
+                cache=cache,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
 
 
 class UltraMemForCausalLM(UltraMemPreTrainedModel, GenerationMixin):
@@ -1237,13 +1240,14 @@ class UltraMemForCausalLM(UltraMemPreTrainedModel, GenerationMixin):
             )
         return super().init_continuous_batching(*args, **kwargs)
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -1267,7 +1271,7 @@ class UltraMemForCausalLM(UltraMemPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
@@ -1285,7 +1289,7 @@ class UltraMemForCausalLM(UltraMemPreTrainedModel, GenerationMixin):
             lm_loss=lm_loss,
             aux_loss=aux_loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            cache=outputs.cache,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
