@@ -215,6 +215,18 @@ def test_push_refuses_before_uploading_anything(
     assert recorder.calls == []
 
 
+def test_push_names_a_folder_without_tokenizer_before_asking_for_a_token(
+    tmp_path: Path, checkpoint: Path, recorder: _CommitRecorder, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shutil.copytree(checkpoint, tmp_path / "no_tokenizer")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (tmp_path / "no_tokenizer" / name).unlink(missing_ok=True)
+    with pytest.raises(SystemExit):
+        push_main([str(tmp_path / "no_tokenizer"), "--repo-id", REPO])  # and no token anywhere
+    error = capsys.readouterr().err
+    assert "tokenizer" in error and "token:" not in error and recorder.calls == []
+
+
 def test_push_refuses_a_folder_without_safetensors(
     tmp_path: Path, checkpoint: Path, recorder: _CommitRecorder, capsys: pytest.CaptureFixture[str]
 ) -> None:

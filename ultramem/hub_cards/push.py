@@ -5,8 +5,8 @@
 The commit holds the safetensors weights, config.json (with `auto_map`), the model code files that
 `save_pretrained` copied next to them, the tokenizer and a generated model card. It goes through
 `HfApi.create_commit` with one `CommitOperationAdd` per file: `upload_folder` would also send optimizer
-states and, with hf_xet installed, bypass `create_commit`. The token and the repo id are checked before
-anything is sent.
+states and, with hf_xet installed, bypass `create_commit`. Before anything is sent the repo id is checked, then
+the folder (weights, code, tokenizer), then the token.
 """
 
 from __future__ import annotations
@@ -89,11 +89,10 @@ def push_checkpoint(
 ) -> CommitInfo:
     """Push the checkpoint as one commit; the repo (and branch) are created when the first commit finds none."""
     check_repo_id(repo_id)
-    token = require_token(token)
     folder = require_checkpoint(checkpoint, option="checkpoint")
     card = render_card(folder, repo_id, result=result, settings=settings, datasets=datasets, base_model=base_model)
     operations = build_operations(folder, card)
-    api = HfApi(token=token)
+    api = HfApi(token=require_token(token))  # after the folder's checks: what can be fixed locally is said first
     message = f"Upload {folder.name} with ultramem-push"
 
     def commit() -> CommitInfo:
