@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -158,10 +159,15 @@ def run_step(step: Step, results: Path, seconds: float) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     start = time.monotonic()
     with log.open("w") as handle:
+        # its own process group, killed whole at the limit: a step's workers (bench_offload's run processes) must
+        # not go on holding the GPU while the next step is timed
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT,
+                                   start_new_session=True)  # fmt: skip
         try:
-            returncode = subprocess.run(command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT,
-                                        timeout=seconds).returncode  # fmt: skip
+            returncode = process.wait(timeout=seconds)
         except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
             returncode = TIMED_OUT
     tail = log.read_text(errors="replace").splitlines()[-15:]
     print("\n".join(f"    {line}" for line in tail))

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -210,6 +211,24 @@ def test_gpu_campaign_smoke_runs_in_steps_resumes_and_stops_within_its_budget(tm
 
     refused = campaign("--redo", "bench_everything")
     assert refused.returncode == 2 and "--redo bench_everything: allowed step names are check_gpu" in refused.stderr
+
+
+def test_a_campaign_step_cut_at_its_limit_takes_its_workers_with_it(bench, tmp_path):
+    """A step stopped by its time limit is killed with the processes it started (its log gives the worker's pid)."""
+    campaign = bench("gpu_campaign")
+    script = tmp_path / "spawns_a_worker.py"
+    script.write_text("import subprocess, sys, time\n"
+                      "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+                      "print(worker.pid, flush=True)\n"
+                      "time.sleep(120)\n")  # fmt: skip
+    (tmp_path / "logs").mkdir()
+    record = campaign.run_step(campaign.Step("spawns", 5, str(script), []), tmp_path, 5)
+    assert record["returncode"] == campaign.TIMED_OUT and record["seconds"] < 60
+    worker = int((tmp_path / "logs" / "spawns.log").read_text().split()[0])
+    try:
+        assert psutil.Process(worker).status() == psutil.STATUS_ZOMBIE  # killed, not yet reaped by init
+    except psutil.NoSuchProcess:
+        pass
 
 
 def test_gpu_campaign_steps_of_one_script_write_distinct_results(bench):
