@@ -1,5 +1,7 @@
 """Save, then load in a fresh process through the Auto classes: with `ultramem` importable, and without it."""
 
+import importlib.metadata
+import importlib.util
 import json
 import os
 import subprocess
@@ -95,6 +97,17 @@ def test_fresh_process_loads_identical_model(saved, mode, tmp_path):
         assert result["module"].startswith("transformers_modules.")
     else:
         assert result["module"] == "ultramem.modeling_ultramem"
+
+
+def test_saved_model_code_names_the_transformers_it_needs(saved, monkeypatch):
+    """The folder's copy of the model code, imported under a Transformers older than its `cache` API, says which."""
+    folder = saved[0]
+    real_version = importlib.metadata.version
+    older = {"transformers": "5.23.0"}
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: older.get(name) or real_version(name))
+    spec = importlib.util.spec_from_file_location("ultramem.saved_modeling_copy", folder / "modeling_ultramem.py")
+    with pytest.raises(ImportError, match=r"transformers>=5\.24 is required .* found transformers==5\.23\.0"):
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
 def test_shuffle_is_stored_not_rederived(saved):

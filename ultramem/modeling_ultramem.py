@@ -54,11 +54,16 @@ from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
+from transformers.utils.versions import require_version
 
 from .configuration_ultramem import TUCKER, UltraMemConfig, validate_memory_offload
 from .memory_ops import lookup_reduce, lookup_reduce_embedding_bag, tucker_candidate_topk
 
 logger = logging.get_logger(__name__)
+
+# The model takes and returns `cache` (Transformers 5.24 renamed `past_key_values`): a remote-code copy of this file
+# loaded under an older Transformers says so here, not with a TypeError at its first forward.
+require_version("transformers>=5.24", "UltraMem's model code follows Transformers 5.24's `cache` API")
 
 
 class MemoryOps(Protocol):
