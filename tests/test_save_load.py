@@ -13,9 +13,9 @@ import pytest
 import torch
 from conftest import small_config
 from safetensors import safe_open
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
-from ultramem import UltraMemForCausalLM
+from ultramem import UltraMemConfigError, UltraMemForCausalLM
 
 LOAD_SCRIPT = textwrap.dedent(
     """
@@ -108,6 +108,47 @@ def test_saved_model_code_names_the_transformers_it_needs(saved, monkeypatch):
     spec = importlib.util.spec_from_file_location("ultramem.saved_modeling_copy", folder / "modeling_ultramem.py")
     with pytest.raises(ImportError, match=r"transformers>=5\.24 is required .* found transformers==5\.23\.0"):
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+@pytest.mark.parametrize(
+    "keywords, invalid",
+    [
+        (dict(memory_topk=0), "memory_topk=0 is invalid: must be a positive integer"),
+        (dict(memory_kernel="cuda"), "memory_kernel='cuda' is invalid: must be one of"),
+        (dict(memory_layers=[[0, 9]]), r"memory_layers\[0\]=\[0, 9\] is invalid: block indices must be in \[0, 4\)"),
+        (dict(aux_loss_alpha=-1.0), "aux_loss_alpha=-1.0 is invalid: must be >= 0"),
+    ],
+)
+def test_from_pretrained_config_keywords_are_checked_like_saved_fields(saved, keywords, invalid):
+    """Transformers sets `from_pretrained` keywords on the config after building it; they used to skip the checks
+    (memory_topk=0 crashed in the retrieval, memory_layers=[[0, 9]] silently dropped a memory layer's output)."""
+    folder, _, _ = saved
+    for load in (UltraMemForCausalLM.from_pretrained, AutoConfig.from_pretrained):
+        with pytest.raises(UltraMemConfigError, match=invalid):
+            load(folder, **keywords)
+
+
+def test_placement_given_at_load_or_assigned_later_derives_the_cache_layout(saved):
+    """The generation cache's layout is derived from `memory_layers`: a placement given as a keyword, or assigned to
+    a config before building a model, must move the query-conv states with it (cached decoding equals uncached)."""
+    folder, _, _ = saved
+    placement = [[1, 2], [2, 3], [3, 3]]
+    expected = small_config(memory_layers=placement).layer_types
+    assigned = small_config()
+    assigned.memory_layers = placement
+    torch.manual_seed(0)
+    for model in (UltraMemForCausalLM.from_pretrained(folder, memory_layers=placement), UltraMemForCausalLM(assigned)):
+        model.eval()
+        assert model.config.layer_types == expected
+        prompt = torch.tensor([[5, 9, 3, 44]])
+        cached, uncached = (
+            model.generate(prompt, max_new_tokens=5, do_sample=False, use_cache=use_cache, pad_token_id=0)
+            for use_cache in (True, False)
+        )
+        assert torch.equal(cached, uncached)
+    assigned.memory_topk = 0
+    with pytest.raises(UltraMemConfigError, match="memory_topk=0 is invalid"):
+        UltraMemForCausalLM(assigned)
 
 
 def test_shuffle_is_stored_not_rederived(saved):

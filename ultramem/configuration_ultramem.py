@@ -1,9 +1,10 @@
 """UltraMem model configuration."""
 
 
+import dataclasses
 import math
 import numbers
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from huggingface_hub.dataclasses import strict
 from transformers import AutoTokenizer
@@ -147,13 +148,7 @@ class UltraMemConfig(PreTrainedConfig):
     number_of_conv_states: int = 1
 
     def __post_init__(self, **kwargs):
-        for i, pair in enumerate(self.memory_layers or []):
-            _require(
-                isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, numbers.Integral) for x in pair),
-                f"memory_layers[{i}]",
-                pair,
-                "must be a pair [a, b] of block indices (read before block a, write after block b)",
-            )
+        self._validate_memory_layer_pairs()
         self.memory_layers = [[int(a), int(b)] for a, b in (self.memory_layers or [])]
         if self.memory_num_values is None and self.ive_expansion > 0 and self.memory_num_keys > 0:
             self.memory_num_values = self.memory_num_keys**2 // self.ive_expansion
@@ -161,6 +156,36 @@ class UltraMemConfig(PreTrainedConfig):
         # Accept the legacy `rope_theta` keyword as every Transformers config does.
         super().__post_init__(**kwargs)
         self.validate_ultramem()
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs) -> "UltraMemConfig":
+        """`PreTrainedConfig.from_dict`, with this config's own fields among `kwargs` built in, not set afterwards.
+
+        Transformers builds the config from the saved dict, then sets each `from_pretrained(path, field=...)` keyword
+        as an attribute, past `__post_init__`: `memory_topk=0` passed that way reached a kernel as a crash deep in
+        it, and `memory_layers` left the cache layout derived from the saved pairs. Built in, every keyword is
+        derived from and checked like the saved fields (`from_pretrained`, `AutoConfig`, `pipeline`, lm-eval's
+        `model_args`).
+        """
+        own = {name: kwargs.pop(name) for name in list(kwargs) if name in _OWN_FIELDS}
+        return super().from_dict({**config_dict, **own}, **kwargs)
+
+    def prepare_for_model(self) -> None:
+        """Derive the cache layout again and check every field, before a model is built from this config.
+
+        A field assigned after construction (`config.memory_layers = ...`) skips `__post_init__`.
+        """
+        self._derive_cache_layout()
+        self.validate_ultramem()
+
+    def _validate_memory_layer_pairs(self) -> None:
+        for i, pair in enumerate(self.memory_layers or []):
+            _require(
+                isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, numbers.Integral) for x in pair),
+                f"memory_layers[{i}]",
+                pair,
+                "must be a pair [a, b] of block indices (read before block a, write after block b)",
+            )
 
     def _derive_cache_layout(self) -> None:
         """Cache layers that hold a memory layer's query-conv state are "hybrid" (KV and conv states)."""
@@ -232,7 +257,8 @@ class UltraMemConfig(PreTrainedConfig):
             self.memory_kernel in MEMORY_KERNELS, "memory_kernel", self.memory_kernel, f"must be one of {MEMORY_KERNELS}"
         )
         validate_memory_offload(self.memory_offload)
-        for i, (a, b) in enumerate(self.memory_layers):
+        self._validate_memory_layer_pairs()
+        for i, (a, b) in enumerate(self.memory_layers or []):
             for value in (a, b):
                 _require(
                     0 <= value < self.num_hidden_layers,
@@ -324,6 +350,11 @@ class UltraMemConfig(PreTrainedConfig):
         _require(self.aux_loss_tau >= 0, "aux_loss_tau", self.aux_loss_tau, "must be >= 0")
         _require(self.value_lr_multiplier > 0, "value_lr_multiplier", self.value_lr_multiplier, "must be > 0")
 
+
+# UltraMemConfig's fields beyond those every Transformers config has (its `from_dict` builds them in)
+_OWN_FIELDS = frozenset(field.name for field in dataclasses.fields(UltraMemConfig)) - frozenset(
+    field.name for field in dataclasses.fields(PreTrainedConfig)
+)
 
 # Here, not in the package's __init__: a checkpoint's copy of this module runs it too (see missing_tokenizer).
 AutoTokenizer.register(UltraMemConfig, MissingTokenizer, exist_ok=True)

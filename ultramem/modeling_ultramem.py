@@ -1033,6 +1033,10 @@ class UltraMemPreTrainedModel(PreTrainedModel):
         "attentions": UltraMemAttention,
     }
 
+    def __init__(self, config: UltraMemConfig, *inputs, **kwargs):
+        config.prepare_for_model()  # fields assigned after the config was built are checked before any module is
+        super().__init__(config, *inputs, **kwargs)
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         """Transformers' defaults, then each memory module's own init (`init_ultramem`, see `MemoryInitScales`)."""
