@@ -151,3 +151,24 @@ def test_trainer_predictions_are_the_logits_alone(tmp_path):
     with torch.no_grad():
         expected = model.eval()(input_ids).logits
     np.testing.assert_allclose(predictions, expected.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_memory_diagnostics_log_under_bf16_mixed_precision(tmp_path):
+    """`--bf16` (Accelerate's autocast around the forward): the diagnostics' queries come out in bfloat16 while the
+    keys stay float32; recomputing the exact scores from them crashed the first log ("expected scalar type Float")."""
+    from conftest import small_config
+
+    from ultramem import UltraMemForCausalLM
+    from ultramem.training.arguments import UltraMemTrainingArguments
+    from ultramem.training.trainer import UltraMemTrainer
+
+    torch.manual_seed(0)
+    ids = torch.randint(1, 97, (4, 8))
+    args = UltraMemTrainingArguments(tmp_path, max_steps=1, logging_steps=1, per_device_train_batch_size=2, bf16=True,
+                                     use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
+                                     diagnostics_batch_size=2)  # fmt: skip
+    trainer = UltraMemTrainer(model=UltraMemForCausalLM(small_config()), args=args, diagnostics_input_ids=ids[:2],
+                              train_dataset=[{"input_ids": row, "labels": row} for row in ids])  # fmt: skip
+    trainer.train()
+    logged = next(entry for entry in trainer.state.log_history if "memory/tdqkr_recall" in entry)
+    assert 0.0 < logged["memory/tdqkr_recall"] <= 1.0 and logged["memory/memory_output_std"] > 0

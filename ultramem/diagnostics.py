@@ -80,6 +80,9 @@ def _layer_statistics(
     """Statistics of one memory layer from its retrieval's inputs and outputs, over the tokens where `keep` (B, T)."""
     retrieval = layer.retrieval
     virtual_index, scores = (tensor[keep] for tensor in retrieved)  # (tokens, H, m), (tokens, H, m, h)
+    # The queries were captured in the forward's dtype: bfloat16 under mixed precision (Accelerate's autocast),
+    # whose keys stay float32 outside it
+    queries = tuple(query.to(retrieval.row_keys.dtype) for query in queries)
     with _retrieval_gathered(layer):
         row_factors, col_factors = retrieval.score_factors(*retrieval.axis_scores(*queries))  # (B, T, H, k, n)
     row_factors, col_factors = row_factors[keep], col_factors[keep]  # (tokens, H, k, n)
