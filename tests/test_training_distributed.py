@@ -3,11 +3,13 @@ the shipped configs) train like one process on the same global batch; ZeRO-3 and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import small_config
 from test_training_support import base_args, losses, python_module, run_command, training_logs
 from test_training_support import write_config
 from test_training_support import write_corpus
@@ -140,6 +142,32 @@ def test_zero3_logs_the_memory_diagnostics_of_the_unpartitioned_model(setup, zer
     expected = _single_process_diagnostics(zero3, argv("zero3", GLOBAL_BATCH // 2, DIAGNOSTICS_BATCH))
     assert all(set(expected) <= set(entry) for entry in logs)
     assert {name: logs[-1][name] for name in expected} == pytest.approx(expected, rel=1e-4, abs=1e-5)
+
+
+ZERO_INIT_SCALES = """
+import dataclasses, json, sys
+import deepspeed, torch
+sys.path.insert(0, "tests")
+from conftest import small_config
+from ultramem.modeling_ultramem import MemoryInitScales
+deepspeed.init_distributed(dist_backend="gloo")
+ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+with deepspeed.zero.Init(dtype=torch.bfloat16, config_dict_or_path=ds_config):  # as Transformers under ZeRO-3 + bf16
+    scales = MemoryInitScales.from_config(small_config())
+print(json.dumps(dataclasses.asdict(scales)))
+"""
+
+
+def test_init_scales_under_zero3_bf16_equal_the_single_process_ones(tmp_path):
+    """`zero.Init` casts what torch.randn makes to its dtype: the sampled MCS init gain's SVD then had no bfloat16
+    kernel, and ZeRO-3 with --bf16 failed to build any UltraMem model."""
+    from ultramem.modeling_ultramem import MemoryInitScales
+
+    script = tmp_path / "zero_init_scales.py"
+    script.write_text(ZERO_INIT_SCALES)
+    result = run_command(["torchrun", "--nproc_per_node", "1", str(script)], DS_ACCELERATOR="cpu")
+    scales = json.loads(result.stdout.strip().splitlines()[-1])
+    assert scales == dataclasses.asdict(MemoryInitScales.from_config(small_config()))
 
 
 def test_fsdp2_config_shards_every_parameter(setup):

@@ -135,8 +135,11 @@ def mcs_output_gain(num_keys: int, top_m: int, rank: int, num_cores: int, sample
     if num_cores == 1:
         return 1.0
     generator = torch.Generator().manual_seed(0)
-    rows, cols = torch.randn(2, samples, rank, num_keys, generator=generator, dtype=torch.float64, device="cpu")
-    cores = torch.randn(samples, num_cores, rank, rank, generator=generator, dtype=torch.float64, device="cpu")
+    # torch.normal, not torch.randn (the same numbers): DeepSpeed's `zero.Init` casts what torch.randn makes to the
+    # training dtype, and torch.linalg.svd has no bfloat16 kernel (ZeRO-3 with --bf16 failed building the model)
+    float64 = dict(generator=generator, dtype=torch.float64, device="cpu")
+    rows, cols = torch.normal(0.0, 1.0, (2, samples, rank, num_keys), **float64)
+    cores = torch.normal(0.0, 1.0, (samples, num_cores, rank, rank), **float64)
     cores = cores / (num_cores * rank * rank) ** 0.5  # E||sum_i C^(i)||_F^2 = 1, as `TuckerQueryKeyRetrieval`
     left, _, right_h = torch.linalg.svd(cores.sum(1))
     candidates = []
