@@ -171,12 +171,13 @@ class UltraMemConfig(PreTrainedConfig):
         return super().from_dict({**config_dict, **own}, **kwargs)
 
     def prepare_for_model(self) -> None:
-        """Derive the cache layout again and check every field, before a model is built from this config.
+        """Check every field and derive the cache layout again, before a model is built from this config.
 
-        A field assigned after construction (`config.memory_layers = ...`) skips `__post_init__`.
+        A field assigned after construction (`config.memory_layers = ...`) skips `__post_init__`. The check comes
+        first: the derivation unpacks the `memory_layers` pairs.
         """
-        self._derive_cache_layout()
         self.validate_ultramem()
+        self._derive_cache_layout()
 
     def _validate_memory_layer_pairs(self) -> None:
         for i, pair in enumerate(self.memory_layers or []):
