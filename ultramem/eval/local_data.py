@@ -3,7 +3,7 @@
 lm-eval's built-in task configs name a Hub dataset (`dataset_path`, `dataset_name`). Offline, each of those
 configs gets `custom_dataset: load_local` instead: the reader for that Hub dataset loads the published files
 from `data_dir` and returns the same columns and split names, so lm-eval's own prompts, filters and metrics
-run unchanged. Reference layout of `data_dir` (mirrored by the test fixtures in tests/fixtures/eval/):
+run unchanged. Reference layout of `data_dir` (mirrored by the test fixtures in tests/eval/fixtures/eval/):
 
     mmlu/{test,dev}/<subject>_{test,dev}.csv         hendrycks CSV, no header: question,A,B,C,D,answer
     arc/ARC-Challenge-{Test,Dev}.jsonl               AI2 ARC-V1 jsonl (optional ARC-Challenge-Train.jsonl)

@@ -6,7 +6,7 @@ import json
 import subprocess
 
 import pytest
-from test_training_support import REPO, base_args, child_env, python_module, write_config, write_corpus
+from launch_support import REPO, base_args, child_env, python_module, write_config, write_corpus
 
 from ultramem import presets, sizing
 from ultramem.training.cli import main

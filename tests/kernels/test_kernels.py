@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from ultramem import kernels, memory_ops  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 in_process = pytest.mark.skipif(
     _TRITON_IMPORTED_FIRST, reason="triton was imported before TRITON_INTERPRET=1; run by test_in_fresh_process"
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_training_support import base_args, training_logs, write_config, write_corpus
+from launch_support import base_args, training_logs, write_config, write_corpus
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ultramem.tokenization import load_tokenizer

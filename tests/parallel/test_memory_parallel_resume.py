@@ -7,9 +7,9 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from test_training_support import LAUNCHERS, base_args, losses, python_module, run_command, training_logs
-from test_training_support import write_config
-from test_training_support import write_corpus
+from launch_support import LAUNCHERS, base_args, losses, python_module, run_command, training_logs
+from launch_support import write_config
+from launch_support import write_corpus
 
 STEPS, SAVE_AT, KILL_AT, GLOBAL_BATCH = 10, 5, 7, 4
 LOSS_TOLERANCE = 1e-5

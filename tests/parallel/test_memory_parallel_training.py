@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_training_support import LAUNCHERS, REPO, base_args, child_env, losses, python_module, run_command
-from test_training_support import training_logs
-from test_training_support import write_config
-from test_training_support import write_corpus
+from launch_support import LAUNCHERS, REPO, base_args, child_env, losses, python_module, run_command
+from launch_support import training_logs
+from launch_support import write_config
+from launch_support import write_corpus
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ultramem import UltraMemForCausalLM

@@ -9,7 +9,7 @@ import pytest
 
 from ultramem import ablation
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_quality.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_quality.py"
 spec = importlib.util.spec_from_file_location("bench_quality", SCRIPT)
 bench_quality = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = bench_quality  # dataclasses look their module up there

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 TIMING = ["--device", "cpu", "--warmup", "1", "--iters", "1"]
 
 

@@ -257,7 +257,7 @@ def test_push_without_network_is_one_line(checkpoint: Path, env: dict) -> None:
     import subprocess
     import sys
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     child = {**os.environ, **env, "PYTHONPATH": str(repo)}
     command = [sys.executable, "-m", "ultramem.hub_cards.push", str(checkpoint), "--repo-id", REPO, "--token", "hf_x"]
     result = subprocess.run(command, env=child, capture_output=True, text=True, timeout=120)

@@ -175,7 +175,7 @@ def test_readme_snippet_saves_a_folder_that_pipeline_and_autotokenizer_load(tmp_
 
     from transformers import pipeline
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
     section = readme.split("## Use it from Transformers", 1)[1]
     snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     monkeypatch.chdir(tmp_path)
