@@ -1,6 +1,6 @@
 """Benchmark of the memory layer's operators: PyTorch path vs embedding_bag vs the Triton kernels.
 
-On an H100 / H200 (one command, a few minutes; writes benchmarks/results/bench_kernels_<gpu>.{json,png}):
+On an H100 / H200 (one command, a few minutes; writes benchmarks/results/bench_kernels_h100.{json,png}):
 
     python benchmarks/bench_kernels.py --device cuda
 
@@ -14,22 +14,21 @@ own (E, h) and at E = h = 1: the PyTorch reference, `memory_ops.lookup_reduce_em
 `F.embedding_bag` with per-sample weights, the CPU path) and the Triton kernels. Forward, backward and
 forward+backward are timed separately; forward bandwidth counts the bytes that must move (gathered rows,
 indices, scores, output) and is compared with a measured device-to-device copy. `tucker_candidate_topk` (the fused m x m scoring and top-m) is timed against
-its PyTorch path at the same configurations. The table is printed last.
+its PyTorch path at the same configurations. The JSON's `summary` reads the issue's targets at >= 4,096 tokens
+(Triton forward as % of copy bandwidth; forward+backward against the PyTorch path and embedding_bag). The table
+is printed last.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-import _common as common
+from lib import env, report, timing
 from ultramem import kernels, memory_ops
 from ultramem.presets import get_config
 
@@ -78,26 +77,9 @@ class Result:
 
 
 def memory_shape(name: str, num_rows: int | None) -> MemoryShape:
-    config = get_config(PRESETS[name])
-    return MemoryShape(
-        name=name, heads=config.memory_heads, topk=config.memory_topk, value_dim=config.memory_value_dim,
-        num_rows=num_rows or config.memory_num_values, groups=config.ive_expansion, cores=config.mcs_cores,
-        rank=config.tucker_rank,
-    )
-
-
-def time_ms(fn, device: torch.device, repeats: int) -> float:
-    """Median wall time of `fn` in ms after one warm-up call (`_common.time_calls`); on CUDA, L2 is flushed first."""
-    flush = torch.empty(256 * 2**20 // 4, dtype=torch.float32, device=device) if device.type == "cuda" else None
-    wall, _ = common.time_calls(fn, device, warmup=1, iters=repeats, before_each=None if flush is None else flush.zero_)
-    return statistics.median(wall)
-
-
-def copy_bandwidth_gbps(device: torch.device, num_bytes: int, repeats: int) -> float:
-    """Measured device-to-device copy: bytes read plus bytes written per second."""
-    source = torch.empty(num_bytes, dtype=torch.uint8, device=device).fill_(1)
-    target = torch.empty_like(source)
-    return 2 * num_bytes / time_ms(lambda: target.copy_(source), device, repeats) / 1e6
+    c = get_config(PRESETS[name])
+    return MemoryShape(name, c.memory_heads, c.memory_topk, c.memory_value_dim, num_rows or c.memory_num_values,
+                       c.ive_expansion, c.mcs_cores, c.tucker_rank)  # fmt: skip
 
 
 def lookup_impls(interpreted: bool) -> dict:
@@ -132,11 +114,11 @@ def time_lookup(fn, args: tuple, grad_out: torch.Tensor, device: torch.device, r
     """(forward, backward, forward+backward) ms of one implementation; gradients w.r.t. values and scores."""
     values, scores = args[0], args[3]
     with torch.no_grad():
-        forward = time_ms(lambda: fn(*args), device, repeats)
+        forward = timing.median_ms(lambda: fn(*args), device, repeats)
     out = fn(*args)
-    backward = time_ms(lambda: torch.autograd.grad(out, (values, scores), grad_out, retain_graph=True), device, repeats)
+    backward = timing.median_ms(lambda: torch.autograd.grad(out, (values, scores), grad_out, retain_graph=True), device, repeats)
     out = None  # free the graph before the next measurement
-    both = time_ms(lambda: torch.autograd.grad(fn(*args), (values, scores), grad_out), device, repeats)
+    both = timing.median_ms(lambda: torch.autograd.grad(fn(*args), (values, scores), grad_out), device, repeats)
     return forward, backward, both
 
 
@@ -144,8 +126,8 @@ def time_candidates(fn, row: torch.Tensor, col: torch.Tensor, cores: torch.Tenso
                     device: torch.device, repeats: int) -> tuple[float, float]:
     """(forward, forward+backward) ms; the backward flows from the winners' per-core scores."""
     with torch.no_grad():
-        forward = time_ms(lambda: fn(row, col, cores, topk), device, repeats)
-    both = time_ms(lambda: torch.autograd.grad(fn(row, col, cores, topk)[1].sum(), (row, col, cores)), device, repeats)
+        forward = timing.median_ms(lambda: fn(row, col, cores, topk), device, repeats)
+    both = timing.median_ms(lambda: torch.autograd.grad(fn(row, col, cores, topk)[1].sum(), (row, col, cores)), device, repeats)
     return forward, both
 
 
@@ -202,68 +184,35 @@ def bench_candidates(shape: MemoryShape, dtype: torch.dtype, tokens_list: list[i
     return results
 
 
-def device_info(device: torch.device) -> dict:
-    info = {"type": device.type, "torch": torch.__version__, "platform": platform.platform()}
-    if device.type == "cuda":
-        properties = torch.cuda.get_device_properties(device)
-        info.update(name=properties.name, capability=f"sm_{properties.major}{properties.minor}",
-                    memory_gib=round(properties.total_memory / 2**30, 1))
-    else:
-        info.update(name=platform.processor() or platform.machine(), threads=torch.get_num_threads())
-    return info
-
-
-def file_tag(info: dict) -> str:
-    if info["type"] == "cpu":
-        return "cpu"
-    return "cuda_" + "".join(c if c.isalnum() else "_" for c in info["name"]).strip("_")
+def summary(results: list[Result]) -> list[dict]:
+    """The issue's targets per (config, E, h, dtype, tokens >= 4096): Triton's forward as % of the copy bandwidth,
+    and its forward+backward speed-up over the PyTorch path and embedding_bag."""
+    ok = {(r.config, r.groups, r.cores, r.dtype, r.tokens, r.impl): r for r in results if r.op == "lookup_reduce" and r.status == "ok"}
+    rows = []
+    for (config, groups, cores, dtype, tokens, impl), triton in ok.items():
+        if impl != "triton" or tokens < 4096:
+            continue
+        other = lambda name: ok.get((config, groups, cores, dtype, tokens, name))  # noqa: E731
+        speedup = lambda name: other(name).fwd_bwd_ms / triton.fwd_bwd_ms if other(name) else None  # noqa: E731
+        rows.append({"config": config, "groups": groups, "cores": cores, "dtype": dtype, "tokens": tokens,
+                     "forward_pct_of_copy": triton.forward_pct_of_copy, "fwd_bwd_speedup_vs_torch": speedup("torch"),
+                     "fwd_bwd_speedup_vs_embedding_bag": speedup("embedding_bag")})  # fmt: skip
+    return rows
 
 
 def plot(results: list[Result], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Per (config, E, h, dtype): forward % of copy bandwidth (top) and forward+backward ms (bottom) against tokens."""
     lookups = [r for r in results if r.op == "lookup_reduce" and r.status == "ok"]
-    panels = list(dict.fromkeys((r.config, r.groups, r.cores, r.dtype) for r in lookups))  # run order
-    figure, axes = plt.subplots(2, max(1, len(panels)), figsize=(4.2 * max(1, len(panels)), 7), squeeze=False)
-    for column, (config, groups, cores, dtype) in enumerate(panels):
-        rows = [r for r in lookups if (r.config, r.groups, r.cores, r.dtype) == (config, groups, cores, dtype)]
-        for impl in [impl for impl in COLORS if any(r.impl == impl for r in rows)]:
-            series = sorted((r.tokens, r.forward_pct_of_copy, r.fwd_bwd_ms) for r in rows if r.impl == impl)
-            tokens = [s[0] for s in series]
-            axes[0][column].plot(tokens, [s[1] for s in series], marker="o", label=impl, color=COLORS[impl])
-            axes[1][column].plot(tokens, [s[2] for s in series], marker="o", label=impl, color=COLORS[impl])
-        axes[0][column].set_title(f"{config} E={groups} h={cores} {dtype}", fontsize=9)
-        axes[0][column].set_ylabel("forward, % of copy bandwidth")
-        axes[1][column].set_ylabel("forward+backward ms")
-        axes[1][column].set_yscale("log")
-        for axis in (axes[0][column], axes[1][column]):
-            axis.set_xscale("log", base=2)
-            axis.set_xlabel("tokens")
-            axis.grid(alpha=0.3)
-            axis.legend(fontsize=7)
-    figure.suptitle(title, fontsize=10)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-
-
-def format_table(results: list[Result]) -> str:
-    columns = ["op", "config", "groups", "cores", "dtype", "tokens", "impl", "forward_ms", "backward_ms",
-               "fwd_bwd_ms", "forward_gbps", "forward_pct_of_copy", "status"]
-
-    def cell(value) -> str:
-        if value is None:
-            return "-"
-        return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-    rows = [[cell(getattr(r, c)) for c in columns] for r in results]
-    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in rows]
-    return "\n".join(lines)
+    keys = list(dict.fromkeys((r.config, r.groups, r.cores, r.dtype) for r in lookups))  # run order
+    top, bottom = [], []
+    for key in keys:
+        rows = sorted((r for r in lookups if (r.config, r.groups, r.cores, r.dtype) == key), key=lambda r: r.tokens)
+        series = lambda field: {impl: ([r.tokens for r in rows if r.impl == impl], [getattr(r, field) for r in rows if r.impl == impl])
+                                for impl in COLORS if any(r.impl == impl for r in rows)}  # noqa: E731 # fmt: skip
+        title_ = "{} E={} h={} {}".format(*key)
+        top.append(report.Panel(title_, "forward, % of copy bandwidth", series("forward_pct_of_copy"), "tokens", colors=COLORS))
+        bottom.append(report.Panel(title_, "forward+backward ms", series("fwd_bwd_ms"), "tokens", ylog=True, colors=COLORS))
+    report.plot(path, top + bottom, title, columns=max(1, len(keys)))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -274,9 +223,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--configs", nargs="+", default=list(PRESETS), choices=list(PRESETS))
     parser.add_argument("--tokens", nargs="+", type=int, help="token counts (overrides the mode's list)")
     parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16", "float16"],
-                        help="value dtypes (default: bfloat16 float32 on CUDA, float32 on CPU)")
+                        help="value dtypes (default: bfloat16 float32 on CUDA, float32 on CPU)")  # fmt: skip
+    parser.add_argument("--own-shape-only", action="store_true", help="time each config at its own (E, h) only, not also at E = h = 1")
+    parser.add_argument("--no-candidates", action="store_true", help="skip tucker_candidate_topk")
     parser.add_argument("--repeats", type=int, help="timed calls per measurement (median reported)")
-    parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--out-dir", type=Path, default=env.RESULTS_DIR)
     return parser.parse_args(argv)
 
 
@@ -293,36 +244,40 @@ def main(argv: list[str] | None = None) -> None:
     repeats = args.repeats or (1 if args.smoke else 3 if device.type == "cpu" else 20)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
 
-    info = device_info(device)
-    copy_gbps = copy_bandwidth_gbps(device, (2**24 if args.smoke else 2**28 if quick else 2**30), repeats)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.out_dir / f"bench_kernels_{file_tag(info)}"
-    report = {
-        "device": info,
+    copy_gbps = timing.copy_bandwidth_gbps(device, (2**24 if args.smoke else 2**28 if quick else 2**30), repeats)
+    path = args.out_dir / f"bench_kernels_{env.device_tag(device)}.json"
+    report_ = {
+        "environment": env.environment(device),
         "copy_gbps": copy_gbps,
         "mode": "smoke" if args.smoke else "quick" if quick else "full",
         "num_rows": {name: memory_shape(name, num_rows).num_rows for name in configs},
         "triton": "skipped (interpreter only)" if interpreted or not kernels.triton_available() else "measured",
         "complete": False,  # the JSON is rewritten after each config and dtype: a run cut short keeps what it measured
         "results": [],
+        "summary": [],
     }
     results: list[Result] = []
     for name in configs:
         shape = memory_shape(name, num_rows)
         for dtype_name in dtypes:
             dtype = getattr(torch, dtype_name)
-            for groups, cores in sorted({(shape.groups, shape.cores), (1, 1)}, reverse=True):
-                results += bench_lookup(shape, groups, cores, dtype, tokens_list, device, copy_gbps, repeats,
-                                        interpreted)
-            results += bench_candidates(shape, dtype, tokens_list, device, repeats, interpreted)
-            report["results"] = [asdict(r) for r in results]
-            stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
+            variants = [(shape.groups, shape.cores)] if args.own_shape_only else sorted({(shape.groups, shape.cores), (1, 1)}, reverse=True)
+            for groups, cores in variants:
+                results += bench_lookup(shape, groups, cores, dtype, tokens_list, device, copy_gbps, repeats, interpreted)
+                report_.update(results=[asdict(r) for r in results], summary=summary(results))
+                report.write_json(path, report_)
+            if not args.no_candidates:
+                results += bench_candidates(shape, dtype, tokens_list, device, repeats, interpreted)
+            report_["results"] = [asdict(r) for r in results]
+            report.write_json(path, report_)
 
-    report["complete"] = True
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    plot(results, stem.with_suffix(".png"), f"{info['name']} ({report['mode']}), copy {copy_gbps:.0f} GB/s")
-    print(f"device: {info['name']}  copy bandwidth: {copy_gbps:.1f} GB/s  wrote {stem}.json/.png")
-    print(format_table(results))
+    report_["complete"] = True
+    report.write_json(path, report_)
+    plot(results, path.with_suffix(".png"), f"{report_['environment']['device']} ({report_['mode']}), copy {copy_gbps:.0f} GB/s")
+    print(f"device: {report_['environment']['device']}  copy bandwidth: {copy_gbps:.1f} GB/s  wrote {path} and .png")
+    if report_["summary"]:
+        print(report.format_table(report_["summary"], list(report_["summary"][0])) + "\n")
+    print(report.format_table([asdict(r) for r in results], list(asdict(results[0]))))
 
 
 if __name__ == "__main__":

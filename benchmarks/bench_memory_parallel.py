@@ -24,12 +24,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lib import report, timing
+from lib.env import RESULTS_DIR as RESULTS, environment
 from ultramem.modeling_ultramem import TORCH_MEMORY_OPS, VALUE_STORES
 from ultramem.parallel import count_bytes
 from ultramem.parallel.setup import memory_parallel_mesh
 from ultramem.parallel.volume import VOLUMES, LookupShape
 
-RESULTS = Path(__file__).resolve().parent / "results"
 STORES = {"number": ("number", {"pool_at": "source"}), "number_owner": ("number", {"pool_at": "owner"}),
           "dimension": ("dimension", {})}  # fmt: skip
 
@@ -55,20 +56,23 @@ def measure(args: argparse.Namespace, mesh) -> list[dict]:
     for value_dim in args.value_dims:
         shape = LookupShape(args.tokens, args.slots, value_dim, args.cores, args.groups)
         for key in STORES:
-            store = _store(key, args.rows, value_dim, mesh)
-            times = []
-            for step in range(args.steps + 1):
-                lookups = _lookups(shape, args.rows)
-                dist.barrier()
-                start = time.perf_counter()
+            store, lookups, counted = _store(key, args.rows, value_dim, mesh), [], {}
+
+            def step() -> None:
                 with count_bytes() as sent:
-                    pooled = store(*lookups, shape.num_groups, TORCH_MEMORY_OPS)
-                    forward = sum(sent.values())
+                    pooled = store(*lookups[-1], shape.num_groups, TORCH_MEMORY_OPS)
+                    counted["forward"] = sum(sent.values())
                     pooled.square().sum().backward()
-                times.append(time.perf_counter() - start)
+                counted["step"] = sum(sent.values())
+
+            def new_lookups() -> None:  # fresh random slots every step, drawn untimed; ranks start together
+                lookups.append(_lookups(shape, args.rows))
+                dist.barrier()
+
+            wall, _ = timing.time_calls(step, torch.device("cpu"), 0, args.steps + 1, before_each=new_lookups)
             found.append({
-                "P": size, "value_dim": value_dim, "partitioning": key, "step_seconds": statistics.median(times[1:]),
-                "forward_bytes": forward, "step_bytes": sum(sent.values()),
+                "P": size, "value_dim": value_dim, "partitioning": key, "step_seconds": statistics.median(wall[1:]) / 1e3,
+                "forward_bytes": counted["forward"], "step_bytes": counted["step"],
                 "predicted_forward_bytes": sum(VOLUMES[key](shape, size).values()),
             })  # fmt: skip
     return found
@@ -113,29 +117,23 @@ def launch(world: int, args: argparse.Namespace, large: bool = False) -> list:
 def plot(rows: list[dict], args: argparse.Namespace, path: Path) -> None:
     """Like the paper's figure: number / dimension volume over P and value dim (ratio 1 marked), plus the
     measured bytes against the predicted ones."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     sizes, dims = list(range(2, 65)), [2**k for k in range(4, 12)]
-    ratio = [[sum(VOLUMES["number"](LookupShape(args.tokens, args.slots, d, args.cores, args.groups), p).values())
-              / sum(VOLUMES["dimension"](LookupShape(args.tokens, args.slots, d, args.cores, args.groups), p).values())
-              for p in sizes] for d in dims]  # fmt: skip
-    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    image = left.contourf(sizes, dims, ratio, levels=20, cmap="coolwarm")
-    left.contour(sizes, dims, ratio, levels=[1.0], colors="black")
-    left.set(xlabel="P (shard group size)", ylabel="value dim", yscale="log", title=f"number / dimension bytes (K={args.slots}, h={args.cores}, E={args.groups})")
-    figure.colorbar(image, ax=left)
-    for key in STORES:
-        points = [row for row in rows if row["partitioning"] == key and row["P"] > 1]
-        right.scatter([row["predicted_forward_bytes"] for row in points], [row["forward_bytes"] for row in points], label=key)
+    volume = lambda key, d, p: sum(VOLUMES[key](LookupShape(args.tokens, args.slots, d, args.cores, args.groups), p).values())  # noqa: E731
+    ratio = [[volume("number", d, p) / volume("dimension", d, p) for p in sizes] for d in dims]
+
+    def contours(axis) -> None:
+        axis.figure.colorbar(axis.contourf(sizes, dims, ratio, levels=20, cmap="coolwarm"), ax=axis)
+        axis.contour(sizes, dims, ratio, levels=[1.0], colors="black")
+
+    measured = {key: ([r["predicted_forward_bytes"] for r in rows if r["partitioning"] == key and r["P"] > 1],
+                      [r["forward_bytes"] for r in rows if r["partitioning"] == key and r["P"] > 1]) for key in STORES}  # fmt: skip
     limit = max(row["forward_bytes"] for row in rows) * 1.1
-    right.plot([0, limit], [0, limit], color="gray", linewidth=0.8)
-    right.set(xlabel="predicted bytes / rank / forward", ylabel="measured", title="measured vs paper formulas", xscale="log", yscale="log")
-    right.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    report.plot(path, [
+        report.Panel(f"number / dimension bytes (K={args.slots}, h={args.cores}, E={args.groups})", "value dim",
+                     xlabel="P (shard group size)", xlog=False, ylog=True, draw=contours),
+        report.Panel("measured vs paper formulas", "measured", measured, xlabel="predicted bytes / rank / forward",
+                     linestyle="none", xlog=False, ylog=True, draw=lambda axis: (axis.set_xscale("log"), axis.plot([1, limit], [1, limit], color="gray", lw=0.8))),
+    ])  # fmt: skip
 
 
 def main() -> None:
@@ -154,16 +152,15 @@ def main() -> None:
     parser.add_argument("--large-steps", type=int, default=3)
     args = parser.parse_args()
     rows = [row for size in args.sizes for row in launch(size, args)[0]]  # rank 0's view (ranks are symmetric)
-    result = {"arguments": vars(args), "rows": rows}
+    result = {"environment": environment("cpu"), "arguments": vars(args), "rows": rows}
     if args.large:
         result["large"] = launch(4, args, large=True)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "memory_parallel_cpu.json").write_text(json.dumps(result, indent=2))
+    report.write_json(RESULTS / "memory_parallel_cpu.json", result)
     plot(rows, args, RESULTS / "memory_parallel_cpu.png")
-    print(f"{'P':>3} {'Dv':>5} {'partitioning':<13} {'fwd bytes':>11} {'predicted':>11} {'step bytes':>11} {'ms/step':>8}")
     for row in rows:
-        print(f"{row['P']:>3} {row['value_dim']:>5} {row['partitioning']:<13} {row['forward_bytes']:>11} "
-              f"{row['predicted_forward_bytes']:>11.0f} {row['step_bytes']:>11} {1000 * row['step_seconds']:>8.1f}")  # fmt: skip
+        row["ms_per_step"] = 1000 * row["step_seconds"]
+    print(report.format_table(rows, {"P": "P", "value_dim": "Dv", "partitioning": "partitioning", "forward_bytes": "fwd bytes",
+                                     "predicted_forward_bytes": "predicted", "step_bytes": "step bytes", "ms_per_step": "ms/step"}))
     for rank, entry in enumerate(result.get("large", [])):
         print(f"large rank {rank}: {entry}")
 

@@ -29,7 +29,6 @@ against ultramem-1.6b-x12 in pinned host memory and fully on the GPU, where it f
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import os
 import resource
@@ -42,7 +41,7 @@ from typing import Any
 
 import torch
 
-import _common as common
+from lib import cli, report, timing
 
 DEFAULT_NAME = "offload"
 
@@ -79,24 +78,24 @@ RUNS: dict[str, Run] = {
 CPU_RUNS = ["dense", "disk", "disk-sync", "disk-x1/16", "disk-x1/4"]
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = common.make_parser(__doc__, DEFAULT_NAME)
+def parse_args(argv: list[str] | None = None):
+    parser = cli.make_parser(__doc__, DEFAULT_NAME)
     parser.add_argument("--checkpoints", type=Path, required=True, help="folder of the random checkpoints")
     parser.add_argument("--build", action="store_true", help="write missing checkpoints (streamed, random weights)")
     parser.add_argument("--cleanup", action="store_true", help="delete the checkpoints this run built after use")
     parser.add_argument("--runs", default=",".join(CPU_RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
-    parser.add_argument("--batch-sizes", type=common.parse_int_list, default=[1, 8])
+    parser.add_argument("--batch-sizes", type=cli.int_list, default=[1, 8])
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=16)
     args = parser.parse_args(argv)
     args.dtype = args.dtype or "bfloat16"
     args.statistic = args.statistic or "median"  # wall clock: waiting for the disk is the cost measured here
-    common.resolve_common(args, DEFAULT_NAME)
-    args.runs = common.parse_names(args.runs, RUNS, "--runs")
+    cli.resolve(args, DEFAULT_NAME)
+    args.runs = cli.names(args.runs, RUNS, "--runs")
     return args
 
 
-def ensure_checkpoint(run: Run, args: argparse.Namespace) -> tuple[Path, bool]:
+def ensure_checkpoint(run: Run, args) -> tuple[Path, bool]:
     """The run's checkpoint folder, written when missing and --build; returns (folder, built now)."""
     from ultramem.offload.random_checkpoint import write_random_checkpoint
     from ultramem.presets import get_config
@@ -131,7 +130,7 @@ def io_counters() -> tuple[int, int]:
     return int(fields["read_bytes"]), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
 
 
-def decode(label: str, folder: Path, batch: int, args: argparse.Namespace) -> dict[str, Any]:
+def decode(label: str, folder: Path, batch: int, args) -> dict[str, Any]:
     """One run in this (fresh) process: cold load, prefill, `new_tokens` timed greedy steps."""
     import ultramem  # noqa: F401 - registers the stores
     from ultramem import UltraMemForCausalLM
@@ -150,22 +149,22 @@ def decode(label: str, folder: Path, batch: int, args: argparse.Namespace) -> di
     for store in stores:
         store.asynchronous = run.asynchronous
     tokens = torch.randint(1, model.config.vocab_size, (batch, args.prompt_tokens), device=args.device)
-    wall, cpu, disk_mb, major = [], [], [], []
+    io, disk_mb, major = [], [], []  # /proc and getrusage read outside the timed span
     with torch.no_grad():
         output = model(input_ids=tokens, use_cache=True, logits_to_keep=1)
         cache = output.cache
-        for _ in range(args.new_tokens):
-            next_tokens = output.logits[:, -1:].argmax(-1)
-            common.synchronize(args.device)
-            start_io = io_counters()  # read outside the timed span (a /proc read and a getrusage)
-            start, start_cpu = time.perf_counter(), time.process_time()
-            output = model(input_ids=next_tokens, cache=cache, use_cache=True)
-            common.synchronize(args.device)
-            wall.append((time.perf_counter() - start) * 1e3)
-            cpu.append((time.process_time() - start_cpu) * 1e3)
-            io = io_counters()
-            disk_mb.append((io[0] - start_io[0]) / 1e6)
-            major.append(io[1] - start_io[1])
+
+        def step() -> None:  # one greedy token for every sequence
+            nonlocal output
+            output = model(input_ids=output.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+
+        def after() -> None:
+            io.append(io_counters())
+            disk_mb.append((io[-1][0] - io[-2][0]) / 1e6)
+            major.append(io[-1][1] - io[-2][1])
+
+        wall, cpu = timing.time_calls(step, args.device, 0, args.new_tokens, before_each=lambda: io.append(io_counters()),
+                                      after_each=after)  # fmt: skip
     times = {"median_ms": statistics.median(wall), "mean_ms": statistics.mean(wall), "cpu_ms": statistics.median(cpu)}
     ms = times[{"median": "median_ms", "min": "median_ms", "cpu": "cpu_ms"}[args.statistic]]
     tables = [s for s in stores if hasattr(s, "table")]
@@ -192,7 +191,7 @@ def decode(label: str, folder: Path, batch: int, args: argparse.Namespace) -> di
     }
 
 
-def run_isolated(label: str, folder: Path, batch: int, args: argparse.Namespace) -> dict[str, Any]:
+def run_isolated(label: str, folder: Path, batch: int, args) -> dict[str, Any]:
     """`decode` in a fresh process, so each peak-memory figure is its own."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         return pool.apply(decode, (label, folder, batch, args))
@@ -224,35 +223,21 @@ def summary_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return table
 
 
-COLUMNS = [
-    ("run", "run"),
-    ("batch", "batch"),
-    ("table_gb", "tables GB"),
-    ("ms", "ms/step"),
-    ("median_ms", "wall ms"),
-    ("tokens_per_s", "tok/s"),
-    ("peak_rss_gb", "peak RSS GB"),
-    ("rss_file_gb", "file RSS GB"),
-    ("rows_read_per_step", "rows/step"),
-    ("disk_mb_per_step", "disk MB/step"),
-    ("load_s", "load s"),
-    ("cpu_ms", "CPU ms"),
-    ("load_avg_1min", "loadavg"),
-]
-SUMMARY_COLUMNS = [
-    (k, k)
-    for k in ("batch", "ultramem/dense", "sync/async", *(f"spread, {series}" for series in SCALING_SERIES),
-              "offload/resident (gpu)")
-]
+COLUMNS = {"run": "run", "batch": "batch", "table_gb": "tables GB", "ms": "ms/step", "median_ms": "wall ms",
+           "tokens_per_s": "tok/s", "peak_rss_gb": "peak RSS GB", "rss_file_gb": "file RSS GB",
+           "rows_read_per_step": "rows/step", "disk_mb_per_step": "disk MB/step", "load_s": "load s", "cpu_ms": "CPU ms",
+           "load_avg_1min": "loadavg"}  # fmt: skip
+SUMMARY_COLUMNS = ["batch", "ultramem/dense", "sync/async", *(f"spread, {series}" for series in SCALING_SERIES),
+                   "offload/resident (gpu)"]  # fmt: skip
 
 
-def plot(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+def plot(args, rows: list[dict[str, Any]]) -> None:
     """Step time against batch size (wall clock and process CPU time), and against the size of the tables."""
     runs = list(dict.fromkeys(r["run"] for r in rows))
     panels = []
     for key, what in (("median_ms", "wall clock"), ("cpu_ms", "process CPU time")):
         series = {run: ([r["batch"] for r in rows if r["run"] == run], [r[key] for r in rows if r["run"] == run]) for run in runs}
-        panels.append((f"decode step, {what}", "ms / step", series))
+        panels.append(report.Panel(f"decode step, {what}", "ms / step", series, xlabel="batch size"))
     scaling = {}
     for series, series_runs in SCALING_SERIES.items():
         for batch in args.batch_sizes:
@@ -260,8 +245,8 @@ def plot(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
                 points = sorted((r["table_gb"], r[key]) for r in rows if r["run"] in series_runs and r["batch"] == batch)
                 if points:
                     scaling[f"{series}, batch {batch}, {what}"] = ([p[0] for p in points], [p[1] for p in points])
-    panels.append(("tables on disk growing 16x (x: GB)", "ms / step", scaling))
-    common.plot_panels(args, panels, "batch size | value-table GB", f"memory_offload, {str(args.dtype)[6:]}, {args.device}")
+    panels.append(report.Panel("tables on disk growing 16x", "ms / step", scaling, xlabel="value-table GB"))
+    report.plot(args.results_dir / f"{args.name}.png", panels, f"memory_offload, {str(args.dtype)[6:]}, {args.device}")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -271,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         folder, built = ensure_checkpoint(RUNS[label], args)
         for batch in args.batch_sizes:
             row = run_isolated(label, folder, batch, args)
-            print(common.format_table([row], COLUMNS))
+            print(report.format_table([row], COLUMNS))
             rows.append(row)
         if built and args.cleanup and not any(RUNS[r].checkpoint == RUNS[label].checkpoint for r in args.runs[args.runs.index(label) + 1 :]):
             shutil.rmtree(folder)
@@ -290,7 +275,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     if not args.no_plot:
         plot(args, rows)
-    common.finish(args, payload, common.format_table(rows, COLUMNS) + "\n\n" + common.format_table(payload["summary"], SUMMARY_COLUMNS))
+    tables = report.format_table(rows, COLUMNS) + "\n\n" + report.format_table(payload["summary"], SUMMARY_COLUMNS)
+    report.finish(args, payload, tables)
     return payload
 
 

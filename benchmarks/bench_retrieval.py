@@ -22,11 +22,11 @@ import argparse
 import json
 import lzma
 import statistics
-import time
 from types import MethodType
 
 import torch
 
+from lib import timing
 from ultramem import UltraMemForCausalLM
 from ultramem.diagnostics import retrieval_diagnostics
 from ultramem.modeling_ultramem import core_svd
@@ -86,13 +86,7 @@ def recall(rule: str, input_ids: torch.Tensor, rank_one: bool) -> float:
 @torch.no_grad()
 def forward_ms(rule: str, hidden: torch.Tensor, repeats: int) -> float:
     layer = build(rule, seed=0).eval().model.memory_layers[0]
-    layer(hidden)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        layer(hidden)
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+    return timing.measure(lambda: layer(hidden), hidden.device, warmup=1, iters=repeats)["median_ms"]
 
 
 def byte_blocks(split: str, count: int, length: int) -> torch.Tensor:

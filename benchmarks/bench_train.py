@@ -18,43 +18,33 @@ Writes benchmarks/results/train_<device>.json; the table is printed last.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
 
-import _common as common
+from lib import cli, models, report, timing
 
 DEFAULT_NAME = "train"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = common.make_parser(__doc__, DEFAULT_NAME)
-    parser.add_argument("--sizes", type=common.parse_sizes, default=None, help="151m on CUDA; tiny on CPU")
+def parse_args(argv: list[str] | None = None):
+    parser = cli.make_parser(__doc__, DEFAULT_NAME)
+    parser.add_argument("--sizes", type=cli.sizes, default=None, help="151m on CUDA; tiny on CPU")
     parser.add_argument("--batch", type=int, default=None, help="sequences per step (16 on CUDA, 4 on CPU)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (2048 on CUDA, 128 on CPU)")
-    parser.add_argument(
-        "--moe-impl",
-        choices=("auto", *common.MOE_IMPLEMENTATIONS),
-        default="auto",
-        help="Mixtral experts_implementation; 'auto' times a training step with each and keeps the fastest",
-    )
-    args = parser.parse_args(argv)
-    common.resolve_common(args, DEFAULT_NAME)
+    cli.add_moe_argument(parser, "with a training step")
+    args = cli.resolve(parser.parse_args(argv), DEFAULT_NAME)
     cuda = args.device.type == "cuda"
     args.sizes = args.sizes or (["151m"] if cuda else ["tiny"])
     args.batch = args.batch if args.batch is not None else (16 if cuda else 4)
     args.seq_len = args.seq_len if args.seq_len is not None else (2048 if cuda else 128)
-    for flag in ("batch", "seq_len"):
-        if getattr(args, flag) < 1:
-            raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    cli.at_least(args, batch=1, seq_len=1)
     return args
 
 
-def make_optimizer(model: PreTrainedModel, fused: bool) -> torch.optim.Optimizer:
+def make_optimizer(model, fused: bool) -> torch.optim.Optimizer:
     """AdamW with the value tables in their own group (10x LR, as the value-LR schedule starts)."""
     value_names = set(model.get_value_table_names()) if hasattr(model, "get_value_table_names") else set()
     values = [p for n, p in model.named_parameters() if n in value_names]
@@ -63,7 +53,7 @@ def make_optimizer(model: PreTrainedModel, fused: bool) -> torch.optim.Optimizer
     return torch.optim.AdamW(groups, lr=1e-4, weight_decay=0.1, fused=fused)
 
 
-def training_callables(model: PreTrainedModel, args: argparse.Namespace) -> dict[str, Callable[[], None]]:
+def training_callables(model, args) -> dict[str, Callable[[], None]]:
     """Forward, forward+backward, the optimizer alone and the full step, on one fixed random batch.
 
     "optimizer" steps on the gradients present (left by "gradients"), so its time is AdamW's own.
@@ -76,9 +66,6 @@ def training_callables(model: PreTrainedModel, args: argparse.Namespace) -> dict
         with autocast:
             return model(input_ids=input_ids, labels=input_ids).loss
 
-    def forward() -> None:
-        loss()
-
     def forward_backward() -> None:
         loss().backward()
         model.zero_grad(set_to_none=True)
@@ -88,51 +75,46 @@ def training_callables(model: PreTrainedModel, args: argparse.Namespace) -> dict
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    def gradients() -> None:
-        loss().backward()
-
-    return {
-        "forward": forward,
-        "forward_backward": forward_backward,
-        "gradients": gradients,
-        "optimizer": optimizer.step,
-        "step": step,
-    }
+    return {"forward": loss, "forward_backward": forward_backward, "gradients": lambda: loss().backward(),
+            "optimizer": optimizer.step, "step": step}  # fmt: skip
 
 
-def bench_model(size: str, kind: str, args: argparse.Namespace) -> dict[str, Any]:
-    preset = common.PEERS[size][kind]
+def bench_model(size: str, kind: str, args) -> dict[str, Any]:
+    preset = models.PEERS[size][kind]
     # fp32 master weights; autocast computes in args.dtype
-    model = common.build(preset, args.device, torch.float32, max_position_embeddings=max(args.seq_len, 128)).train()
+    model = models.build(preset, args.device, torch.float32, max_position_embeddings=max(args.seq_len, 128)).train()
     row: dict[str, Any] = {"size": size, "kind": kind, "preset": preset}
     row["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
     calls = training_callables(model, args)
+    measure = lambda fn, **kw: timing.measure(fn, **{**cli.timing_of(args), **kw})  # noqa: E731
     if kind == "moe":
-        row["moe_implementation"], row["moe_probe_ms"] = common.choose_moe_implementation(
-            model, args.moe_impl, lambda m: common.measure(training_callables(m, args)["forward_backward"], args, 1, 2)
-        )
+        row["moe_implementation"], row["moe_probe_ms"] = models.choose_moe_implementation(
+            model, args.moe_impl, lambda m: measure(training_callables(m, args)["forward_backward"], warmup=1, iters=2))
     try:
         for phase in ("forward", "forward_backward"):
-            row[f"{phase}_ms"] = common.measure(calls[phase], args)["ms"]
+            row[f"{phase}_ms"] = measure(calls[phase])["ms"]
         calls["gradients"]()
-        row["optimizer_ms"] = common.measure(calls["optimizer"], args)["ms"]
+        row["optimizer_ms"] = measure(calls["optimizer"])["ms"]
         model.zero_grad(set_to_none=True)
-        common.reset_peak_memory(args.device)
-        row.update(common.measure(calls["step"], args))
-        row["peak_mib"] = common.peak_memory_mib(args.device)
-        row["status"] = "ok"
+        timing.reset_peak_memory(args.device)
+        row.update(measure(calls["step"]), peak_mib=timing.peak_memory_mib(args.device), status="ok")
     except RuntimeError as error:
-        if not common.is_out_of_memory(error):
+        if not timing.is_out_of_memory(error):
             raise
         row["status"] = "out of memory"
     # parameters + gradients + two AdamW moments, fp32: what the step must read and write at least once
     row["state_mib"] = row["params_m"] * 1e6 * 16 / 2**20
     del model, calls
-    common.release(args.device)
+    timing.release(args.device)
     if row["status"] == "ok":
         row["tokens_per_s"] = args.batch * args.seq_len / (row["ms"] / 1e3)
         print(f"{preset:<20} step {row['ms']:9.2f} ms  peak {row['peak_mib']} MiB")
     return row
+
+
+COLUMNS = {"preset": "preset", "params_m": "params(M)", "forward_ms": "fwd ms", "forward_backward_ms": "fwd+bwd ms",
+           "optimizer_ms": "optim ms", "ms": "step ms", "step_vs_dense": "step/dense", "tokens_per_s": "tokens/s",
+           "peak_mib": "peak MiB", "state_mib": "state MiB"}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -143,31 +125,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         dense = next(r for r in rows if r["size"] == row["size"] and r["kind"] == "dense")
         if row.get("ms") and dense.get("ms"):
             row["step_vs_dense"] = row["ms"] / dense["ms"]
-    payload = {
-        "settings": {
-            "sizes": args.sizes,
-            "batch": args.batch,
-            "seq_len": args.seq_len,
-            "precision": "fp32 weights" + ("" if args.dtype == torch.float32 else f", {args.dtype} autocast"),
-            "optimizer": "AdamW" + (" (fused)" if args.device.type == "cuda" else " (foreach)"),
-            "warmup": args.warmup,
-            "iters": args.iters,
-        },
-        "rows": rows,
-    }
-    columns = [
-        ("preset", "preset"),
-        ("params_m", "params(M)"),
-        ("forward_ms", "fwd ms"),
-        ("forward_backward_ms", "fwd+bwd ms"),
-        ("optimizer_ms", "optim ms"),
-        ("ms", "step ms"),
-        ("step_vs_dense", "step/dense"),
-        ("tokens_per_s", "tokens/s"),
-        ("peak_mib", "peak MiB"),
-        ("state_mib", "state MiB"),
-    ]
-    common.finish(args, payload, common.format_table(rows, columns))
+    precision = "fp32 weights" + ("" if args.dtype == torch.float32 else f", {args.dtype} autocast")
+    optimizer = "AdamW" + (" (fused)" if args.device.type == "cuda" else " (foreach)")
+    settings = {"sizes": args.sizes, "batch": args.batch, "seq_len": args.seq_len, "precision": precision,
+                "optimizer": optimizer, "warmup": args.warmup, "iters": args.iters}  # fmt: skip
+    payload = {"settings": settings, "rows": rows}
+    report.finish(args, payload, report.format_table(rows, COLUMNS))
     return payload
 
 

@@ -18,7 +18,6 @@ Writes benchmarks/results/vs_ultra_mem_cpu.json; the table is printed last.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -29,7 +28,7 @@ from ultramem import UltraMemConfig
 from ultramem.configuration_ultramem import MEMORY_KERNELS
 from ultramem.modeling_ultramem import UltraMemMemoryLayer
 
-import _common as common
+from lib import cli, report, timing
 
 DEFAULT_NAME = "vs_ultra_mem"
 
@@ -52,15 +51,15 @@ SHAPES = {
 }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = common.make_parser(__doc__, DEFAULT_NAME)
+def parse_args(argv: list[str] | None = None):
+    parser = cli.make_parser(__doc__, DEFAULT_NAME)
     parser.add_argument("--shapes", default="tiny,small", help=f"comma-separated, from {', '.join(SHAPES)}")
     parser.add_argument("--memory-kernel", default="auto", choices=MEMORY_KERNELS, help="config.memory_kernel of ours")
     args = parser.parse_args(argv)
     if args.device != "cpu":
         raise SystemExit("--device: this comparison runs on CPU only (ultra-mem's CUDA path is not compared)")
-    common.resolve_common(args, DEFAULT_NAME)
-    args.shapes = common.parse_names(args.shapes, SHAPES, "--shapes")
+    cli.resolve(args, DEFAULT_NAME)
+    args.shapes = cli.names(args.shapes, SHAPES, "--shapes")
     return args
 
 
@@ -116,7 +115,7 @@ def losses(layer: nn.Module, x: torch.Tensor, is_ours: bool) -> torch.Tensor:
     return out.sum() + aux
 
 
-def time_layer(layer: nn.Module, x: torch.Tensor, is_ours: bool, args: argparse.Namespace) -> dict[str, float]:
+def time_layer(layer: nn.Module, x: torch.Tensor, is_ours: bool, args) -> dict[str, float]:
     """Forward, and forward+backward (gradients dropped after each), of one layer on `x`."""
 
     def forward() -> None:
@@ -127,12 +126,12 @@ def time_layer(layer: nn.Module, x: torch.Tensor, is_ours: bool, args: argparse.
         layer.zero_grad(set_to_none=True)
 
     return {
-        "forward_ms": common.measure(forward, args)["ms"],
-        "forward_backward_ms": common.measure(forward_backward, args)["ms"],
+        "forward_ms": timing.measure(forward, **cli.timing_of(args))["ms"],
+        "forward_backward_ms": timing.measure(forward_backward, **cli.timing_of(args))["ms"],
     }
 
 
-def bench_shape(shape: LayerShape, args: argparse.Namespace) -> list[dict[str, Any]]:
+def bench_shape(shape: LayerShape, args) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     x = torch.randn(shape.batch, shape.seq_len, shape.hidden)
     rows = []
@@ -166,16 +165,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ultra_mem_version": importlib.metadata.version("ultra-mem"),
         "rows": rows,
     }
-    columns = [
-        ("shape", "shape"),
-        ("impl", "implementation"),
-        ("params_m", "params(M)"),
-        ("forward_ms", "fwd ms"),
-        ("forward_backward_ms", "fwd+bwd ms"),
-        ("forward_vs_ours", "fwd / ours"),
-        ("forward_backward_vs_ours", "fwd+bwd / ours"),
-    ]
-    common.finish(args, payload, common.format_table(rows, columns))
+    columns = {"shape": "shape", "impl": "implementation", "params_m": "params(M)", "forward_ms": "fwd ms",
+               "forward_backward_ms": "fwd+bwd ms", "forward_vs_ours": "fwd / ours", "forward_backward_vs_ours": "fwd+bwd / ours"}
+    report.finish(args, payload, report.format_table(rows, columns))
     return payload
 
 

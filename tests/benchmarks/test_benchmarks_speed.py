@@ -21,7 +21,7 @@ TIMING = ["--device", "cpu", "--warmup", "1", "--iters", "1"]
 
 @pytest.fixture(scope="module")
 def bench():
-    """Import a benchmark script as a module (they import their sibling `_common`)."""
+    """Import a benchmark script as a module (they import their sibling library `lib`)."""
     sys.path.insert(0, str(BENCHMARKS))
     try:
         yield importlib.import_module
@@ -31,7 +31,7 @@ def bench():
 
 def read(tmp_path: Path, name: str) -> dict:
     payload = json.loads((tmp_path / f"{name}.json").read_text())
-    assert payload["environment"]["device"].startswith("CPU")
+    assert payload["environment"]["device"].startswith("CPU") and payload["environment"]["torch"] == torch.__version__
     assert "python" in payload["environment"]["command"]
     return payload
 
@@ -54,14 +54,14 @@ def test_bench_decode_writes_rows_ratios_and_plot(bench, tmp_path, capsys):
 
 def test_bench_decode_interleave_times_the_peers_in_turn(bench, tmp_path, monkeypatch):
     """`--interleave`: the same rows as one model at a time, from steps timed one of each model per round."""
-    common, calls = bench("_common"), []
-    time_calls = common.time_calls
+    timing, calls = bench("lib.timing"), []
+    time_calls = timing.time_calls
 
-    def recording(fn, device, warmup, iters, before_each=None):
+    def recording(fn, device, warmup, iters, **hooks):
         calls.append((fn, warmup, iters))
-        return time_calls(fn, device, warmup, iters, before_each)
+        return time_calls(fn, device, warmup, iters, **hooks)
 
-    monkeypatch.setattr(common, "time_calls", recording)
+    monkeypatch.setattr(timing, "time_calls", recording)
     args = ["--device", "cpu", "--warmup", "1", "--iters", "3", "--sizes", "tiny", "--batch-sizes", "1", "--context", "8"]
     payload = bench("bench_decode").main([*args, "--moe-impl", "eager", "--interleave", "--no-plot",
                                           "--results-dir", str(tmp_path), "--name", "decode_interleaved"])
@@ -108,20 +108,22 @@ def test_bench_vs_ultra_mem_reports_ratio(bench, tmp_path):
 @pytest.mark.parametrize("batch", [1, 3, 64])
 def test_analytic_access_is_the_papers_formula(bench, batch):
     """Sparse bytes: min(2B, N_moe) experts per MoE layer; min(B H m, N) value rows of Dv per memory layer."""
-    common = bench("_common")
-    moe = common.build("tiny-moe", torch.device("meta"), torch.bfloat16)
+    from ultramem.sizing import decode_memory_access
+
+    models = bench("lib.models")
+    moe = models.build("tiny-moe", torch.device("meta"), torch.bfloat16)
     c = moe.config
     expert = 3 * c.hidden_size * c.intermediate_size
-    access = common.decode_memory_access(moe, batch, context=10, bytes_per_value=2)
+    access = decode_memory_access(moe, batch, context=10, bytes_per_value=2)
     assert access.sparse_weights == 2 * c.num_hidden_layers * min(2 * batch, c.num_local_experts) * expert
     assert access.kv_cache == 2 * 2 * batch * 10 * c.num_hidden_layers * c.hidden_size
 
-    ultramem = common.build("tiny-ultramem", torch.device("meta"), torch.bfloat16)
+    ultramem = models.build("tiny-ultramem", torch.device("meta"), torch.bfloat16)
     c = ultramem.config
     rows = min(batch * c.memory_heads * c.memory_topk, c.memory_num_values)
-    access = common.decode_memory_access(ultramem, batch, context=10, bytes_per_value=2)
+    access = decode_memory_access(ultramem, batch, context=10, bytes_per_value=2)
     assert access.sparse_weights == 2 * len(c.memory_layers) * rows * c.memory_value_dim
-    dense = common.decode_memory_access(common.build("tiny-dense", torch.device("meta"), torch.bfloat16), batch, 10, 2)
+    dense = decode_memory_access(models.build("tiny-dense", torch.device("meta"), torch.bfloat16), batch, 10, 2)
     assert dense.sparse_weights == 0 and dense.kv_cache == access.kv_cache
 
 
@@ -143,23 +145,23 @@ def test_benchmark_script_writes_results(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     report = json.loads((tmp_path / "bench_kernels_cpu.json").read_text())
-    assert report["device"]["type"] == "cpu" and report["results"] and report["complete"]
+    assert report["environment"]["device_type"] == "cpu" and report["results"] and report["complete"]
     assert {"torch", "embedding_bag"} <= {row["impl"] for row in report["results"]}
     assert all(row["forward_ms"] > 0 for row in report["results"] if row["status"] == "ok")
     assert (tmp_path / "bench_kernels_cpu.png").stat().st_size > 0
-    assert "forward_ms" in result.stdout.strip().splitlines()[-len(report["results"]) - 1]
+    assert "forward_ms" in result.stdout.strip().splitlines()[-len(report["results"]) - 2]  # header, rule, rows
 
 
 def test_bench_kernels_times_with_the_shared_timer(bench, monkeypatch):
-    """One timing routine for every benchmark: bench_kernels' median goes through `_common.time_calls`."""
-    common, calls = bench("_common"), []
+    """One timing routine for every benchmark: bench_kernels' median goes through `lib.timing.time_calls`."""
+    timing, calls = bench("lib.timing"), []
 
-    def fake(fn, device, warmup, iters, before_each=None):
+    def fake(fn, device, warmup, iters, before_each=None, after_each=None):
         calls.append((warmup, iters, before_each))
         return [3.0, 1.0, 2.0], [0.0, 0.0, 0.0]
 
-    monkeypatch.setattr(common, "time_calls", fake)
-    assert bench("bench_kernels").time_ms(lambda: None, torch.device("cpu"), 3) == 2.0
+    monkeypatch.setattr(timing, "time_calls", fake)
+    assert bench("bench_kernels").timing.median_ms(lambda: None, torch.device("cpu"), 3) == 2.0
     assert calls == [(1, 3, None)]
 
 

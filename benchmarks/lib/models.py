@@ -1,0 +1,135 @@
+"""The models the speed benchmarks compare, built alike, and the one decoding step every decode benchmark times."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, StaticCache
+
+from ultramem.presets import get_config
+from ultramem.sizing import build_model
+
+from . import timing
+
+# The three models of equal compute at each size: this project's dense backbone, UltraMem, and Mixtral.
+PEERS: dict[str, dict[str, str]] = {
+    "tiny": {"dense": "tiny-dense", "ultramem": "tiny-ultramem", "moe": "tiny-moe"},
+    "151m": {"dense": "dense-151m", "ultramem": "ultramem-151m-x12", "moe": "moe-151m-2in32"},
+    "680m": {"dense": "dense-680m", "ultramem": "ultramem-680m-x12", "moe": "moe-680m-2in33"},
+    "1.6b": {"dense": "dense-1.6b", "ultramem": "ultramem-1.6b-x12", "moe": "moe-1.6b-2in34"},
+}
+# Transformers' expert paths for Mixtral (integrations/moe.py), tried in this order; the fastest is kept.
+MOE_IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build(preset: str, device: torch.device | str, dtype: torch.dtype, **overrides: Any) -> PreTrainedModel:
+    """A randomly initialised preset model, created directly on `device` in `dtype` (no host copy of big tables)."""
+    config = get_config(preset, **overrides)
+    with torch.device(device), default_dtype(dtype):
+        return build_model(config)
+
+
+def use_memory_implementation(model: PreTrainedModel, name: str) -> PreTrainedModel:
+    """Compute `model`'s memory lookups with `name` ("torch", "embedding_bag", "triton"): the one place the
+    benchmarks choose the kernel (`set_memory_implementation` where the model has it, the deprecated
+    `config.memory_kernel` before that)."""
+    if hasattr(model, "set_memory_implementation"):
+        model.set_memory_implementation(name)
+    else:
+        model.config.memory_kernel = name
+    return model
+
+
+def decode_cache_length(args: argparse.Namespace) -> int:
+    """Cache slots a decoding benchmark needs: the context, the 2-token prefill, every timed and profiled step."""
+    return args.context + 3 + args.warmup + args.iters
+
+
+def decode_overrides(preset: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Config overrides for decoding benchmarks: positions for the whole cache, no router-logit collection."""
+    overrides: dict[str, Any] = {"max_position_embeddings": decode_cache_length(args)}
+    if preset.startswith(("moe", "tiny-moe")):
+        overrides["output_router_logits"] = False
+    return overrides
+
+
+def filled_static_cache(model: PreTrainedModel, batch: int, context: int, max_len: int) -> StaticCache:
+    """A StaticCache holding `context` tokens of random keys and values (and primed query-conv states).
+
+    A 2-token prefill initializes every cache layer through the model's own code path; the KV buffers are then
+    filled with random values and the lengths set to `context`, which costs the decode step exactly what a real
+    prompt of that length would, without a long prefill at every batch size.
+    """
+    cache = StaticCache(config=model.config, max_cache_len=max_len)
+    prompt = torch.randint(1, model.config.vocab_size, (batch, 2), device=model.device)
+    model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None:
+            layer.keys[:, :, :context].normal_()
+            layer.values[:, :, :context].normal_()
+            layer.cumulative_length.fill_(context)
+    return cache
+
+
+def decode_step(model: PreTrainedModel, batch: int, args: argparse.Namespace) -> Callable[[], None]:
+    """One decoding step (sequence length 1) for `batch` sequences with `args.context` cached tokens, as a call.
+
+    Every model runs alike: StaticCache, SDPA attention, eager or torch.compile(mode="reduce-overhead") with static
+    shapes (dynamic batch shapes made CPU decode steps 10x slower in a trial), compiled afresh for each batch size:
+    the reset also releases the previous size's CUDA graphs, which hold their cache's memory.
+    """
+    cache = filled_static_cache(model, batch, args.context, decode_cache_length(args))
+    tokens = torch.randint(1, model.config.vocab_size, (batch, 1), device=model.device)
+    forward = model.forward
+    if args.mode == "compile":
+        torch._dynamo.reset()
+        forward = torch.compile(model.forward, mode="reduce-overhead", dynamic=False)
+
+    def step() -> None:
+        forward(input_ids=tokens, cache=cache, use_cache=True)
+
+    return step
+
+
+def time_decode(model: PreTrainedModel, batch: int, args: argparse.Namespace) -> dict[str, float]:
+    """Time of one decoding step (`decode_step`), then one more step under the profiler counting its launches."""
+    step = decode_step(model, batch, args)
+    measured = timing.measure(step, args.device, args.warmup, args.iters, args.statistic)
+    return {**measured, **timing.count_launches(step, args.device)}
+
+
+def choose_moe_implementation(
+    model: PreTrainedModel, requested: str, probe: Callable[[PreTrainedModel], dict[str, float]]
+) -> tuple[str, dict[str, Any]]:
+    """The Mixtral expert path to benchmark: `requested`, or with 'auto' the fastest under `probe(model)`.
+
+    Returns the choice and the probe times (or errors) of every candidate, for the JSON.
+    """
+    candidates = MOE_IMPLEMENTATIONS if requested == "auto" else (requested,)
+    probes: dict[str, Any] = {}
+    for implementation in candidates:
+        model.set_experts_implementation(implementation)
+        try:
+            probes[implementation] = probe(model)["ms"] if requested == "auto" else None
+        except (RuntimeError, NotImplementedError, ValueError) as error:
+            if requested != "auto":
+                raise
+            probes[implementation] = f"failed: {type(error).__name__}: {str(error)[:200]}"
+    timed = {k: v for k, v in probes.items() if isinstance(v, float)}
+    choice = min(timed, key=timed.get) if timed else candidates[0]
+    model.set_experts_implementation(choice)
+    return choice, probes
