@@ -23,6 +23,6 @@ def test_no_code_reads_a_folder_beside_the_clone():
 
 
 def test_decisions_are_cited_from_the_repository():
-    assert "## Memory layer placement" in (ROOT / "docs" / "DECISIONS.md").read_text(encoding="utf-8")
+    assert "## Memory layer placement" in (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
     hits = [str(path.relative_to(ROOT)) for path in CODE + DOCS if re.search(r"\bSPEC\b", path.read_text(encoding="utf-8"))]
     assert not hits, hits
