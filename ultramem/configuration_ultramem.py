@@ -12,11 +12,8 @@ from huggingface_hub.errors import StrictDataclassClassValidationError, StrictDa
 from transformers import AutoTokenizer
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
-from transformers.utils import logging
 
 from .missing_tokenizer import MissingTokenizer
-
-logger = logging.get_logger(__name__)
 
 # The allowed values of the mode fields, defined once: code compares with these names, never with string literals.
 RetrievalMode = Literal["product_key", "tucker"]
@@ -53,23 +50,18 @@ def one_of(allowed: tuple):
     return _checked(f"must be one of {allowed}", lambda value: value in allowed)
 
 
-positive = _checked("must be a positive integer", lambda value: value > 0)
+positive = _checked("must be a positive integer", lambda value: value is None or value > 0)  # None: int | None fields
 non_negative = _checked("must be >= 0", lambda value: value >= 0)
 dropout = _checked("must be in [0, 1)", lambda value: 0 <= value < 1)
-perfect_square = _checked(
-    "must be a positive perfect square", lambda value: value > 0 and math.isqrt(value) ** 2 == value
-)
+perfect_square = _checked("must be a positive perfect square", lambda n: n > 0 and math.isqrt(n) ** 2 == n)
 
 
 @as_validated_field
 def memory_placement(pairs: list | None) -> None:
     for i, pair in enumerate(pairs or []):
-        is_pair = isinstance(pair, (list, tuple)) and len(pair) == 2
+        ok = isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, numbers.Integral) for x in pair)
         _require(
-            is_pair and all(isinstance(block, numbers.Integral) for block in pair),
-            f"memory_layers[{i}]",
-            pair,
-            "must be a pair [a, b] of block indices (read before block a, write after block b)",
+            ok, f"memory_layers[{i}]", pair, "must be a pair [a, b] of block indices (read before a, write after b)"
         )
 
 
@@ -95,7 +87,7 @@ def _one_line_errors(cls):
         except StrictDataclassFieldValidationError as error:
             if isinstance(error.__cause__, UltraMemConfigError):
                 raise error.__cause__ from None
-            if type(error.__cause__) is ValueError:
+            if isinstance(error.__cause__, ValueError):  # a `_checked` field: name the field and the value
                 raise UltraMemConfigError(f"UltraMemConfig.{name}={value!r} is invalid: {error.__cause__}.") from None
             raise
 
@@ -211,9 +203,7 @@ class UltraMemConfig(PreTrainedConfig):
     # Values
     ive_expansion: int = perfect_square(default=4)
     memory_value_dim: int = positive(default=512)
-    memory_num_values: int | None = _checked("must be a positive integer", lambda value: value is None or value > 0)(
-        default=None  # None: n^2 / E
-    )
+    memory_num_values: int | None = positive(default=None)  # None: n^2 / E
     value_projection: bool = True
     ive_shuffle_seed: int = 0
 
@@ -241,13 +231,6 @@ class UltraMemConfig(PreTrainedConfig):
         self._derive_cache_layout()
         # Private and unsaved, as `_attn_implementation`: None is the device's default
         self._memory_implementation = _implementation_keyword(memory_implementation, memory_kernel)
-        if memory_kernel is not None:
-            warnings.warn(
-                "UltraMemConfig(memory_kernel=...) is deprecated and no longer saved: use memory_implementation=... "
-                "(also a from_pretrained keyword) or model.set_memory_implementation(...).",
-                FutureWarning,
-                stacklevel=5,  # the caller of UltraMemConfig(...), past the init wrappers of @strict and Transformers
-            )
         super().__post_init__(**kwargs)  # also takes the legacy `rope_theta` keyword, as every Transformers config
 
     def validate_architecture(self) -> None:
@@ -273,11 +256,9 @@ class UltraMemConfig(PreTrainedConfig):
         for field, divisor in (("memory_key_dim", "tucker_rank"), ("memory_value_dim", "mcs_cores")):
             value, by = getattr(self, field), getattr(self, divisor)
             _require(value % by == 0, field, value, f"must be divisible by {divisor}={by}")
-        if self.retrieval_mode == PRODUCT_KEY:
-            _require(
-                self.tucker_rank == 1, "tucker_rank", self.tucker_rank, "must be 1 with retrieval_mode='product_key'"
-            )
-            _require(self.mcs_cores == 1, "mcs_cores", self.mcs_cores, "must be 1 with retrieval_mode='product_key'")
+        for field in ("tucker_rank", "mcs_cores") if self.retrieval_mode == PRODUCT_KEY else ():
+            value = getattr(self, field)
+            _require(value == 1, field, value, "must be 1 with retrieval_mode='product_key'")
         if not self.value_projection:
             one = "must be 1 when value_projection=False (IVE needs one projector per virtual block)"
             _require(expansion == 1, "ive_expansion", expansion, one)
@@ -300,11 +281,9 @@ class UltraMemConfig(PreTrainedConfig):
         like a saved field (`from_pretrained`, `AutoConfig`, `pipeline`, lm-eval's `model_args`). The dict's own
         `memory_kernel` is dropped: a saved kernel choice is ignored (the keyword still counts).
         """
-        saved = {key: value for key, value in config_dict.items() if key not in _NEVER_LOADED}
-        if config_dict.get("memory_kernel", "auto") != "auto":
-            logger.info(
-                f"Ignoring the saved memory_kernel={config_dict['memory_kernel']!r}: the device's default runs"
-            )
+        saved = {
+            key: value for key, value in config_dict.items() if key not in ("memory_kernel", "_memory_implementation")
+        }
         keywords = {name: kwargs.pop(name) for name in list(kwargs) if name in _KEYWORDS}
         return super().from_dict({**saved, **keywords}, **kwargs)
 
@@ -351,21 +330,20 @@ class UltraMemConfig(PreTrainedConfig):
 
 def _implementation_keyword(implementation: str | None, kernel: str | None) -> str | None:
     """The `memory_implementation` keyword, else the deprecated `memory_kernel`; "auto" is None."""
-    keyword, name = (
-        ("memory_implementation", implementation) if implementation is not None else ("memory_kernel", kernel)
-    )
+    keyword, name = ("memory_kernel", kernel) if implementation is None else ("memory_implementation", implementation)
     allowed = f"must be one of {MEMORY_IMPLEMENTATIONS} or None (the device's default)"
     _require(name is None or name in MEMORY_IMPLEMENTATIONS, keyword, name, allowed)
+    if kernel is not None:
+        message = "UltraMemConfig(memory_kernel=...) is deprecated and no longer saved: use memory_implementation=..."
+        message += " (also a from_pretrained keyword) or model.set_memory_implementation(...)."
+        warnings.warn(message, FutureWarning, stacklevel=6)  # the caller of UltraMemConfig(...), past 5 init frames
     return None if name == "auto" else name
 
 
 # `from_dict` builds these keywords into the config: its own fields (not those of every Transformers config, which
 # `PreTrainedConfig.from_dict` handles) and the memory implementation. It never loads the saved kernel choice.
-_KEYWORDS = frozenset(UltraMemConfig.__dataclass_fields__).difference(PreTrainedConfig.__dataclass_fields__) | {
-    "memory_implementation",
-    "memory_kernel",
-}
-_NEVER_LOADED = ("memory_kernel", "_memory_implementation")
+_KEYWORDS = {*UltraMemConfig.__dataclass_fields__, "memory_implementation", "memory_kernel"}
+_KEYWORDS -= set(PreTrainedConfig.__dataclass_fields__)
 
 # `import ultramem` registers the tokenizer fallback (see missing_tokenizer). A checkpoint's copy of this file, loaded
 # with trust_remote_code, is the only UltraMem code `AutoTokenizer` imports there: that copy registers it itself.

@@ -2,9 +2,10 @@
 
 With no tokenizer_config.json in a folder, `AutoTokenizer` (so `pipeline` and `lm_eval --model hf` too) takes the
 tokenizer registered for the config class, and for an unregistered one fails converting a slow tokenizer
-(a sentencepiece/tiktoken error). `configuration_ultramem` registers `MissingTokenizer` for `UltraMemConfig`;
-`save_pretrained` copies that module and this one into every checkpoint, so the registration also runs with
-`trust_remote_code=True` where `ultramem` is not installed. Only Transformers is imported here for that reason.
+(a sentencepiece/tiktoken error). `import ultramem` registers `MissingTokenizer` for `UltraMemConfig`.
+`save_pretrained` copies `configuration_ultramem` and this module into every checkpoint; loaded from there with
+`trust_remote_code=True` (the only UltraMem code `AutoTokenizer` imports then), that copy registers it for its own
+config class. Only Transformers is imported here for that reason.
 """
 
 from __future__ import annotations
