@@ -1,0 +1,193 @@
+"""Transformers' own common model and config tests (`ModelTesterMixin`, `ConfigTester`) run against UltraMem.
+
+They are not in the transformers wheel. The source distribution of the installed release on PyPI carries the
+top-level `tests/test_*.py` (test_modeling_common.py, test_configuration_common.py, ...): `.ci/transformers_tests.sh`
+downloads it with pip into `.transformers-src/<version>/transformers_tests/` (ignored, inside the clone) and runs
+this module. The test classes are in `transformers_common_cases.py`; UltraMem-specific skips are there, each with
+its reason.
+
+The sdist leaves out test_modeling_common's subpackages; what stands in for each, defined here:
+- `exporters/test_export.py` (`ExportTesterMixin`, the torch.export tests): an empty mixin, so those do not run.
+- `generation/test_utils.py` (`GenerationTesterMixin`, upstream's generate tests): `GenerationTesterMixin` below,
+  UltraMem's own generation checks (cache on/off, left padding, continuing from a cache, the conv states' shape, and
+  static-cache and compiled generation, gated on `_can_compile_fullgraph` as upstream gates its static-cache tests).
+- `utils/test_configuration_utils.py` (`config_common_kwargs`): `CONFIG_COMMON_KWARGS` below, a value other than
+  the default for each field every Transformers config has.
+- `causal_lm_tester.py` (`CausalLMModelTester`): `UltraMemModelTester` in transformers_common_cases.py.
+
+Without the sources this module fails (one test says how to fetch them) rather than skip, so CI cannot pass without
+running it; set ULTRAMEM_SKIP_TRANSFORMERS_COMMON=1 to skip it where the sources are not wanted.
+"""
+
+import os
+import sys
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+SKIP_VARIABLE = "ULTRAMEM_SKIP_TRANSFORMERS_COMMON"
+# torch.compile backend of the compiled-generation check: "aot_eager" captures the graph whole without Inductor's
+# code generation; set ULTRAMEM_COMPILE_BACKEND=inductor to check that too (on a GPU machine)
+COMPILE_BACKEND = os.environ.get("ULTRAMEM_COMPILE_BACKEND", "aot_eager")
+SOURCES = Path(
+    os.environ.get("ULTRAMEM_TRANSFORMERS_SOURCES")
+    or Path(__file__).resolve().parents[2] / ".transformers-src" / transformers.__version__
+)
+FOUND = (SOURCES / "transformers_tests" / "test_modeling_common.py").is_file()
+MISSING = (
+    f"Transformers {transformers.__version__}'s test sources are not in {SOURCES}: run `.ci/transformers_tests.sh "
+    f"--fetch-only` (needs PyPI), or set {SKIP_VARIABLE}=1 to skip Transformers' common tests"
+)
+
+# A value other than PreTrainedConfig's default for each of its fields (Transformers 5.24): ConfigTester's
+# check_config_arguments_init builds the config with them and checks every one is kept.
+CONFIG_COMMON_KWARGS = {
+    "return_dict": False,
+    "output_hidden_states": True,
+    "output_attentions": True,
+    "dtype": "float16",
+    "chunk_size_feed_forward": 5,
+    "architectures": ["UltraMemForCausalLM"],
+    "id2label": {0: "label"},
+    "label2id": {"label": "0"},
+    "problem_type": "regression",
+}
+
+
+class ExportTesterMixin:
+    """Stands in for upstream's torch.export tests, which are not in the sdist: none run."""
+
+
+class GenerationTesterMixin:
+    """Stands in for upstream's `GenerationTesterMixin` (not in the sdist): UltraMem's generation checks.
+
+    The test class provides `model_tester`, `all_generative_model_classes` (from `ModelTesterMixin`) and
+    `_get_conv_state_shape`. Every check runs greedy decoding, so equal token ids mean equal argmaxes at every step.
+    """
+
+    max_new_tokens = 4
+
+    def prepare_config_and_inputs_for_generate(self, batch_size: int = 2):
+        config, inputs = self.model_tester.prepare_config_and_inputs_for_common()
+        input_ids = inputs["input_ids"][:batch_size].clamp(min=3)  # no pad, bos or eos in the prompt
+        return config, {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+
+    def _greedy(self, model, inputs: dict, new_tokens: int | None = None, **kwargs) -> torch.Tensor:
+        # min_new_tokens: eos (a random model may emit it) would end some rows early and pad them
+        new_tokens = new_tokens or self.max_new_tokens
+        return model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs)
+
+    def _models(self):
+        for model_class in self.all_generative_model_classes:
+            config, inputs = self.prepare_config_and_inputs_for_generate()
+            yield model_class(config).to(torch_device()).eval(), inputs
+
+    def test_greedy_generate_with_cache_matches_without(self):
+        for model, inputs in self._models():
+            self.assertTrue(torch.equal(self._greedy(model, inputs), self._greedy(model, inputs, use_cache=False)))
+
+    def test_cache_holds_conv_states_of_the_expected_shape(self):
+        for model, inputs in self._models():
+            config = model.config
+            with torch.no_grad():
+                cache = model(**inputs, use_cache=True).cache
+            batch_size, length = inputs["input_ids"].shape
+            self.assertEqual(cache.get_seq_length(), length)
+            expected = self._get_conv_state_shape(batch_size, config)
+            for layer_idx, state_idx in config.memory_conv_state_slots:
+                self.assertEqual(tuple(cache.get_conv_state(layer_idx, state_idx).shape), expected)
+
+    def test_left_padding_compatibility(self):
+        """A left-padded row's next-token logits equal those of the same row unpadded."""
+        for model, inputs in self._models():
+            input_ids = inputs["input_ids"]
+            pad = torch.full((input_ids.shape[0], 3), model.config.pad_token_id, dtype=input_ids.dtype)
+            padded_ids = torch.cat([pad, input_ids], dim=1)
+            padded_mask = torch.cat([torch.zeros_like(pad), inputs["attention_mask"]], dim=1)
+            with torch.no_grad():
+                logits = model(**inputs).logits[:, -1]
+                padded_logits = model(input_ids=padded_ids, attention_mask=padded_mask).logits[:, -1]
+            torch.testing.assert_close(padded_logits, logits, rtol=1e-4, atol=1e-4)
+            generated = self._greedy(model, inputs)[:, input_ids.shape[1] :]
+            padded_generated = self._greedy(model, {"input_ids": padded_ids, "attention_mask": padded_mask})
+            self.assertTrue(torch.equal(padded_generated[:, padded_ids.shape[1] :], generated))
+
+    def test_generate_continue_from_cache(self):
+        """Generating n tokens, then n more from the returned cache, gives the 2n tokens of one generation."""
+        for model, inputs in self._models():
+            whole = self._greedy(model, inputs, new_tokens=2 * self.max_new_tokens)
+            first = self._greedy(model, inputs, return_dict_in_generate=True)
+            ids = first.sequences
+            second = self._greedy(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, cache=first.cache)
+            self.assertTrue(torch.equal(second, whole))
+
+    def test_generate_with_static_cache(self):
+        """Greedy decoding with a static cache gives the tokens of the dynamic one (upstream skips models that do not
+        declare `_can_compile_fullgraph`, as here)."""
+        for model, inputs in self._models():
+            if not model._can_compile_fullgraph:
+                self.skipTest("the model does not declare _can_compile_fullgraph")
+            dynamic = self._greedy(model, inputs)
+            static = self._greedy(model, inputs, cache_implementation="static")
+            self.assertTrue(torch.equal(static, dynamic))
+
+    def test_generate_compile_model_forward_fullgraph(self):
+        """`generate` with a static cache and the decoding step compiled whole (fullgraph=True) gives the eager tokens,
+        and a second generation reuses the compiled step without recompiling. The graph runs on AOTAutograd's eager
+        backend: it checks that the step is captured whole, not what Inductor makes of it (minutes on a CPU)."""
+        for model, inputs in self._models():
+            if not model._can_compile_fullgraph:
+                self.skipTest("the model does not declare _can_compile_fullgraph")
+            torch.compiler.reset()
+            eager = self._greedy(model, inputs)
+            compile_config = transformers.CompileConfig(fullgraph=True, dynamic=False, backend=COMPILE_BACKEND)
+            compile_config._compile_all_devices = True  # generate compiles on accelerators only, otherwise
+            compiled = self._greedy(model, inputs, cache_implementation="static", compile_config=compile_config)
+            self.assertTrue(hasattr(model, "_compiled_call"), "generate did not compile the forward")
+            self.assertTrue(torch.equal(compiled, eager))
+            with torch.compiler.set_stance("fail_on_recompile"):
+                again = self._greedy(model, inputs, cache_implementation="static", compile_config=compile_config)
+            self.assertTrue(torch.equal(again, eager))
+
+
+def torch_device() -> str:
+    from transformers.testing_utils import torch_device as device
+
+    return device
+
+
+def _install_sources() -> None:
+    """Make `transformers_tests` importable, with the stand-ins above for the modules the sdist lacks."""
+    sys.path.insert(0, str(SOURCES))
+    stand_ins = {
+        "transformers_tests.exporters": None,
+        "transformers_tests.exporters.test_export": {"ExportTesterMixin": ExportTesterMixin},
+        "transformers_tests.generation": None,
+        "transformers_tests.generation.test_utils": {"GenerationTesterMixin": GenerationTesterMixin},
+        "transformers_tests.utils": None,
+        "transformers_tests.utils.test_configuration_utils": {"config_common_kwargs": CONFIG_COMMON_KWARGS},
+    }
+    for name, contents in stand_ins.items():
+        module = types.ModuleType(name, "stand-in from tests/model/test_transformers_common.py")
+        if contents is None:
+            module.__path__ = []  # a package
+        else:
+            module.__dict__.update(contents)
+        sys.modules.setdefault(name, module)
+
+
+if FOUND:
+    _install_sources()
+    with warnings.catch_warnings():  # upstream's marks (flash_attn_test, torch_compile_test, ...) are unregistered here
+        warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
+        from transformers_common_cases import UltraMemModelTest, UltraMemProductKeyModelTest  # noqa: E402, F401
+elif os.environ.get(SKIP_VARIABLE) == "1":
+    pytest.skip(MISSING, allow_module_level=True)
+else:
+
+    def test_transformers_test_sources_are_present():
+        pytest.fail(MISSING, pytrace=False)
