@@ -278,12 +278,10 @@ class UltraMemConfig(PreTrainedConfig):
         Transformers builds the config from the saved dict, then sets each `from_pretrained(path, field=...)` keyword
         as an attribute, past `validate_architecture` (`memory_layers=[[0, 9]]` silently dropped a memory layer) and
         past the cache layout derived from the saved `memory_layers`. Built in, a keyword is checked and derived from
-        like a saved field (`from_pretrained`, `AutoConfig`, `pipeline`, lm-eval's `model_args`). The dict's own
-        `memory_kernel` is dropped: a saved kernel choice is ignored (the keyword still counts).
+        like a saved field (`from_pretrained`, `AutoConfig`, `pipeline`, lm-eval's `model_args`). A kernel choice in
+        the dict (`memory_kernel`, saved by older versions) is dropped; given as a keyword, it counts.
         """
-        saved = {
-            key: value for key, value in config_dict.items() if key not in ("memory_kernel", "_memory_implementation")
-        }
+        saved = {key: value for key, value in config_dict.items() if key not in _NEVER_LOADED}
         keywords = {name: kwargs.pop(name) for name in list(kwargs) if name in _KEYWORDS}
         return super().from_dict({**saved, **keywords}, **kwargs)
 
@@ -344,6 +342,7 @@ def _implementation_keyword(implementation: str | None, kernel: str | None) -> s
 # `PreTrainedConfig.from_dict` handles) and the memory implementation. It never loads the saved kernel choice.
 _KEYWORDS = {*UltraMemConfig.__dataclass_fields__, "memory_implementation", "memory_kernel"}
 _KEYWORDS -= set(PreTrainedConfig.__dataclass_fields__)
+_NEVER_LOADED = ("memory_kernel", "memory_implementation", "_memory_implementation")  # a kernel choice in a saved dict
 
 # `import ultramem` registers the tokenizer fallback (see missing_tokenizer). A checkpoint's copy of this file, loaded
 # with trust_remote_code, is the only UltraMem code `AutoTokenizer` imports there: that copy registers it itself.

@@ -146,3 +146,17 @@ def test_the_deprecated_memory_kernel_keyword_still_works_and_a_saved_one_is_ign
     assert loaded._memory_implementation is None and "memory_kernel" not in loaded.__dict__
     with pytest.warns(FutureWarning):
         assert AutoConfig.from_pretrained(tmp_path, memory_kernel="torch")._memory_implementation == "torch"
+
+
+def test_a_saved_model_carries_no_kernel_choice_and_loads_with_the_one_asked_for(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from ultramem import UltraMemForCausalLM
+
+    config = UltraMemConfig(**{**small_config().to_dict(), "memory_implementation": "torch", "memory_offload": "cpu"})
+    UltraMemForCausalLM(config).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert not {"memory_kernel", "_memory_implementation", "memory_implementation", "memory_offload"} & set(saved)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path).config._memory_implementation is None
+    for load in (AutoModelForCausalLM.from_pretrained, UltraMemForCausalLM.from_pretrained):
+        assert load(tmp_path, memory_implementation="embedding_bag").config._memory_implementation == "embedding_bag"
