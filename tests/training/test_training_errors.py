@@ -103,9 +103,9 @@ def test_deepspeed_batch_size_that_contradicts_the_trainer(tmp_path, files):
     ],
 )
 def test_bad_values_are_one_line_before_tokenizing(tmp_path, flags, message, capsys, monkeypatch):
-    import ultramem.training.cli as cli
+    import ultramem.training.pipeline as pipeline
 
-    monkeypatch.setattr(cli, "load_raw_datasets", lambda args: pytest.fail("the data was read before the check"))
+    monkeypatch.setattr(pipeline, "load_raw_datasets", lambda args: pytest.fail("the data was read before the check"))
     error = run_and_get_error(["--preset", "tiny-ultramem", "--output_dir", str(tmp_path / "out"), *flags], capsys)
     assert message in error
 

@@ -22,7 +22,12 @@ class ModelArguments:
     config_file: str | None = field(default=None, metadata={"help": "JSON config file (config.json of a model)."})
     config_overrides: str | None = field(
         default=None,
-        metadata={"help": "Comma-separated key=value pairs applied on top of the preset/config, e.g. 'num_hidden_layers=2'."},
+        metadata={
+            "help": "key=value pairs separated by commas, applied on top of the preset, config file or checkpoint and "
+            "checked like them; values are JSON or Python literals, so lists and dicts work: "
+            '\'num_hidden_layers=2,memory_layers=[[0,1]]\' or \'rope_parameters={"rope_type": "default", '
+            '"rope_theta": 10000.0}\'.'
+        },
     )
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "Checkpoint to continue training from (weights are loaded)."}
@@ -33,7 +38,9 @@ class ModelArguments:
 class DataArguments:
     """Text data: local files or a `datasets` name; the embedded Gutenberg slice when nothing is given."""
 
-    train_file: str | None = field(default=None, metadata={"help": "Text, JSON/JSONL (optionally .xz/.gz) or parquet file."})
+    train_file: str | None = field(
+        default=None, metadata={"help": "Text, JSON/JSONL (optionally .xz/.gz) or parquet file."}
+    )
     validation_file: str | None = field(default=None, metadata={"help": "Same formats as --train_file."})
     dataset_name: str | None = field(default=None, metadata={"help": "A `datasets` name (needs the Hub)."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "Configuration of --dataset_name."})
@@ -46,9 +53,28 @@ class DataArguments:
     max_train_samples: int | None = field(default=None, metadata={"help": "Keep at most this many training blocks."})
     max_eval_samples: int = field(
         default=DEFAULT_MAX_EVAL_SAMPLES,
-        metadata={"help": f"Evaluate on at most this many validation blocks (default {DEFAULT_MAX_EVAL_SAMPLES}; 0: all)."},
+        metadata={
+            "help": f"Evaluate on at most this many validation blocks (default {DEFAULT_MAX_EVAL_SAMPLES}; 0: all). "
+            "They are drawn at random, without replacement, from the whole validation set (--eval_sample_seed), "
+            "then kept in file order: the same blocks in every run, not just the first ones."
+        },
+    )
+    eval_sample_seed: int = field(
+        default=0,
+        metadata={
+            "help": "Seed of the --max_eval_samples draw (independent of --seed, so runs that differ in --seed "
+            "are evaluated on the same blocks)."
+        },
     )
     preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
+
+
+def _has_accelerator() -> bool:
+    """Whether PyTorch sees a device other than the CPU (CUDA, ROCm, MPS, XPU, ...)."""
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    if accelerator is not None:
+        return accelerator.is_available()
+    return torch.cuda.is_available() or torch.backends.mps.is_available()
 
 
 @dataclass
@@ -85,6 +111,8 @@ class UltraMemTrainingArguments(TrainingArguments):
             self.lr_scheduler_kwargs = {"min_lr_rate": PAPER_MIN_LR_RATE}
         if not torch.cuda.is_available():
             self.dataloader_pin_memory = False  # pinning needs an accelerator; on CPU it only warns
+        if (self.bf16 or self.bf16_full_eval) and not self.use_cpu and not _has_accelerator():
+            self.use_cpu = True  # the Trainer refuses bf16 without an accelerator unless told to train on the CPU
         if self.report_to is None:
             self.report_to = ["tensorboard"] if is_tensorboard_available() else "none"
         super().__post_init__()

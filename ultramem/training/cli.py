@@ -1,10 +1,13 @@
-"""`ultramem-train`: train a preset or a config on text files with the Trainer (plain, DDP, Accelerate or DeepSpeed)."""
+"""`ultramem-train`: train a preset or a config on text files with the Trainer (plain, DDP, Accelerate or DeepSpeed).
+
+The command line parses its flags into `ModelArguments`, `DataArguments` and `UltraMemTrainingArguments` and calls
+`ultramem.training.train` (`ultramem.training.pipeline`), which scripts call directly.
+"""
 
 from __future__ import annotations
 
 import atexit
 import json
-import math
 import os
 import sys
 import threading
@@ -12,16 +15,11 @@ from importlib import resources
 from typing import Any, NoReturn
 
 import torch
-from transformers import HfArgumentParser, PretrainedConfig, TrainerCallback, default_data_collator, set_seed
+from transformers import HfArgumentParser, TrainerCallback
 
-from ultramem.tokenization import load_tokenizer
 from ultramem.training.arguments import DataArguments, ModelArguments, UltraMemTrainingArguments
-from ultramem.training.data import load_raw_datasets, tokenize_and_pack
 from ultramem.training.errors import UsageError
-from ultramem.training.fsdp import ShardingReport
-from ultramem.training.model_setup import build_config, build_model, check_engine_leaves_tables, max_positions
-from ultramem.training.model_setup import shard_value_tables
-from ultramem.training.trainer import UltraMemTrainer
+from ultramem.training.pipeline import train
 
 SHIPPED_DEEPSPEED_CONFIGS = ("zero2", "zero3")
 
@@ -47,7 +45,10 @@ def _skip_deepspeed_shared_memory_all_reduce() -> None:
     (a C++ toolchain and ~25 s on a fresh machine) and, under the `deepspeed` launcher, each rank maps a 66 MB
     buffer in /dev/shm that DeepSpeed never unlinks: every launch left 132 MB of RAM behind, and where /dev/shm
     has less room than that (Docker's default is 64 MB) a rank dies of SIGSEGV/SIGBUS."""
-    import deepspeed.ops
+    try:
+        import deepspeed.ops
+    except ImportError as error:
+        raise UsageError("--deepspeed needs DeepSpeed: pip install 'ultramem[deepspeed]'") from error
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
@@ -94,88 +95,9 @@ def parse_args(argv: list[str]) -> tuple[ModelArguments, DataArguments, UltraMem
     return model_args, data_args, training_args
 
 
-def check_block_size(block_size: int, config: PretrainedConfig) -> None:
-    limit = max_positions(config)
-    if block_size < 1 or (limit is not None and block_size > limit):
-        raise UsageError(
-            f"--block_size {block_size}: allowed range is 1..{limit} (the model's max_position_embeddings)"
-        )
-
-
-def check_ranges(data: DataArguments, args: UltraMemTrainingArguments) -> None:
-    """Values rejected only deep inside tokenizing or `train()` (after the model is built), checked first."""
-    if data.max_train_samples is not None and data.max_train_samples < 1:
-        raise UsageError(f"--max_train_samples {data.max_train_samples}: must be at least 1")
-    if data.max_eval_samples < 0:
-        raise UsageError(f"--max_eval_samples {data.max_eval_samples}: must be >= 0 (0: all validation blocks)")
-    if not args.learning_rate >= 0:
-        raise UsageError(f"--learning_rate {args.learning_rate}: must be >= 0")
-    for flag in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
-        if getattr(args, flag) < 1:
-            raise UsageError(f"--{flag} {getattr(args, flag)}: must be at least 1")
-
-
-def check_deepspeed(args: UltraMemTrainingArguments) -> None:
-    """Report DeepSpeed/Trainer contradictions and a missing launcher now, in one line, not after the model is built."""
-    ds_config = getattr(args, "hf_deepspeed_config", None)
-    if ds_config is None:
-        return
-    if ds_config.mismatches:
-        found = "; ".join(line.lstrip("- ") for line in ds_config.mismatches)
-        raise UsageError(f"--deepspeed {args.deepspeed} contradicts the Trainer arguments: {found}")
-    if "LOCAL_RANK" not in os.environ:  # without a launcher DeepSpeed falls back to MPI discovery (mpi4py)
-        raise UsageError(
-            f"--deepspeed {args.deepspeed}: needs a launcher, even for one process: "
-            "`deepspeed --num_gpus N --module ultramem.training ...` or "
-            "`accelerate launch --config_file ultramem/configs/accelerate/zero2.yaml -m ultramem.training ...`"
-        )
-
-
 def run(argv: list[str], callbacks: list[TrainerCallback] | None = None) -> dict[str, float]:
-    """Train and evaluate; returns the final evaluation metrics (with perplexity). `callbacks` go to the Trainer."""
-    model_args, data_args, training_args = parse_args(argv)
-    check_ranges(data_args, training_args)
-    config = build_config(model_args)
-    check_block_size(data_args.block_size, config)
-    check_engine_leaves_tables(training_args)
-    check_deepspeed(training_args)
-    tokenizer = load_tokenizer(model_max_length=max_positions(config) or data_args.block_size)
-    blocks = tokenize_and_pack(load_raw_datasets(data_args), tokenizer, data_args, training_args.main_process_first)
-
-    if training_args.should_log:
-        print(
-            f"ultramem-train: {len(blocks['train'])} training blocks; evaluating on {len(blocks['validation'])} "
-            f"validation blocks (--max_eval_samples {data_args.max_eval_samples}, 0: all)",
-            file=sys.stderr,
-        )
-    set_seed(training_args.seed)
-    model = build_model(model_args, config, defer_tables=training_args.memory_parallel != "none")
-    shard_value_tables(model, training_args, data_args.block_size, model_args.model_name_or_path)
-    diagnostics_count = min(training_args.diagnostics_batch_size, len(blocks["validation"]))
-    trainer = UltraMemTrainer(
-        model=model,
-        args=training_args,
-        train_dataset=blocks["train"],
-        eval_dataset=blocks["validation"],
-        processing_class=tokenizer,
-        data_collator=default_data_collator,
-        callbacks=[ShardingReport(), *(callbacks or [])],
-        diagnostics_input_ids=torch.tensor(blocks["validation"][:diagnostics_count]["input_ids"]),
-    )
-    resume = training_args.resume_from_checkpoint
-    if resume is not None and resume.lower() in ("true", "last"):
-        resume = True
-    train_result = trainer.train(resume_from_checkpoint=resume)
-    trainer.save_model()
-    trainer.log_metrics("train", train_result.metrics)
-    trainer.save_metrics("train", train_result.metrics)
-    trainer.save_state()
-
-    metrics = trainer.evaluate()
-    metrics["perplexity"] = math.exp(metrics["eval_loss"]) if metrics["eval_loss"] < 700 else float("inf")
-    trainer.log_metrics("eval", metrics)
-    trainer.save_metrics("eval", metrics)
-    return metrics
+    """`train()` on parsed command-line flags; returns the final evaluation metrics (with perplexity)."""
+    return train(*parse_args(argv), callbacks=callbacks).metrics
 
 
 def exit_distributed_rank() -> NoReturn:

@@ -12,6 +12,7 @@ from itertools import chain
 from pathlib import Path
 from typing import Any
 
+import torch
 from datasets import Dataset, DatasetDict, load_dataset
 from transformers import PreTrainedTokenizerBase
 
@@ -32,7 +33,9 @@ def embedded_corpus_files() -> dict[str, str]:
 def _builder_for(path: str, flag: str) -> str:
     suffixes = [s for s in Path(path).suffixes if s not in _COMPRESSION_SUFFIXES]
     if not suffixes or suffixes[-1] not in _BUILDERS:
-        raise UsageError(f"{flag} {path}: unsupported file type; allowed: {', '.join(sorted(_BUILDERS))} (optionally .xz/.gz)")
+        raise UsageError(
+            f"{flag} {path}: unsupported file type; allowed: {', '.join(sorted(_BUILDERS))} (optionally .xz/.gz)"
+        )
     return _BUILDERS[suffixes[-1]]
 
 
@@ -89,7 +92,9 @@ def load_raw_datasets(args: DataArguments) -> DatasetDict:
         try:
             loaded = load_dataset(args.dataset_name, args.dataset_config_name)
         except Exception as error:  # unreachable Hub, unknown name, bad config: report the first line
-            raise UsageError(f"--dataset_name {args.dataset_name}: could not be loaded: {_first_line(error)}") from error
+            raise UsageError(
+                f"--dataset_name {args.dataset_name}: could not be loaded: {_first_line(error)}"
+            ) from error
         raw = DatasetDict({name: loaded[name] for name in ("train", "validation") if name in loaded})
         if "train" not in raw:
             raise UsageError(f"--dataset_name {args.dataset_name}: has no 'train' split (splits: {', '.join(loaded)})")
@@ -171,5 +176,15 @@ def tokenize_and_pack(
     if args.max_train_samples is not None:
         packed["train"] = packed["train"].select(range(min(args.max_train_samples, len(packed["train"]))))
     if args.max_eval_samples:
-        packed["validation"] = packed["validation"].select(range(min(args.max_eval_samples, len(packed["validation"]))))
+        packed["validation"] = sample_blocks(packed["validation"], args.max_eval_samples, args.eval_sample_seed)
     return packed
+
+
+def sample_blocks(blocks: Dataset, count: int, seed: int) -> Dataset:
+    """`count` blocks drawn without replacement from all of `blocks` by a generator seeded with `seed`, in their
+    original order (all of them when there are no more). The first blocks of a validation file are one book's title
+    page and contents: evaluating on them alone read a loss of 11 for a model that scores 5.9 on the rest."""
+    if count >= len(blocks):
+        return blocks
+    chosen = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(seed))[:count]
+    return blocks.select(sorted(chosen.tolist()))

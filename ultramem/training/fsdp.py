@@ -1,7 +1,8 @@
 """FSDP2 on any device: Accelerate enables FSDP only for accelerator-backed process groups, so on CPU (gloo) an
 FSDP launch (`accelerate launch --config_file ultramem/configs/accelerate/fsdp2.yaml`, or torchrun with `--fsdp`)
 silently trains as plain DDP. `FSDPTrainer` turns that case into real FSDP2 sharding (PyTorch's `fully_shard`
-runs on gloo) and refuses FSDP1 there in one line; on GPUs Accelerate's own setup is left alone.
+runs on gloo) and refuses FSDP1 there in one line; on GPUs Accelerate's own setup is left alone. Its private
+Trainer overrides are in `ultramem.training.trainer_overrides`.
 """
 
 from __future__ import annotations
@@ -10,13 +11,11 @@ import os
 from typing import Any
 
 import torch
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-from torch.distributed.fsdp import FSDPModule
+from accelerate.utils import FullyShardedDataParallelPlugin
 from torch.distributed.tensor import DTensor
-from transformers import Trainer, TrainerCallback, TrainingArguments
-from transformers.trainer import TRAINING_ARGS_NAME
+from transformers import TrainerCallback, TrainingArguments
 
-from ultramem.training.errors import UsageError
+from ultramem.training.trainer_overrides import CPUFSDPOverrides
 
 FSDP2_CONFIG = "ultramem/configs/accelerate/fsdp2.yaml"
 
@@ -39,9 +38,11 @@ def _grads_placed_like_params(module: torch.nn.Module) -> None:
     for param in module.parameters():
         if isinstance(param, DTensor) and param.requires_grad:
             param.register_hook(
-                lambda grad, param=param: grad
-                if grad.placements == param.placements
-                else grad.redistribute(param.device_mesh, param.placements)
+                lambda grad, param=param: (
+                    grad
+                    if grad.placements == param.placements
+                    else grad.redistribute(param.device_mesh, param.placements)
+                )
             )
     module._ultramem_grad_placement_hooks = True
 
@@ -58,50 +59,26 @@ def _plain_aux_loss(module: torch.nn.Module, args: Any, output: Any) -> Any:
     return output
 
 
-class FSDPTrainer(Trainer):
-    """A `Trainer` that shards with FSDP2 on CPU process groups too, instead of silently running DDP."""
+def leave_presharded_to_their_owners(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin) -> frozenset[str]:
+    """Parameters that are DTensors before FSDP (the value tables of `--memory_parallel`) are sharded on a mesh of
+    their own and reduce their own gradients: `fully_shard` ignores them (Accelerate passes its plugin's
+    `ignored_modules` to every `fully_shard` call as `ignored_params`), and `save_model` leaves them to `_save`.
+    Returns their names."""
+    owners = [m for m in model.modules() if any(isinstance(p, DTensor) for p in m.parameters(recurse=False))]
+    if not owners:
+        return frozenset()
+    plugin.ignored_modules = [*(plugin.ignored_modules or []), *owners]
+    return frozenset(n for n, p in model.named_parameters() if isinstance(p, DTensor))
+
+
+class FSDPTrainer(CPUFSDPOverrides):
+    """A `Trainer` that shards with FSDP2 on CPU process groups too, instead of silently running DDP (its private
+    overrides: `ultramem.training.trainer_overrides.CPUFSDPOverrides`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.is_fsdp_enabled and hasattr(self.model, "get_value_table_names"):
             self.model.register_forward_hook(_plain_aux_loss)
-
-    def create_accelerator_and_postprocess(self) -> None:
-        version = None if torch.cuda.is_available() else requested_fsdp_version(self.args)
-        if version is not None and version != 2:
-            raise UsageError(
-                f"--fsdp: FSDP{version} does not shard on CPU process groups (it would run as DDP); allowed: "
-                f"fsdp_version 2 (the default of --fsdp, or accelerate launch --config_file {FSDP2_CONFIG})"
-            )
-        super().create_accelerator_and_postprocess()
-        state = self.accelerator.state
-        if version is not None and state.distributed_type == DistributedType.MULTI_CPU:
-            state.distributed_type = DistributedType.FSDP
-            state.fsdp_plugin = (
-                FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
-                if self.args.fsdp_plugin_args is not None
-                else FullyShardedDataParallelPlugin()  # reads the FSDP_* variables `accelerate launch` sets
-            )
-            self.is_fsdp_enabled = self._fsdp_on_cpu = True
-        if self.is_fsdp_enabled:
-            self._leave_presharded_to_their_owners(state.fsdp_plugin)
-
-    _fsdp_on_cpu = False
-    _presharded: frozenset[str] = frozenset()
-
-    def _leave_presharded_to_their_owners(self, plugin: FullyShardedDataParallelPlugin) -> None:
-        """Parameters that are DTensors before FSDP (the value tables of `--memory_parallel`) are sharded on a mesh of
-        their own and reduce their own gradients: `fully_shard` ignores them (Accelerate passes its plugin's
-        `ignored_modules` to every `fully_shard` call as `ignored_params`), and `save_model` leaves them to `_save`."""
-        owners = [m for m in self.model.modules() if any(isinstance(p, DTensor) for p in m.parameters(recurse=False))]
-        if owners:
-            plugin.ignored_modules = [*(plugin.ignored_modules or []), *owners]
-            self._presharded = frozenset(n for n, p in self.model.named_parameters() if isinstance(p, DTensor))
-
-    def _saves_itself(self) -> bool:
-        """On CPU Accelerate's FSDP save hands sharded DTensors to safetensors and copies FSDP's own source files as
-        "model code"; on any device its full state dict would gather each presharded value table whole."""
-        return self._fsdp_on_cpu or bool(self._presharded)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Gather what FSDP sharded (collective: every rank gathers, one tensor at a time to host memory) and `_save`
@@ -116,28 +93,13 @@ class FSDPTrainer(Trainer):
         self._save(output_dir or self.args.output_dir, state_dict=full)
         return None
 
-    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """`state_dict` (gathered by `save_model`) saved as the plain model class would save it."""
-        if not self._saves_itself():
-            return super()._save(output_dir, state_dict)
-        if not self.args.should_save:
-            return None
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        model = self.accelerator.unwrap_model(self.model)
-        model_cls = next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
-        with torch.device("meta"):
-            plain = model_cls(model.config)  # the same model unsharded, its tensors those of `state_dict`
-        plain.save_pretrained(output_dir, state_dict=state_dict)
-        if self.processing_class is not None:
-            self.processing_class.save_pretrained(output_dir)
-        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
-        return None
-
 
 class ShardingReport(TrainerCallback):
     """Logs, when training starts, how many parameters are sharded DTensors: what the launch really does."""
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None, **_: Any) -> None:
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None, **_: Any
+    ) -> None:
         if model is None or not state.is_world_process_zero:
             return
         params = dict(model.named_parameters())

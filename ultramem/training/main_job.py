@@ -10,7 +10,6 @@ UltraMem checkpoint (with tokenizer) and prints a sample generation from it.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import time
@@ -20,7 +19,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ultramem import presets, sizing
-from ultramem.training.cli import run
+from ultramem.training.arguments import DataArguments, ModelArguments, UltraMemTrainingArguments
+from ultramem.training.pipeline import train
 
 MODELS = ("tiny-ultramem", "tiny-dense")
 PROMPT = "It was a dark and stormy night, and"
@@ -55,21 +55,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def train_one(preset: str, args: argparse.Namespace) -> RunResult:
     output_dir = os.path.join(args.output_dir, preset)
-    argv = [
-        "--preset", preset, "--output_dir", output_dir,
-        "--max_steps", str(args.max_steps), "--per_device_train_batch_size", str(args.batch_size),
-        "--per_device_eval_batch_size", "16", "--block_size", str(args.block_size),
-        "--learning_rate", str(args.learning_rate), "--warmup_steps", "0.05", "--seed", str(args.seed),
-        "--max_eval_samples", str(args.eval_blocks), "--eval_strategy", "steps",
-        "--eval_steps", str(max(1, args.max_steps // 4)), "--logging_steps", str(max(1, args.max_steps // 12)),
-        "--save_strategy", "no", "--report_to", "none", "--diagnostics_batch_size", "2",
-    ]  # fmt: skip
+    training_args = UltraMemTrainingArguments(
+        output_dir=output_dir,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=16,
+        learning_rate=args.learning_rate,
+        warmup_steps=0.05,
+        seed=args.seed,
+        eval_strategy="steps",
+        eval_steps=max(1, args.max_steps // 4),
+        logging_steps=max(1, args.max_steps // 12),
+        save_strategy="no",
+        report_to="none",
+        diagnostics_batch_size=2,
+    )
+    data_args = DataArguments(block_size=args.block_size, max_eval_samples=args.eval_blocks)
     start = time.perf_counter()
-    metrics = run(argv)
+    result = train(ModelArguments(preset=preset), data_args, training_args)
     seconds = time.perf_counter() - start
-    with open(os.path.join(output_dir, "trainer_state.json"), encoding="utf-8") as handle:
-        history = json.load(handle)["log_history"]
-    return RunResult(preset, output_dir, float(metrics["eval_loss"]), seconds, history)
+    return RunResult(preset, output_dir, float(result.metrics["eval_loss"]), seconds, result.log_history)
 
 
 def comparison_table(results: list[RunResult]) -> str:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 import json
+import logging
 import os
 import re
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 from huggingface_hub.errors import StrictDataclassError
@@ -17,17 +20,46 @@ from ultramem.training.errors import UsageError
 from ultramem.training.fsdp import FSDP2_CONFIG, requested_fsdp_version
 
 
+def _split_top_level(text: str) -> list[str]:
+    """Split on the commas that are outside brackets, braces, parentheses and quotes."""
+    parts, depth, quote, start = [], 0, None, 0
+    for index, char in enumerate(text):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "\"'":
+            quote = char
+        elif char in "[{(":
+            depth += 1
+        elif char in "]})":
+            depth -= 1
+        elif char == "," and depth == 0:
+            parts.append(text[start:index])
+            start = index + 1
+    parts.append(text[start:])
+    return parts
+
+
+def _parse_value(text: str) -> Any:
+    """JSON (`true`, `[[0, 1]]`, `{"a": 1}`), else a Python literal (`True`, `{'a': 1}`), else the string itself."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return text
+
+
 def parse_overrides(text: str | None) -> dict[str, Any]:
-    """`"a=1,b=true,c=gelu"` -> `{"a": 1, "b": True, "c": "gelu"}` (values are JSON when they parse as JSON)."""
+    """`'a=1,b=true,c=gelu,d=[[0,1]]'` -> `{"a": 1, "b": True, "c": "gelu", "d": [[0, 1]]}`: pairs split on the commas
+    outside brackets and quotes, values parsed as JSON or Python literals (a plain word stays a string)."""
     overrides: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+    for item in filter(None, (part.strip() for part in _split_top_level(text or ""))):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise UsageError(f"--config_overrides '{item}': expected key=value")
-        try:
-            overrides[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[key.strip()] = value
+        overrides[key.strip()] = _parse_value(value.strip())
     return overrides
 
 
@@ -76,8 +108,10 @@ def build_config(args: ModelArguments) -> PretrainedConfig:
         if args.model_name_or_path is not None:
             config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=True)
             _check_override_keys(config, overrides)
-            config.update(overrides)
-            return config
+            if not overrides:
+                return config
+            # rebuilt, not updated in place: construction checks the fields as --preset's overrides are checked
+            return type(config).from_dict({**config.to_dict(), **overrides})
         if args.preset is not None:
             from ultramem import presets
 
@@ -163,6 +197,22 @@ def shard_value_tables(
     _ = args.device  # sets up the launcher's process group
     tokens = args.per_device_train_batch_size * block_size
     try:
-        apply_memory_parallel(model, args.memory_parallel, args.memory_parallel_size, tokens, checkpoint)
+        with _quiet_unless(
+            args.should_log, "ultramem.parallel"
+        ):  # its plan (predicted volumes): one line, not per rank
+            apply_memory_parallel(model, args.memory_parallel, args.memory_parallel_size, tokens, checkpoint)
     except ValueError as error:
         raise UsageError(f"--memory_parallel {args.memory_parallel}: {error}") from error
+
+
+@contextmanager
+def _quiet_unless(loud: bool, logger_name: str) -> Iterator[None]:
+    """Raise the level of `logger_name` to ERROR unless `loud` (e.g. on every rank but the main one)."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    if not loud:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

@@ -1,6 +1,8 @@
 """`Trainer` with the UltraMem recipe: a value-table parameter group, split loss logging, memory diagnostics.
 
-Checkpoints are atomic (`ultramem.training.checkpointing`).
+Built on the Trainer's public methods (`create_optimizer`, `create_scheduler`, `compute_loss`, `log`) and
+`TrainerCallback` events; the private methods it still overrides (atomic checkpoints, FSDP2 on CPU, sharded value
+tables) are all in `ultramem.training.trainer_overrides`, each with the test that pins it.
 """
 
 from __future__ import annotations
@@ -10,11 +12,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import TrainerCallback
 
-from ultramem.training.checkpointing import AtomicCheckpointTrainer
 from ultramem.training.deepspeed_tables import TablesBesideEngine, hide_tables
 from ultramem.training.fsdp import FSDPTrainer
 from ultramem.training.schedule import VALUE_GROUP, value_lr_multiplier, with_value_multiplier
+from ultramem.training.trainer_overrides import AtomicCheckpointTrainer, ShardedTableOverrides
 
 
 def value_table_names(model: nn.Module) -> set[str]:
@@ -23,7 +26,34 @@ def value_table_names(model: nn.Module) -> set[str]:
     return set(getter()) if getter is not None else set()
 
 
-class UltraMemTrainer(AtomicCheckpointTrainer, FSDPTrainer):
+class _RecipeEvents(TrainerCallback):
+    """The Trainer events the recipe follows: the value group's LR of each optimizer step (read before the scheduler
+    moves on, as the Trainer reads its own), the steps since the last log, and the DeepSpeed engine (once it exists)
+    that the value tables kept out of it must follow."""
+
+    def __init__(self, trainer: UltraMemTrainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer._steps_since_log = 0
+        if self.trainer._tables_beside is not None:
+            self.trainer._tables_beside.attach(self.trainer.model_wrapped)
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self.trainer
+        if trainer._tables_beside is not None:
+            trainer._last_value_lr = trainer._tables_beside.last_lr
+        else:
+            groups = trainer.optimizer.param_groups
+            trainer._last_value_lr = next(
+                (float(g["lr"]) for g in groups if g.get("ultramem_group") == VALUE_GROUP), None
+            )
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer._steps_since_log += 1
+
+
+class UltraMemTrainer(ShardedTableOverrides, AtomicCheckpointTrainer, FSDPTrainer):
     """Trains any causal LM; for UltraMem it adds the value-LR group, aux/LM loss logs and memory diagnostics.
 
     `diagnostics_input_ids` is a fixed batch of validation tokens on which `retrieval_diagnostics` runs at
@@ -37,6 +67,7 @@ class UltraMemTrainer(AtomicCheckpointTrainer, FSDPTrainer):
         self._steps_since_log = 0
         self._last_value_lr: float | None = None
         self._tables_beside: TablesBesideEngine | None = None  # sharded tables under DeepSpeed (kept out of it)
+        self.add_callback(_RecipeEvents(self))
 
     # ---- optimizer and schedule -------------------------------------------------------------------------------
     def _value_lr_settings(self) -> tuple[float, bool]:
@@ -84,26 +115,6 @@ class UltraMemTrainer(AtomicCheckpointTrainer, FSDPTrainer):
             self._created_lr_scheduler = True
         return self.lr_scheduler
 
-    def _get_learning_rate(self) -> float:
-        """The Trainer reads the LR of the step just taken here; remember the value group's LR of that step too."""
-        if self._tables_beside is not None:
-            self._last_value_lr = self._tables_beside.last_lr
-        else:
-            groups = self.optimizer.param_groups
-            self._last_value_lr = next((float(g["lr"]) for g in groups if g.get("ultramem_group") == VALUE_GROUP), None)
-        return super()._get_learning_rate()
-
-    def _tables_optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer that steps the value tables: the Trainer's, or their own beside a DeepSpeed engine."""
-        return self.optimizer if self._tables_beside is None else self._tables_beside.optimizer
-
-    def _prepare_for_training(self, *args: Any, **kwargs: Any) -> Any:
-        """Once DeepSpeed's engine exists, the tables kept out of it join its gradient norm and follow its steps."""
-        prepared = super()._prepare_for_training(*args, **kwargs)
-        if self._tables_beside is not None:
-            self._tables_beside.attach(self.model_wrapped)
-        return prepared
-
     # ---- logging ------------------------------------------------------------------------------------------------
     def compute_loss(
         self,
@@ -147,6 +158,7 @@ class UltraMemTrainer(AtomicCheckpointTrainer, FSDPTrainer):
             for name, total in self._loss_sums.items():
                 extras[name] = self.accelerator.reduce(total / self._steps_since_log, reduction="mean").item()
             self._loss_sums.clear()
+        self._steps_since_log = 0
         if self._last_value_lr is not None:
             start, decay = self._value_lr_settings()
             step_taken = self.state.global_step - 1
@@ -166,62 +178,7 @@ class UltraMemTrainer(AtomicCheckpointTrainer, FSDPTrainer):
         stats = retrieval_diagnostics(self.model, self.diagnostics_input_ids.to(self.args.device))  # eval, no_grad
         return {f"memory/{name}": float(value) for name, value in stats.items()}
 
-    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
-        self._steps_since_log = self.state.global_step - self._globalstep_last_logged
-        super()._maybe_log_save_evaluate(*args, **kwargs)
-
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self.model.training:
             logs.update(self._training_log_extras())
         super().log(logs, start_time)
-
-    # Sharded value tables (--memory_parallel): their shards and optimizer state live in DCP checkpoints.
-    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """With sharded value tables, `save_pretrained` writes the rest (`state_dict` when the engine gathered it)
-        and every rank streams its shards in."""
-        from ultramem.parallel.checkpoint import save_value_tables, sharded_tables
-
-        tables = sharded_tables(self.model)
-        if not tables:
-            return super()._save(output_dir, state_dict)
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        state = self.model.state_dict() if state_dict is None else state_dict
-        dense = {name: tensor for name, tensor in state.items() if name not in tables}
-        super()._save(output_dir, state_dict=dense)
-        save_value_tables(self.model, output_dir, self.args.should_save)
-
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """With sharded value tables, their weights and optimizer state go to a DCP checkpoint of their own."""
-        from ultramem.parallel.checkpoint import sharded_tables
-        from ultramem.parallel.resume import save_table_states, tables_left_out_of
-
-        if not sharded_tables(self.model):
-            return super()._save_optimizer_and_scheduler(output_dir)
-        with tables_left_out_of(self.optimizer, self.model):
-            super()._save_optimizer_and_scheduler(output_dir)
-        save_table_states(self.model, self._tables_optimizer(), output_dir)
-        if self._tables_beside is not None and self.args.should_save:
-            self._tables_beside.save_schedule(output_dir)
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        from ultramem.parallel.checkpoint import sharded_tables
-        from ultramem.parallel.resume import has_table_states, load_dense_weights
-        from ultramem.training.errors import UsageError
-
-        if not sharded_tables(self.model):
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        if not has_table_states(resume_from_checkpoint):
-            raise UsageError(
-                f"--resume_from_checkpoint {resume_from_checkpoint} was written without --memory_parallel (no "
-                "value_tables/); resume it with --memory_parallel none"
-            )
-        load_dense_weights(self.model, resume_from_checkpoint)  # the tables come with their optimizer state
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        from ultramem.parallel.resume import has_table_states, load_table_states
-
-        super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is not None and has_table_states(checkpoint):
-            load_table_states(self.model, self._tables_optimizer(), checkpoint)
-            if self._tables_beside is not None:  # under DeepSpeed, which loaded the rest of the model above
-                self._tables_beside.load_schedule(checkpoint)
