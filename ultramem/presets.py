@@ -131,8 +131,12 @@ def _skip_layers(num_layers: int, span: int) -> list[list[int]]:
     return [[2 + i * (span + 1), 2 + i * (span + 1) + span] for i in range(num_layers)]
 
 
-TINY_CONTEXT = 512
-SMALL_CONTEXT = 1024
+# Context of the tiny and small presets. Rotary positions have no weights, so the context is free: it changes no
+# weight, loss or FLOP, only the longest sequence the model accepts. 2048 (lm-eval's default length) leaves room for
+# every benchmark of the `ultramem_paper` group to generate its whole budget (BBH CoT: 1024 new tokens; lm-eval
+# needs context > budget), so the README's evaluation commands run on the main job's checkpoint.
+TINY_CONTEXT = 2048
+SMALL_CONTEXT = 2048
 
 # name -> (kind, config kwargs)
 _PRESETS: dict[str, tuple[str, dict[str, Any]]] = {

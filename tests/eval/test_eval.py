@@ -6,8 +6,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,9 +33,9 @@ def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(key, value)
 
 
-def _save_checkpoint(folder: Path, preset: str) -> Path:
+def _save_checkpoint(folder: Path, preset: str, **overrides) -> Path:
     torch.manual_seed(0)
-    build_model(get_config(preset)).save_pretrained(folder)
+    build_model(get_config(preset, **overrides)).save_pretrained(folder)
     load_tokenizer().save_pretrained(folder)
     return folder
 
@@ -41,6 +43,12 @@ def _save_checkpoint(folder: Path, preset: str) -> Path:
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _save_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-ultramem", "tiny-ultramem")
+
+
+@pytest.fixture(scope="session")
+def short_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-ultramem with the 512 positions the tiny presets had: BBH CoT's 1024-token budget does not fit."""
+    return _save_checkpoint(tmp_path_factory.mktemp("ckpt") / "short", "tiny-ultramem", max_position_embeddings=512)
 
 
 # --- the task group ------------------------------------------------------------------------------------------
@@ -242,10 +250,10 @@ def test_ultramem_eval_reports_missing_benchmarks_and_compares_checkpoints(
     ("argv", "message"),
     [
         (["--tasks", "mmlu,nonesuch"], "unknown task 'nonesuch'; allowed: ultramem_paper"),
-        (["--limit", "0"], "--limit must be > 0"),
+        (["--limit", "0"], "--limit 0: give a whole count of documents (>= 1) or a fraction in (0, 1)"),
+        (["--limit", "1.5"], "--limit 1.5: give a whole count of documents (>= 1) or a fraction in (0, 1)"),
         (["--data-dir", "/nonexistent/eval"], "--data-dir /nonexistent/eval: not a folder"),
-        # BBH CoT's 1024-token answers do not fit tiny-ultramem's 512 positions: refused before anything runs
-        (["--tasks", "bbh", "--data-dir", str(FIXTURES)], "may generate 1024; pass --max-gen-toks N with 1 <= N < 512"),
+        (["--device", "gpu0"], "--device gpu0: not a torch device"),
     ],
 )
 def test_ultramem_eval_rejects_bad_input(
@@ -255,6 +263,125 @@ def test_ultramem_eval_rejects_bad_input(
         eval_main(["--model", str(tiny_checkpoint), *argv])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def _refused_before_any_benchmark(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The one error line of an ultramem-eval run that must stop before it loads any benchmark data."""
+    with pytest.raises(SystemExit) as exit_info:
+        eval_main([*argv, "--tasks", "arc_challenge", "--data-dir", str(FIXTURES), "--limit", "1"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert "loading benchmark data" not in err and "Traceback" not in err  # nothing ran
+    (line,) = err.splitlines()
+    assert line.startswith("ultramem-eval: error: ")
+    return line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_ultramem_eval_refuses_cuda_without_cuda(tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = _refused_before_any_benchmark(["--model", str(tiny_checkpoint), "--device", "cuda"], capsys)
+    assert "--device cuda: no cuda device on this machine" in line and "use --device cpu" in line
+
+
+def test_ultramem_eval_refuses_an_output_that_is_a_file(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    taken = tmp_path / "results"
+    taken.write_text("not a folder")
+    line = _refused_before_any_benchmark(["--model", str(tiny_checkpoint), "--output", str(taken)], capsys)
+    assert f"--output {taken}: is a file, not a folder" in line
+    assert taken.read_text() == "not a folder"
+
+
+def test_ultramem_eval_checks_every_checkpoint_config_before_scoring(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A field out of range in the second checkpoint's config.json: one line naming folder and field, nothing ran."""
+    bad = tmp_path / "bad-config"
+    shutil.copytree(tiny_checkpoint, bad)
+    config = json.loads((bad / "config.json").read_text(encoding="utf-8"))
+    (bad / "config.json").write_text(json.dumps({**config, "memory_topk": -1}), encoding="utf-8")
+    out = tmp_path / "out"
+    line = _refused_before_any_benchmark(["--model", str(tiny_checkpoint), str(bad), "--output", str(out)], capsys)
+    assert f"--model {bad}: config.json: " in line and "memory_topk" in line and "-1" in line
+    assert not out.exists()
+
+
+def test_ultramem_eval_names_a_truncated_safetensors_file_before_scoring(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An interrupted copy: the second checkpoint's weights lose their last bytes. The file is named up front (it
+    used to be a SafetensorError traceback after the first checkpoint's scores were computed, and lost)."""
+    cut = tmp_path / "truncated"
+    shutil.copytree(tiny_checkpoint, cut)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    line = _refused_before_any_benchmark(["--model", str(tiny_checkpoint), str(cut)], capsys)
+    assert f"--model {cut}: model.safetensors is not a complete safetensors file" in line
+    assert "file not fully covered" in line and "truncated" in line
+
+
+def test_a_short_context_is_refused_before_anything_runs(
+    short_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """BBH CoT's 1024-token answers do not fit 512 positions: refused before anything runs, naming the fix."""
+    with pytest.raises(SystemExit) as exit_info:
+        eval_main(["--model", str(short_checkpoint), "--tasks", "bbh", "--data-dir", str(FIXTURES)])
+    assert exit_info.value.code == 2
+    assert "may generate 1024; pass --max-gen-toks N with 1 <= N < 512" in capsys.readouterr().err
+
+
+def test_tiny_presets_fit_every_benchmarks_generation_budget() -> None:
+    """The README's main job trains tiny presets: their context leaves room for every generation task of the group,
+    as lm-eval's HF model requires (max_gen_toks < max_length), so the all-ten commands run on its checkpoint."""
+    from lm_eval.models.utils import normalize_gen_kwargs
+    from lm_eval.tasks import TaskManager
+
+    from ultramem.presets import PRESETS
+
+    tasks = TaskManager(include_path=tasks_path(), metadata={"data_dir": str(FIXTURES)}).load(
+        ["ultramem_paper_offline"]
+    )["tasks"]
+    budgets = {
+        name: normalize_gen_kwargs(dict(task.config.generation_kwargs or {}), 256)["max_gen_toks"]
+        for name, task in tasks.items()
+        if task.OUTPUT_TYPE == "generate_until"
+    }
+    assert max(budgets.values()) == 1024 and any(name.startswith("bbh_cot_fewshot") for name in budgets)
+    for preset in (p for p in PRESETS if p.startswith(("tiny-", "small-"))):
+        assert get_config(preset).max_position_embeddings > max(budgets.values()), preset
+
+
+def test_results_are_written_after_each_checkpoint(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """Interrupted while scoring the second checkpoint, the run keeps the first one's results (JSON, table and
+    chart, as for one checkpoint), with the settings that say how it ran (they used to be written at the end)."""
+    dense = _save_checkpoint(tmp_path / "tiny-dense", "tiny-dense")
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "ultramem.eval.cli", "--model", str(tiny_checkpoint), str(dense),
+               "--tasks", "arc_challenge", "--data-dir", str(FIXTURES), "--limit", "2", "--output", str(out),
+               "--batch-size", "2"]  # fmt: skip
+    run = subprocess.Popen(command, env={**os.environ, **OFFLINE_ENV}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    results = out / "results.json"
+    try:
+        deadline = time.monotonic() + 600
+        while not results.exists() and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        still_running = run.poll() is None
+        run.send_signal(signal.SIGINT)
+        run.communicate(timeout=120)
+    finally:
+        run.kill()
+    assert still_running, "results.json appeared only when the run had ended"
+    payload = json.loads(results.read_text(encoding="utf-8"))
+    (model,) = payload["models"]
+    assert model["name"] == "tiny-ultramem" and set(model["scores"]) == {"arc_challenge"}
+    assert model["fingerprint"].startswith("sha256:")
+    settings = payload["settings"]
+    assert {k: settings[k] for k in ("dtype", "memory_offload", "batch_size", "device", "limit")} == {
+        "dtype": "float32", "memory_offload": None, "batch_size": 2, "device": "cpu", "limit": 2,
+    }  # fmt: skip
+    assert "| tiny-ultramem |" in (out / "results.md").read_text(encoding="utf-8")
+    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # one checkpoint gets its chart too
 
 
 def test_ultramem_eval_needs_a_checkpoint_folder_with_config(
@@ -288,4 +415,7 @@ def test_lm_eval_cli_runs_one_benchmark_from_local_copies(tiny_checkpoint: Path,
     (results_file,) = tmp_path.rglob("results_*.json")
     output = json.loads(results_file.read_text(encoding="utf-8"))
     assert 0.0 <= output["results"]["arc_challenge"]["acc_norm,none"] <= 1.0
-    assert output["n-shot"]["arc_challenge"] == 25 and set(output["results"]) == {"arc_challenge", "ultramem_arc_challenge_offline"}
+    assert output["n-shot"]["arc_challenge"] == 25 and set(output["results"]) == {
+        "arc_challenge",
+        "ultramem_arc_challenge_offline",
+    }

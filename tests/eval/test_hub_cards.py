@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -84,7 +85,11 @@ def test_card_without_results_has_metadata_size_and_usage_but_no_scores(checkpoi
 
 def test_card_with_results_and_trainer_state(trained: Path) -> None:
     text = render_card(
-        trained, REPO, result=_result(trained), settings={"data_dir": "hub", "lm_eval": "0.4.13"}, datasets=["gutenberg"]
+        trained,
+        REPO,
+        result=_result(trained),
+        settings={"data_dir": "hub", "lm_eval": "0.4.13"},
+        datasets=["gutenberg"],
     )
     card = ModelCard(text)
     assert card.data.datasets == ["gutenberg"]
@@ -294,3 +299,108 @@ def test_card_follows_the_checkpoints_head_and_its_usage_runs(
     assert f'{auto_class}.from_pretrained("{REPO}", trust_remote_code=True)' in text
     exec(_usage_code(text).replace(REPO, str(folder)), {})  # the example, as a user would paste it
     assert capsys.readouterr().out.endswith("\n")  # printed its answer (an untrained QA head may pick an empty span)
+
+
+# --- which scores a card may show, which checkpoints get a card, previews --------------------------------------
+
+
+@pytest.fixture(scope="session")
+def dense_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("push") / "tiny-dense"
+    torch.manual_seed(0)
+    build_model(get_config("tiny-dense")).save_pretrained(folder)
+    load_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def _scored(folder: Path) -> ModelResult:
+    """An entry as ultramem-eval writes it: the folder's path and the fingerprint of its files."""
+    from ultramem.eval.checkpoint import fingerprint
+
+    return replace(_result(folder), name=folder.name, fingerprint=fingerprint(folder))
+
+
+def _push_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    capsys.readouterr()  # what came before (progress bars of saving)
+    with pytest.raises(SystemExit) as exit_info:
+        push_main(argv)
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("ultramem-push: error: ")
+    return line
+
+
+def test_push_refuses_the_only_entry_when_it_scored_another_checkpoint(
+    checkpoint: Path,
+    dense_checkpoint: Path,
+    tmp_path: Path,
+    recorder: _CommitRecorder,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """ultramem-eval of tiny-dense, then ultramem-push of tiny-ultramem with that JSON: refused in one line (the card
+    used to show tiny-dense's size, loss and scores under tiny-ultramem's name)."""
+    results_json = tmp_path / "results.json"
+    write_results(results_json, [_scored(dense_checkpoint)], {"limit": None})
+    argv = [str(checkpoint), "--repo-id", REPO, "--results", str(results_json), "--token", "hf_test"]
+    line = _push_error(argv, capsys)
+    assert f"no entry scored this checkpoint {checkpoint}" in line and "tiny-dense" in line
+    assert recorder.calls == []
+
+
+def test_push_matches_the_entry_by_content_not_by_folder(
+    checkpoint: Path, tmp_path: Path, recorder: _CommitRecorder, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Scored, then moved: the fingerprint still matches. Scored, then changed in place: refused."""
+    scored = tmp_path / "scored" / "tiny-ultramem"
+    shutil.copytree(checkpoint, scored)
+    results_json = tmp_path / "results.json"
+    write_results(results_json, [_scored(scored)], {"limit": None})
+    moved = tmp_path / "moved" / "tiny-ultramem"
+    shutil.copytree(scored, moved)
+    assert push_main([str(moved), "--repo-id", REPO, "--results", str(results_json), "--token", "hf_test"]) == 0
+    (call,) = recorder.calls
+    card = {op.path_in_repo: op for op in call["operations"]}["README.md"].path_or_fileobj.decode("utf-8")
+    assert "## Evaluation" in card and "model-index" in card
+    capsys.readouterr()
+
+    config = json.loads((scored / "config.json").read_text(encoding="utf-8"))
+    (scored / "config.json").write_text(json.dumps({**config, "aux_loss_alpha": 0.5}), encoding="utf-8")
+    line = _push_error([str(scored), "--repo-id", REPO, "--results", str(results_json), "--token", "hf_test"], capsys)
+    assert "scored other files (config or weights changed since)" in line and len(recorder.calls) == 1
+
+
+def test_push_refuses_a_checkpoint_that_is_not_ultramem(
+    tmp_path: Path, recorder: _CommitRecorder, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plain Llama would get a card claiming ultramem built it, with remote-code instructions for code it lacks."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path / "llama"
+    config = LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(folder)
+    load_tokenizer().save_pretrained(folder)
+    line = _push_error([str(folder), "--repo-id", REPO, "--token", "hf_test"], capsys)
+    assert f"checkpoint {folder}: model_type 'llama' is not an UltraMem checkpoint" in line
+    assert recorder.calls == [] and not (folder / "README.md").exists()
+
+
+def test_cards_tokenizer_line_trusts_the_remote_code(checkpoint: Path) -> None:
+    """Without trust_remote_code, AutoTokenizer prompts [y/N] where ultramem is not installed."""
+    assert f'AutoTokenizer.from_pretrained("{REPO}", trust_remote_code=True)' in render_card(checkpoint, REPO)
+
+
+def test_dry_run_prints_the_card_and_touches_nothing(
+    checkpoint: Path, tmp_path: Path, recorder: _CommitRecorder, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, folder)
+    (folder / "README.md").write_text("my notes", encoding="utf-8")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    results_json = tmp_path / "results.json"
+    write_results(results_json, [_scored(folder)], {"limit": None})
+    assert push_main([str(folder), "--repo-id", REPO, "--results", str(results_json), "--dry-run"]) == 0  # no token
+    out, err = capsys.readouterr()
+    assert out.rstrip("\n") == render_card(folder, REPO, result=_scored(folder), settings={"limit": None}).rstrip("\n")
+    assert err.startswith(f"ultramem-push: dry run, nothing sent: {REPO} would get ") and "model.safetensors" in err
+    assert recorder.calls == [] and {p.name: p.read_bytes() for p in folder.iterdir()} == before

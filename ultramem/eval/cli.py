@@ -2,15 +2,18 @@
 
     ultramem-eval --model CKPT [CKPT ...] --tasks ultramem_paper [--data-dir DIR] [--limit N] [--output DIR]
 
-Writes `results.json`, `results.md` (the paper's table layout) and, for several checkpoints, `results.png`.
-Benchmarks whose data cannot be read are reported by name and left out of the run, never dropped silently.
+Writes `results.json`, `results.md` (the paper's table layout) and `results.png` (a bar chart), rewritten after each
+checkpoint is scored, so a run that stops keeps the scores it finished. Every input is checked before the first
+benchmark runs: the options, the output folder, and each checkpoint (config fields in range, tokenizer, whole
+safetensors files, a context that fits the benchmarks' generation budgets). Benchmarks whose data cannot be read are
+reported by name and left out of the run, never dropped silently.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,8 @@ from ultramem.eval import tasks_path
 from ultramem.eval.benchmarks import Benchmark, select, task_name
 from ultramem.eval.checkpoint import (
     CheckpointError,
+    check_weights,
+    fingerprint,
     load_config,
     parameter_counts,
     require_checkpoint,
@@ -36,6 +41,7 @@ from ultramem.eval.report import (
     write_results,
 )
 
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ultramem-eval", description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -47,8 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--data-dir", type=Path, help="local benchmark copies (layout: ultramem/eval/local_data.py); default: the Hub"
     )
-    parser.add_argument("--output", type=Path, default=Path("eval_results"), help="folder for results.json/.md/.png")
-    parser.add_argument("--limit", type=float, help="documents per task: a count (>= 1) or a fraction in (0, 1)")
+    parser.add_argument(
+        "--output", type=Path, default=Path("eval_results"), help="folder for results.json/.md/.png (created)"
+    )
+    parser.add_argument("--limit", type=float, help="documents per task: a whole count (>= 1) or a fraction in (0, 1)")
     parser.add_argument("--max-gen-toks", type=int, help="cap on generated tokens per answer (BBH CoT allows 1024)")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
@@ -62,14 +70,56 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    if args.limit is not None and args.limit <= 0:
-        raise ValueError(f"--limit must be > 0 (a count >= 1 or a fraction in (0, 1)), got {args.limit}")
+    if args.limit is not None and not (0 < args.limit < 1 or (args.limit >= 1 and args.limit.is_integer())):
+        raise ValueError(f"--limit {args.limit:g}: give a whole count of documents (>= 1) or a fraction in (0, 1)")
+    if args.limit is not None and args.limit >= 1:
+        args.limit = int(args.limit)  # lm-eval reads a float >= 1 as a count too; the settings show the count
     if args.max_gen_toks is not None and args.max_gen_toks < 1:
         raise ValueError(f"--max-gen-toks must be >= 1, got {args.max_gen_toks}")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.data_dir is not None and not args.data_dir.is_dir():
         raise ValueError(f"--data-dir {args.data_dir}: not a folder")
+    _check_device(args.device)
+
+
+def _check_device(name: str) -> None:
+    """The device exists on this machine (lm-eval would find out after loading every benchmark's data)."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as err:
+        raise ValueError(f"--device {name}: not a torch device ({err}); e.g. cpu, cuda, cuda:0") from err
+    if device.type == "cpu":
+        return
+    module = getattr(torch, device.type, None)
+    available = module is not None and hasattr(module, "is_available") and module.is_available()
+    if not available:
+        raise ValueError(
+            f"--device {name}: no {device.type} device on this machine (torch {torch.__version__}); use --device cpu"
+        )
+    count = module.device_count() if hasattr(module, "device_count") else 1
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"--device {name}: this machine has {count} {device.type} device(s) (0..{count - 1})")
+
+
+def _check_output(folder: Path) -> None:
+    """The output folder can be created (or is one) before anything is scored."""
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--output {folder}: is a file, not a folder; name a folder for results.json/.md/.png")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--output {folder}: cannot create the folder ({err.strerror or err})") from err
+
+
+def check_checkpoint(path: Path) -> Path:
+    """Everything about a checkpoint folder that would otherwise fail after other checkpoints were scored."""
+    folder = require_tokenizer(require_checkpoint(path))
+    load_config(folder)
+    check_weights(folder)
+    return folder
 
 
 def _available(task_manager: Any, groups: dict[str, str], offline: bool) -> tuple[dict[str, dict], dict[str, str]]:
@@ -118,13 +168,19 @@ def _size(checkpoint: Path) -> tuple[float | None, float | None]:
     return (counts["total"] / 1e9, counts["flops_per_token"] / 1e9) if counts else (None, None)
 
 
-def evaluate(checkpoints: list[Path], benchmarks: list[Benchmark], args: argparse.Namespace) -> list[ModelResult]:
-    """Run lm-eval once per checkpoint on the benchmarks whose data is available."""
+def evaluate(
+    checkpoints: list[Path],
+    benchmarks: list[Benchmark],
+    args: argparse.Namespace,
+    on_result: Callable[[list[ModelResult]], None] | None = None,
+) -> list[ModelResult]:
+    """Run lm-eval once per checkpoint on the benchmarks whose data is available; `on_result` gets the results so far
+    after each checkpoint."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     offline = args.data_dir is not None
-    results = []
+    results: list[ModelResult] = []
     groups = {bench.key: task_name(bench, offline) for bench in benchmarks}  # each can fail alone
     metadata = {"data_dir": str(args.data_dir.resolve())} if offline else None
     task_manager = TaskManager(include_path=tasks_path(), metadata=metadata)
@@ -135,6 +191,7 @@ def evaluate(checkpoints: list[Path], benchmarks: list[Benchmark], args: argpars
         raise LocalDataMissing("no benchmark data could be read: " + "; ".join(missing.values()))
     _check_generation_fits(checkpoints, ready, args.max_gen_toks)
     for checkpoint in tqdm(checkpoints, desc="checkpoints", unit="model"):
+        identity = fingerprint(checkpoint)  # of the files scored, for ultramem-push to match the entry
         output = simple_evaluate(
             model="hf",
             model_args={
@@ -162,9 +219,39 @@ def evaluate(checkpoints: list[Path], benchmarks: list[Benchmark], args: argpars
                 missing=dict(missing),
                 lm_eval=lm_eval_part,
                 val_loss=validation_loss(checkpoint),
+                fingerprint=identity,
             )
         )
+        if on_result is not None:
+            on_result(results)
     return results
+
+
+def run_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """What a reader needs to compare the scores: data, caps, and how the model ran (dtype, offload, batch, device)."""
+    from importlib.metadata import version
+
+    return {
+        "tasks": args.tasks,
+        "data_dir": str(args.data_dir) if args.data_dir else "hub",
+        "limit": args.limit,
+        "max_gen_toks": args.max_gen_toks,
+        "dtype": args.dtype,
+        "memory_offload": args.memory_offload,
+        "batch_size": args.batch_size,
+        "device": args.device,
+        "lm_eval": version("lm_eval"),
+    }
+
+
+def write_outputs(folder: Path, results: list[ModelResult], settings: dict[str, Any]) -> str:
+    """results.md, results.png and results.json (last: its presence means all three are current) of the checkpoints
+    scored so far; returns the table."""
+    table = markdown_table(results, run_notes(settings))
+    (folder / "results.md").write_text(table, encoding="utf-8")
+    bar_chart(results, folder / "results.png")
+    write_results(folder / "results.json", results, settings)
+    return table
 
 
 def _require_lm_eval() -> None:
@@ -181,29 +268,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_args(args)
         _require_lm_eval()
         benchmarks = select(args.tasks)
-        checkpoints = [require_tokenizer(require_checkpoint(path)) for path in args.model]
+        checkpoints = [check_checkpoint(path) for path in args.model]
+        _check_output(args.output)
     except ValueError as err:  # includes CheckpointError
         parser.exit(2, f"ultramem-eval: error: {err}\n")
+    settings = run_settings(args)
     try:
-        results = evaluate(checkpoints, benchmarks, args)
+        results = evaluate(checkpoints, benchmarks, args, lambda done: write_outputs(args.output, done, settings))
     except (LocalDataMissing, CheckpointError) as err:
         parser.exit(2, f"ultramem-eval: error: {err}\n")
-    from importlib.metadata import version
-
-    args.output.mkdir(parents=True, exist_ok=True)
-    settings = {
-        "tasks": args.tasks,
-        "data_dir": str(args.data_dir) if args.data_dir else "hub",
-        "limit": args.limit,
-        "max_gen_toks": args.max_gen_toks,
-        "lm_eval": version("lm_eval"),
-    }
-    write_results(args.output / "results.json", results, settings)
-    table = markdown_table(results, run_notes(settings))
-    (args.output / "results.md").write_text(table, encoding="utf-8")
-    if len(results) > 1:
-        bar_chart(results, args.output / "results.png")
-    print(table)
+    print(markdown_table(results, run_notes(settings)))
+    print(f"results: {args.output / 'results.json'}, {args.output / 'results.md'}, {args.output / 'results.png'}")
     return 0
 
 

@@ -6,6 +6,11 @@ on zero documents, and a group's member list is fixed in its YAML. So the group'
 from this module, and importing it (lm-eval resolves that `!function` before building the members) makes
 `TaskFactory` build the members of `ultramem_paper` one at a time, leaving out those whose local files are missing.
 Other groups, and the online `ultramem_paper` (which never raises `LocalDataMissing`), are built as before.
+
+Importing it also checks, when lm-eval starts evaluating, that the model's context leaves room for every generation
+task's token budget (after any `--gen_kwargs`): lm-eval asserts it only at the first generation request, after the
+log-likelihood tasks ran for minutes, and the whole run is lost (BBH CoT allows 1024 new tokens). A budget that does
+not fit is one line, before any request runs, naming the task and the `--gen_kwargs max_gen_toks=N` that fits.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import lm_eval.evaluator
 from lm_eval.tasks._factory import TaskFactory
 
 from ultramem.eval.benchmarks import GROUP
@@ -46,5 +52,57 @@ def _build_present_members(
 
 
 TaskFactory._build_group_members = _build_present_members
+
+
+class GenerationBudgetError(ValueError):
+    """A generation task may generate as many tokens as the model's context holds, or more."""
+
+
+def generation_budget_problem(lm: Any, task_dict: Any) -> str | None:
+    """Why lm-eval's HF model would stop at a generation task of `task_dict`, or None (also for models without a
+    known context). The largest budget of the generation tasks (their `max_gen_toks`, lm's default where unset) must
+    be below the model's maximum length, as `HFLM.generate_until` asserts."""
+    from lm_eval.models.utils import normalize_gen_kwargs
+
+    try:
+        context, default = int(lm.max_length), int(lm.max_gen_toks)
+    except (AttributeError, TypeError, ValueError, NotImplementedError):
+        return None
+    tasks = task_dict.get("tasks", {}) if isinstance(task_dict, dict) else {}
+    budgets = [
+        (normalize_gen_kwargs(dict(task.config.generation_kwargs or {}), default)["max_gen_toks"], name)
+        for name, task in tasks.items()
+        if getattr(task, "OUTPUT_TYPE", None) == "generate_until"
+    ]
+    if not budgets or max(budgets)[0] < context:
+        return None
+    budget, name = max(budgets)
+    return (
+        f"{name} may generate {budget} tokens and the model's context is {context} (max_position_embeddings): "
+        f"lm-eval would stop there after the other tasks ran; pass --gen_kwargs max_gen_toks=N with N < {context} "
+        "(scores then differ from full-budget ones), or evaluate a model with a longer context"
+    )
+
+
+def _launched_by_lm_eval_cli() -> bool:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return (spec is not None and spec.name.startswith("lm_eval")) or sys.argv[0].endswith(("lm_eval", "lm-eval"))
+
+
+_evaluate = lm_eval.evaluator.evaluate
+
+
+def _evaluate_if_generation_fits(lm: Any, task_dict: Any, *args: Any, **kwargs: Any) -> Any:
+    """`lm_eval.evaluator.evaluate`, refused up front when a generation budget does not fit the model's context."""
+    problem = generation_budget_problem(lm, task_dict)
+    if problem and _launched_by_lm_eval_cli():
+        raise SystemExit(f"lm_eval: error: {problem}")  # one line on the command line, nothing was computed
+    if problem:
+        raise GenerationBudgetError(problem)
+    return _evaluate(lm, task_dict, *args, **kwargs)
+
+
+lm_eval.evaluator.evaluate = _evaluate_if_generation_fits
 
 __all__ = ["load_local"]

@@ -23,6 +23,7 @@ class ModelResult:
     missing: dict[str, str] = field(default_factory=dict)  # benchmark key -> why it was not scored
     lm_eval: dict[str, Any] = field(default_factory=dict)  # lm-eval's results, groups, n-shot, n-samples
     val_loss: float | None = None  # the checkpoint's own validation loss (the paper's "Val. loss" column)
+    fingerprint: str | None = None  # `ultramem.eval.checkpoint.fingerprint` of the files scored (config + weights)
 
 
 def scores_from_lm_eval(output: dict[str, Any], benchmarks: list[Benchmark]) -> dict[str, float]:
@@ -99,20 +100,27 @@ def run_notes(settings: Mapping[str, Any]) -> list[str]:
     source = "the Hub datasets" if settings.get("data_dir", "hub") == "hub" else "local copies of the published files"
     notes = [f"{version} on {source}; shots and metrics of the ultramem_paper group."]
     if settings.get("limit") is not None:
-        notes.append(f"At most {settings['limit']:g} documents per task (--limit): not comparable with full-set scores.")
+        notes.append(
+            f"At most {settings['limit']:g} documents per task (--limit): not comparable with full-set scores."
+        )
     if settings.get("max_gen_toks") is not None:
         notes.append(f"Generation capped at {settings['max_gen_toks']} tokens (--max-gen-toks).")
+    if settings.get("dtype", "float32") != "float32":
+        notes.append(f"Weights and activations in {settings['dtype']} (--dtype).")
     return notes
 
 
 def write_results(path: Path, results: list[ModelResult], settings: dict[str, Any]) -> None:
+    """The results JSON, replaced whole (written beside it, then renamed): an interrupted run leaves the last one."""
     payload = {
         "benchmarks": [asdict(b) for b in BENCHMARKS],
         "settings": settings,
         "notes": run_notes(settings),
         "models": [asdict(r) for r in results],
     }
-    path.write_text(json.dumps(payload, indent=1, default=str), encoding="utf-8")
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(payload, indent=1, default=str), encoding="utf-8")
+    partial.replace(path)
 
 
 def read_results(path: str | Path) -> tuple[list[ModelResult], dict[str, Any]]:

@@ -13,12 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
-from transformers import MixtralConfig, PreTrainedConfig
+from transformers import PreTrainedConfig
 
 from ultramem.configuration_ultramem import PRODUCT_KEY, UltraMemConfig
 from ultramem.eval.benchmarks import BENCHMARKS, group_entries
 from ultramem.eval.checkpoint import (
+    CheckpointError,
     load_config,
+    model_type,
     parameter_counts,
     require_checkpoint,
     trainer_state,
@@ -36,9 +38,18 @@ CITATION = """@inproceedings{huang2025ultramem,
 }"""
 
 
+def require_ultramem(folder: Path) -> Path:
+    """Cards are written for UltraMem checkpoints (remote code, memory layers): any other model is one line."""
+    kind = model_type(folder, option="checkpoint")
+    if kind != UltraMemConfig.model_type:
+        raise CheckpointError(
+            f"checkpoint {folder}: model_type {kind!r} is not an UltraMem checkpoint (model_type 'ultramem'); "
+            "ultramem-push writes UltraMem model cards only (push other models with `hf upload`)"
+        )
+    return folder
+
+
 def _kind(config: PreTrainedConfig) -> str:
-    if isinstance(config, MixtralConfig):
-        return "Mixture-of-Experts baseline (Transformers' Mixtral)"
     if isinstance(config, UltraMemConfig) and config.memory_layers:
         return "PKM memory-layer baseline" if config.retrieval_mode == PRODUCT_KEY else "UltraMem memory layers"
     if isinstance(config, UltraMemConfig):
@@ -189,7 +200,7 @@ def _usage_section(repo_id: str, task: CardTask) -> str:
 ```python
 from transformers import {task.auto_class}, AutoTokenizer
 
-tokenizer = AutoTokenizer.from_pretrained("{repo_id}")
+tokenizer = AutoTokenizer.from_pretrained("{repo_id}", trust_remote_code=True)
 model = {task.auto_class}.from_pretrained("{repo_id}", trust_remote_code=True)
 {task.example}
 ```
@@ -238,8 +249,8 @@ def render_card(
     data source and any `--limit` or `--max-gen-toks`, never a local path.
     """
     settings = settings or {}
-    folder = require_checkpoint(checkpoint, option="checkpoint")
-    config = load_config(folder)
+    folder = require_ultramem(require_checkpoint(checkpoint, option="checkpoint"))
+    config = load_config(folder, option="checkpoint")
     name = repo_id.split("/")[-1]
     scored = result is not None and bool(result.scores)
     task = card_task(config)

@@ -1,12 +1,18 @@
 """`ultramem-push`: publish a checkpoint folder to the Hub in one commit.
 
-    ultramem-push CKPT --repo-id USER/NAME [--private] [--revision BRANCH] [--results results.json]
+    ultramem-push CKPT --repo-id USER/NAME [--private] [--revision BRANCH] [--results results.json] [--dry-run]
 
 The commit holds the safetensors weights, config.json (with `auto_map`), the model code files that
 `save_pretrained` copied next to them, the tokenizer and a generated model card. It goes through
 `HfApi.create_commit` with one `CommitOperationAdd` per file: `upload_folder` would also send optimizer
 states and, with hf_xet installed, bypass `create_commit`. Before anything is sent the repo id is checked, then
-the folder (weights, code, tokenizer), then the token.
+the folder (an UltraMem checkpoint: weights, code, tokenizer), then the scores, then the token. The checkpoint
+folder is never written to: the card goes to the Hub only (`--dry-run` prints it and the files, sending nothing).
+
+Scores (`--results`): the entry of an `ultramem-eval` results JSON whose `fingerprint` (SHA-256 of the config and
+the safetensors bytes, recorded when it was scored) equals this checkpoint's; a results JSON written before
+fingerprints were recorded is matched by the checkpoint's path instead. Any other entry, even the only one, is
+refused: a card never shows another model's scores (or this folder's scores from before it changed).
 """
 
 from __future__ import annotations
@@ -23,9 +29,9 @@ from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, constants, ge
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
 from huggingface_hub.utils import validate_repo_id
 
-from ultramem.eval.checkpoint import require_checkpoint, require_tokenizer
+from ultramem.eval.checkpoint import check_weights, fingerprint, require_checkpoint, require_tokenizer
 from ultramem.eval.report import ModelResult, read_results
-from ultramem.hub_cards.card import render_card
+from ultramem.hub_cards.card import render_card, require_ultramem
 
 WEIGHT_GLOBS = ("*.safetensors", "model.safetensors.index.json")
 CONFIG_FILES = ("config.json", "generation_config.json")
@@ -59,9 +65,10 @@ def files_to_push(folder: Path) -> list[Path]:
     weights = sorted({p for pattern in WEIGHT_GLOBS for p in folder.glob(pattern)})
     if not any(p.suffix == ".safetensors" for p in weights):
         raise PushError(f"checkpoint {folder}: no *.safetensors weights (save with save_pretrained)")
+    check_weights(folder, option="checkpoint")  # a truncated file is named before anything is sent
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     code = sorted(folder.glob("*.py"))
-    if config.get("model_type") == "ultramem" and ("auto_map" not in config or not code):
+    if "auto_map" not in config or not code:
         raise PushError(f"checkpoint {folder}: config.json has no auto_map or the model code files are missing")
     require_tokenizer(folder, option="checkpoint")
     named = [folder / name for name in (*CONFIG_FILES, *TOKENIZER_FILES) if (folder / name).is_file()]
@@ -76,6 +83,21 @@ def build_operations(folder: Path, card: str) -> list[CommitOperationAdd]:
     return operations
 
 
+def prepare_push(
+    checkpoint: str | Path,
+    repo_id: str,
+    result: ModelResult | None = None,
+    settings: Mapping[str, Any] | None = None,
+    datasets: Sequence[str] = (),
+    base_model: str | None = None,
+) -> tuple[Path, str, list[CommitOperationAdd]]:
+    """Every local check of a push, and what it would send: (folder, card, operations). Nothing is written."""
+    check_repo_id(repo_id)
+    folder = require_ultramem(require_checkpoint(checkpoint, option="checkpoint"))
+    card = render_card(folder, repo_id, result=result, settings=settings, datasets=datasets, base_model=base_model)
+    return folder, card, build_operations(folder, card)
+
+
 def push_checkpoint(
     checkpoint: str | Path,
     repo_id: str,
@@ -88,10 +110,7 @@ def push_checkpoint(
     base_model: str | None = None,
 ) -> CommitInfo:
     """Push the checkpoint as one commit; the repo (and branch) are created when the first commit finds none."""
-    check_repo_id(repo_id)
-    folder = require_checkpoint(checkpoint, option="checkpoint")
-    card = render_card(folder, repo_id, result=result, settings=settings, datasets=datasets, base_model=base_model)
-    operations = build_operations(folder, card)
+    folder, _, operations = prepare_push(checkpoint, repo_id, result, settings, datasets, base_model)
     api = HfApi(token=require_token(token))  # after the folder's checks: what can be fixed locally is said first
     message = f"Upload {folder.name} with ultramem-push"
 
@@ -109,16 +128,35 @@ def push_checkpoint(
     return commit()
 
 
-def _result_for(path: Path, checkpoint: Path) -> tuple[ModelResult, dict[str, Any]]:
-    """The entry of an ultramem-eval results JSON that scored this checkpoint (matched by folder), and its settings."""
-    results, settings = read_results(path)
+def result_for(path: Path, checkpoint: Path) -> tuple[ModelResult, dict[str, Any]]:
+    """The entry of an ultramem-eval results JSON that scored this checkpoint, and the run's settings.
+
+    Matched by content (`fingerprint`: config + safetensors bytes); an entry without one (results JSON of an older
+    ultramem-eval) by the checkpoint's resolved path. Never the only entry just because it is the only one.
+    """
+    try:
+        results, settings = read_results(path)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise PushError(f"--results {path}: not a results JSON of ultramem-eval ({err})") from err
+    identity = fingerprint(checkpoint)
     for result in results:
-        if Path(result.checkpoint).resolve() == checkpoint.resolve():
+        if result.fingerprint == identity:
             return result, settings
-    if len(results) == 1:
-        return results[0], settings
-    names = ", ".join(r.checkpoint for r in results)
-    raise PushError(f"--results {path}: no entry for checkpoint {checkpoint} (entries: {names})")
+    here = checkpoint.resolve()
+    for result in results:
+        if result.fingerprint is None and Path(result.checkpoint).resolve() == here:
+            return result, settings
+    changed = [r for r in results if r.fingerprint is not None and Path(r.checkpoint).resolve() == here]
+    if changed:
+        raise PushError(
+            f"--results {path}: its entry for {checkpoint} scored other files (config or weights changed since); "
+            "score this checkpoint again with ultramem-eval"
+        )
+    names = ", ".join(f"{r.name} ({r.checkpoint})" for r in results) or "none"
+    raise PushError(
+        f"--results {path}: no entry scored this checkpoint {checkpoint} (entries: {names}); "
+        f"run ultramem-eval --model {checkpoint}"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,30 +169,46 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dataset", action="append", default=[], help="training dataset id for the card (repeatable)")
     parser.add_argument("--base-model", help="model this checkpoint was fine-tuned from, for the card")
     parser.add_argument("--token", help="Hub token; default: HF_TOKEN or the stored login")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the card and the files that would be pushed; send nothing"
+    )
     return parser
+
+
+def _dry_run(folder: Path, repo_id: str, card: str, operations: list[CommitOperationAdd]) -> None:
+    """The card on stdout (redirect it to a file to read it), the files of the commit on stderr."""
+    print(card, end="" if card.endswith("\n") else "\n")
+    sizes = {op.path_in_repo: op.upload_info.size for op in operations}
+    listing = ", ".join(f"{name} ({size:,} B)" for name, size in sizes.items())
+    total = sum(sizes.values())
+    print(
+        f"ultramem-push: dry run, nothing sent: {repo_id} would get {len(sizes)} files, {total:,} bytes ({listing})",
+        file=sys.stderr,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        result, settings = _result_for(args.results, args.checkpoint) if args.results else (None, None)
+        check_repo_id(args.repo_id)
+        folder = require_ultramem(require_checkpoint(args.checkpoint, option="checkpoint"))
+        files_to_push(folder)  # weights, code, tokenizer: before the scores, whose match reads the weights
+        result, settings = result_for(args.results, folder) if args.results else (None, None)
+        card_args = dict(result=result, settings=settings, datasets=args.dataset, base_model=args.base_model)
+        if args.dry_run:
+            _dry_run(folder, args.repo_id, *prepare_push(folder, args.repo_id, **card_args)[1:])
+            return 0
         info = push_checkpoint(
-            args.checkpoint,
-            args.repo_id,
-            token=args.token,
-            private=args.private,
-            revision=args.revision,
-            result=result,
-            settings=settings,
-            datasets=args.dataset,
-            base_model=args.base_model,
+            folder, args.repo_id, token=args.token, private=args.private, revision=args.revision, **card_args
         )
     except ValueError as err:  # PushError, CheckpointError
         parser.exit(2, f"ultramem-push: error: {err}\n")
     except (ConnectionError, httpx2.TransportError) as err:  # no network, HF_HUB_OFFLINE=1, a proxy refusing
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        parser.exit(2, f"ultramem-push: error: cannot reach the Hub at {constants.ENDPOINT} ({reason}); nothing was pushed\n")
+        parser.exit(
+            2, f"ultramem-push: error: cannot reach the Hub at {constants.ENDPOINT} ({reason}); nothing was pushed\n"
+        )
     except HfHubHTTPError as err:  # the Hub answered with an error (bad token, no rights, ...)
         parser.exit(2, f"ultramem-push: error: the Hub refused the push: {str(err).strip().splitlines()[0]}\n")
     print(f"pushed {args.checkpoint} to {info.commit_url}")

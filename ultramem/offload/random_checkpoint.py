@@ -80,9 +80,22 @@ def write_random_checkpoint(config: UltraMemConfig, folder: str | Path, dtype: t
     weight_map = {name: file for file, layout in zip(files, layouts, strict=True) for name, _, _ in layout}
     index = folder / INDEX_FILE
     index.write_text(json.dumps({"metadata": {"total_size": size}, "weight_map": weight_map}, indent=2))
-    model.config.save_pretrained(folder)
+    save_config_and_code(model, folder)
     load_tokenizer(model_max_length=config.max_position_embeddings).save_pretrained(folder)  # loadable as a whole
     return index
+
+
+def save_config_and_code(model: UltraMemForCausalLM, folder: Path) -> None:
+    """What `save_pretrained` writes besides the weights, the way it writes it: the dtype and architecture in the
+    config, the model code files with every class in `auto_map` (`custom_object_save`), the generation config. So the
+    folder loads like a saved one: `ultramem` installed and not imported, or not installed (`trust_remote_code`)."""
+    from transformers.dynamic_module_utils import custom_object_save
+
+    model.config.dtype = str(model.dtype).removeprefix("torch.")
+    model.config.architectures = [type(model).__name__]
+    custom_object_save(model, folder, config=model.config)
+    model.config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
 
 
 def _header(layout: list[tuple[str, torch.dtype, list[int]]]) -> tuple[bytes, int]:
