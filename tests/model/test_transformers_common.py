@@ -66,7 +66,8 @@ class GenerationTesterMixin:
     """Stands in for upstream's `GenerationTesterMixin` (not in the sdist): UltraMem's generation checks.
 
     The test class provides `model_tester`, `all_generative_model_classes` (from `ModelTesterMixin`) and
-    `_get_conv_state_shape`. Every check runs greedy decoding, so equal token ids mean equal argmaxes at every step.
+    `_get_conv_state_shape`. Every check decodes greedily and compares the tokens and the logits of every step, so a
+    memory layer whose cached state is wrong fails even where it does not change an argmax of the random model.
     """
 
     max_new_tokens = 4
@@ -76,19 +77,42 @@ class GenerationTesterMixin:
         input_ids = inputs["input_ids"][:batch_size].clamp(min=3)  # no pad, bos or eos in the prompt
         return config, {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
 
-    def _greedy(self, model, inputs: dict, new_tokens: int | None = None, **kwargs) -> torch.Tensor:
+    def _greedy(self, model, inputs: dict, new_tokens: int | None = None, **kwargs):
         # min_new_tokens: eos (a random model may emit it) would end some rows early and pad them
         new_tokens = new_tokens or self.max_new_tokens
-        return model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs)
+        return model.generate(
+            **inputs,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_logits=True,
+            **kwargs,
+        )
+
+    def assert_same_steps(self, new_tokens: torch.Tensor, logits: tuple, expected_tokens, expected_logits) -> None:
+        """The same generated tokens (B, n) and the same logits at each of the n steps."""
+        self.assertTrue(torch.equal(new_tokens, expected_tokens), f"{new_tokens} != {expected_tokens}")
+        torch.testing.assert_close(torch.stack(logits), torch.stack(expected_logits), rtol=1e-4, atol=1e-5)
+
+    def assert_same_generation(self, output, expected) -> None:
+        self.assertTrue(torch.equal(output.sequences, expected.sequences))
+        self.assert_same_steps(output.sequences, output.logits, expected.sequences, expected.logits)
 
     def _models(self):
         for model_class in self.all_generative_model_classes:
             config, inputs = self.prepare_config_and_inputs_for_generate()
-            yield model_class(config).to(torch_device()).eval(), inputs
+            model = model_class(config).to(torch_device()).eval()
+            # Off the init: the query conv starts as the identity (only its current tap is nonzero), which would hide
+            # a conv state that is lost between decoding steps
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.add_(0.05 * torch.randn_like(parameter))
+            yield model, inputs
 
     def test_greedy_generate_with_cache_matches_without(self):
         for model, inputs in self._models():
-            self.assertTrue(torch.equal(self._greedy(model, inputs), self._greedy(model, inputs, use_cache=False)))
+            self.assert_same_generation(self._greedy(model, inputs), self._greedy(model, inputs, use_cache=False))
 
     def test_cache_holds_conv_states_of_the_expected_shape(self):
         for model, inputs in self._models():
@@ -102,43 +126,46 @@ class GenerationTesterMixin:
                 self.assertEqual(tuple(cache.get_conv_state(layer_idx, state_idx).shape), expected)
 
     def test_left_padding_compatibility(self):
-        """A left-padded row's next-token logits equal those of the same row unpadded."""
+        """Left-padded rows generate the tokens, with the logits, of the same rows unpadded."""
         for model, inputs in self._models():
             input_ids = inputs["input_ids"]
             pad = torch.full((input_ids.shape[0], 3), model.config.pad_token_id, dtype=input_ids.dtype)
-            padded_ids = torch.cat([pad, input_ids], dim=1)
-            padded_mask = torch.cat([torch.zeros_like(pad), inputs["attention_mask"]], dim=1)
-            with torch.no_grad():
-                logits = model(**inputs).logits[:, -1]
-                padded_logits = model(input_ids=padded_ids, attention_mask=padded_mask).logits[:, -1]
-            torch.testing.assert_close(padded_logits, logits, rtol=1e-4, atol=1e-4)
-            generated = self._greedy(model, inputs)[:, input_ids.shape[1] :]
-            padded_generated = self._greedy(model, {"input_ids": padded_ids, "attention_mask": padded_mask})
-            self.assertTrue(torch.equal(padded_generated[:, padded_ids.shape[1] :], generated))
+            padded = {
+                "input_ids": torch.cat([pad, input_ids], dim=1),
+                "attention_mask": torch.cat([torch.zeros_like(pad), inputs["attention_mask"]], dim=1),
+            }
+            output, padded_output = self._greedy(model, inputs), self._greedy(model, padded)
+            self.assert_same_steps(
+                padded_output.sequences[:, padded["input_ids"].shape[1] :],
+                padded_output.logits,
+                output.sequences[:, input_ids.shape[1] :],
+                output.logits,
+            )
 
     def test_generate_continue_from_cache(self):
         """Generating n tokens, then n more from the returned cache, gives the 2n tokens of one generation."""
+        n = self.max_new_tokens
         for model, inputs in self._models():
-            whole = self._greedy(model, inputs, new_tokens=2 * self.max_new_tokens)
-            first = self._greedy(model, inputs, return_dict_in_generate=True)
+            whole = self._greedy(model, inputs, new_tokens=2 * n)
+            first = self._greedy(model, inputs)
             ids = first.sequences
             second = self._greedy(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, cache=first.cache)
-            self.assertTrue(torch.equal(second, whole))
+            self.assert_same_steps(second.sequences, first.logits + second.logits, whole.sequences, whole.logits)
 
     def test_generate_with_static_cache(self):
-        """Greedy decoding with a static cache gives the tokens of the dynamic one (upstream skips models that do not
-        declare `_can_compile_fullgraph`, as here)."""
+        """Greedy decoding with a static cache gives the tokens and logits of the dynamic one (upstream skips models
+        that do not declare `_can_compile_fullgraph`, as here)."""
         for model, inputs in self._models():
             if not model._can_compile_fullgraph:
                 self.skipTest("the model does not declare _can_compile_fullgraph")
             dynamic = self._greedy(model, inputs)
-            static = self._greedy(model, inputs, cache_implementation="static")
-            self.assertTrue(torch.equal(static, dynamic))
+            self.assert_same_generation(self._greedy(model, inputs, cache_implementation="static"), dynamic)
 
     def test_generate_compile_model_forward_fullgraph(self):
-        """`generate` with a static cache and the decoding step compiled whole (fullgraph=True) gives the eager tokens,
-        and a second generation reuses the compiled step without recompiling. The graph runs on AOTAutograd's eager
-        backend: it checks that the step is captured whole, not what Inductor makes of it (minutes on a CPU)."""
+        """`generate` with a static cache and the decoding step compiled whole (fullgraph=True) gives the eager tokens
+        and logits, and a second generation reuses the compiled step without recompiling. The graph runs on
+        AOTAutograd's eager backend: it checks that the step is captured whole, not what Inductor makes of it
+        (minutes on a CPU; ULTRAMEM_COMPILE_BACKEND=inductor runs that)."""
         for model, inputs in self._models():
             if not model._can_compile_fullgraph:
                 self.skipTest("the model does not declare _can_compile_fullgraph")
@@ -148,10 +175,10 @@ class GenerationTesterMixin:
             compile_config._compile_all_devices = True  # generate compiles on accelerators only, otherwise
             compiled = self._greedy(model, inputs, cache_implementation="static", compile_config=compile_config)
             self.assertTrue(hasattr(model, "_compiled_call"), "generate did not compile the forward")
-            self.assertTrue(torch.equal(compiled, eager))
+            self.assert_same_generation(compiled, eager)
             with torch.compiler.set_stance("fail_on_recompile"):
                 again = self._greedy(model, inputs, cache_implementation="static", compile_config=compile_config)
-            self.assertTrue(torch.equal(again, eager))
+            self.assert_same_generation(again, eager)
 
 
 def torch_device() -> str:
