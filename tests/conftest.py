@@ -17,8 +17,11 @@ from ultramem import UltraMemConfig  # noqa: E402
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
-def small_config(**overrides) -> UltraMemConfig:
-    """A model small enough for exact float64 references: every improvement of the paper is on."""
+def small_config(memory_implementation: str | None = None, **overrides) -> UltraMemConfig:
+    """A model small enough for exact float64 references: every improvement of the paper is on.
+
+    `memory_implementation` sets the private kernel choice (None: the device's default), as
+    `from_pretrained(..., memory_implementation=...)` does."""
     kwargs = dict(
         vocab_size=97,
         hidden_size=32,
@@ -41,16 +44,16 @@ def small_config(**overrides) -> UltraMemConfig:
         pad_token_id=0,
     )
     kwargs.update(overrides)
-    return UltraMemConfig(**kwargs)
+    return UltraMemConfig(**kwargs, memory_implementation=memory_implementation)
 
 
-def assert_trains_like_the_reference(memory_kernel: str, input_ids: torch.Tensor) -> None:
-    """UltraMemForCausalLM with `memory_kernel` gives the loss and every gradient of memory_kernel='torch'."""
+def assert_trains_like_the_reference(memory_implementation: str, input_ids: torch.Tensor) -> None:
+    """UltraMemForCausalLM with `memory_implementation` gives the loss and every gradient of the reference ('torch')."""
     from ultramem import UltraMemForCausalLM
 
     torch.manual_seed(0)
-    reference = UltraMemForCausalLM(small_config(memory_kernel="torch"))
-    other = UltraMemForCausalLM(small_config(memory_kernel=memory_kernel))
+    reference = UltraMemForCausalLM(small_config(memory_implementation="torch"))
+    other = UltraMemForCausalLM(small_config(memory_implementation=memory_implementation))
     other.load_state_dict(reference.state_dict())
     losses = []
     for model in (reference, other):

@@ -1,13 +1,16 @@
 """UltraMem: Ultra-Sparse Memory Network (ICLR 2025) as a Hugging Face Transformers model.
 
-Importing the package registers the config and models with the Auto classes.
+Importing the package registers the config and models with the Auto classes, every value store (`value_stores`:
+"local", "cpu", "disk", "number", "dimension") and every memory implementation (`memory_implementations`: "torch",
+"embedding_bag", "triton").
 """
 
 import transformers
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from .configuration_ultramem import UltraMemConfig, UltraMemConfigError
-from . import modeling_ultramem, offload  # offload registers the "cpu" and "disk" value stores
+from .missing_tokenizer import MissingTokenizer
+from . import kernels, modeling_ultramem, offload, parallel  # kernels, offload and parallel register themselves
 from .modeling_ultramem import (
     TASK_HEADS,
     UltraMemCausalLMOutputWithPast,
@@ -22,6 +25,7 @@ from .modeling_ultramem import (
 AutoConfig.register(UltraMemConfig.model_type, UltraMemConfig, exist_ok=True)
 AutoModel.register(UltraMemConfig, UltraMemModel, exist_ok=True)
 AutoModelForCausalLM.register(UltraMemConfig, UltraMemForCausalLM, exist_ok=True)
+AutoTokenizer.register(UltraMemConfig, MissingTokenizer, exist_ok=True)  # a folder without tokenizer: one line naming the fix
 UltraMemConfig.register_for_auto_class()
 UltraMemModel.register_for_auto_class("AutoModel")
 UltraMemForCausalLM.register_for_auto_class("AutoModelForCausalLM")

@@ -329,8 +329,10 @@ class UltraMemConfig(PreTrainedConfig):
 def _implementation_keyword(implementation: str | None, kernel: str | None) -> str | None:
     """The `memory_implementation` keyword, else the deprecated `memory_kernel`; "auto" is None."""
     keyword, name = ("memory_kernel", kernel) if implementation is None else ("memory_implementation", implementation)
-    allowed = f"must be one of {MEMORY_IMPLEMENTATIONS} or None (the device's default)"
-    _require(name is None or name in MEMORY_IMPLEMENTATIONS, keyword, name, allowed)
+    # Any registered name (`ultramem.memory_implementations`, where users register their own): the model checks it
+    # against the registry when it is built, before any weight loads
+    allowed = f"must be a registered name such as {MEMORY_IMPLEMENTATIONS[1:]}, or None (the device's default)"
+    _require(name is None or isinstance(name, str), keyword, name, allowed)
     if kernel is not None:
         message = "UltraMemConfig(memory_kernel=...) is deprecated and no longer saved: use memory_implementation=..."
         message += " (also a from_pretrained keyword) or model.set_memory_implementation(...)."

@@ -1,5 +1,10 @@
-"""Pure-PyTorch memory-layer operators: `lookup_reduce` and `tucker_candidate_topk` are the numerical
-reference for the Triton kernels and for `lookup_reduce_embedding_bag`, the fast path on CPU.
+"""The memory layer's math as plain functions on tensors: retrieval (PKM's and TDQKR's top-m), implicit value
+expansion, the lookup-reduce, the Tucker cores' SVD and aux loss.
+
+The modules of `modeling_ultramem` hold the parameters and call these; another runtime (an inference engine's model
+class) can call the same functions without the Transformers model classes. `lookup_reduce` and
+`tucker_candidate_topk` are also the numerical reference for the Triton kernels and for
+`lookup_reduce_embedding_bag`, the fast path on CPU.
 
 This module is flat on purpose: `save_pretrained` copies it next to `modeling_ultramem.py`, so a
 checkpoint loaded with `trust_remote_code=True` runs this path without the `ultramem` package.
@@ -227,3 +232,156 @@ def tucker_candidate_topk(
     gather_index = flat_index.unsqueeze(-2).expand(*per_core.shape[:-1], topk)  # (..., h, topk)
     core_scores = per_core.gather(-1, gather_index).transpose(-1, -2)  # (..., topk, h)
     return flat_index, core_scores
+
+
+def product_key_topk(row_scores: torch.Tensor, col_scores: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """PKM's two-phase top-m over the n x n grid of additive scores s_row[x] + s_col[y].
+
+    Args:
+        row_scores, col_scores: (..., n) scores of every row and column key.
+        topk: m.
+
+    Returns:
+        virtual addresses x * n + y (..., m) and their scores (..., m, 1).
+    """
+    num_keys = row_scores.shape[-1]
+    row_top, row_index = row_scores.topk(topk, dim=-1)  # (..., m)
+    col_top, col_index = col_scores.topk(topk, dim=-1)
+    grid = (row_top.unsqueeze(-1) + col_top.unsqueeze(-2)).flatten(-2)  # (..., m*m)
+    scores, flat_index = grid.topk(topk, dim=-1)
+    rows = row_index.gather(-1, flat_index // topk)
+    cols = col_index.gather(-1, flat_index % topk)
+    return rows * num_keys + cols, scores.unsqueeze(-1)
+
+
+def rank_one_candidates(
+    row_projected: torch.Tensor, col_projected: torch.Tensor, topk: int, signed: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidate rows and columns (..., m') from the rank-1 projections a = u^T S_row and b = t^T S_col (..., n).
+
+    sigma a_x b_y is large where a_x and b_y are both large, or both very negative. The SVD's sign is arbitrary
+    ((u, t) and (-u, -t) are the same rank-1 core), so picking the positive quadrant after a sign normalisation makes
+    retrieval jump when the normalisation flips. Both quadrants are considered instead, which is sign-invariant: by
+    default each token takes the quadrant, (top-m a, top-m b) or (bottom-m a, bottom-m b), whose best rank-1 score is
+    higher (m' = m, the paper's m^2 candidates); `signed` keeps the m largest and m smallest of each axis (m' = 2m,
+    4 m^2 candidates, exact for rank-1 cores). Measured in docs/design.md (`benchmarks/bench_retrieval.py`).
+    """
+    if signed:
+        row_index, col_index = (
+            torch.cat([axis.topk(topk, dim=-1).indices, axis.topk(topk, dim=-1, largest=False).indices], -1)
+            for axis in (row_projected, col_projected)
+        )
+        return row_index, col_index
+    # The quadrant is chosen from the axes' extremes, then one top-m per axis runs on the sign-flipped projections
+    # (the bottom-m of a is the top-m of -a): two topk calls instead of four, same candidates.
+    row_min, row_max = row_projected.amin(dim=-1, keepdim=True), row_projected.amax(dim=-1, keepdim=True)  # (..., 1)
+    col_min, col_max = col_projected.amin(dim=-1, keepdim=True), col_projected.amax(dim=-1, keepdim=True)
+    sign = torch.where(row_max * col_max >= row_min * col_min, 1.0, -1.0).to(row_projected.dtype)
+    row_index, col_index = ((axis * sign).topk(topk, dim=-1).indices for axis in (row_projected, col_projected))
+    return row_index, col_index
+
+
+def tucker_topk(
+    row_scores: torch.Tensor,
+    col_scores: torch.Tensor,
+    cores: torch.Tensor,
+    leading_vectors: tuple[torch.Tensor, torch.Tensor],
+    topk: int,
+    signed: bool = False,
+    candidate_topk=tucker_candidate_topk,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """TDQKR's approximate top-m: candidates by the rank-1 SVD of the summed core, then exact scores on them.
+
+    Args:
+        row_scores, col_scores: (..., H, r, n) S_row and S_col of every key.
+        cores: (H, h, r, r) the MCS cores.
+        leading_vectors: u, t (H, r), the leading singular vectors of each head's summed core.
+        topk: m.
+        signed: see `rank_one_candidates`.
+        candidate_topk: the implementation of `tucker_candidate_topk` (reference or kernel).
+
+    Returns:
+        virtual addresses x * n + y (..., H, m) and per-core scores (..., H, m, h).
+    """
+    u, t = leading_vectors
+    num_keys, rank = row_scores.shape[-1], row_scores.shape[-2]
+    # a = u^T S_row, b = t^T S_col, summed over the rank by broadcasting (an einsum here goes through a bmm on a
+    # permuted copy: 10x slower on CPU)
+    row_index, col_index = rank_one_candidates(
+        (row_scores.detach() * u.unsqueeze(-1)).sum(-2), (col_scores.detach() * t.unsqueeze(-1)).sum(-2), topk, signed
+    )  # (..., H, m') each
+    num_candidates = row_index.shape[-1]
+    expand = (*row_index.shape[:-1], rank, num_candidates)
+    row_candidates = row_scores.gather(-1, row_index.unsqueeze(-2).expand(expand))  # (..., H, r, m')
+    col_candidates = col_scores.gather(-1, col_index.unsqueeze(-2).expand(expand))
+    flat_index, core_scores = candidate_topk(row_candidates, col_candidates, cores, topk)  # (..., H, m), (..., H, m, h)
+    rows = row_index.gather(-1, flat_index // num_candidates)
+    cols = col_index.gather(-1, flat_index % num_candidates)
+    return rows * num_keys + cols, core_scores
+
+
+def physical_slots(
+    virtual_index: torch.Tensor, virtual_to_physical: torch.Tensor | None, num_values: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Implicit value expansion: virtual addresses (...) -> physical rows in [0, N) and IVE groups, same shape.
+
+    The addresses go through the fixed shuffle first (when E > 1), so each group reads a random subset of rows.
+    """
+    if virtual_to_physical is not None:
+        virtual_index = virtual_to_physical[virtual_index]
+    return virtual_index % num_values, torch.div(virtual_index, num_values, rounding_mode="floor")
+
+
+def _polar(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Radius and angle of (x, y) with finite gradients at the origin (radius 0, angle 0, zero gradient there).
+
+    `hypot` and `atan2` have 0/0 gradients at (0, 0): a pure rotation or reflection, or a zero core, would give
+    NaN gradients through the aux loss. The origin is replaced by (1, 0) in both branches of the `where`.
+    """
+    origin = (x == 0) & (y == 0)
+    x_safe, y_safe = torch.where(origin, 1.0, x), torch.where(origin, 0.0, y)
+    radius = torch.where(origin, 0.0, torch.hypot(x_safe, y_safe))
+    return radius, torch.atan2(y_safe, x_safe)
+
+
+def svd_2x2(matrices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Closed-form SVD of 2x2 matrices (..., 2, 2): singular values (..., 2) descending, leading u and t (..., 2).
+
+    matrices = R(phi) diag(q + r, q - r) R(-theta), with q and r the norms of the rotation and reflection
+    parts. The signs of u and t are arbitrary (callers normalize them). Gradients are finite everywhere
+    (see `_polar`); where the SVD is differentiable they are those of `torch.linalg.svd`.
+    """
+    a, b, c, d = matrices[..., 0, 0], matrices[..., 0, 1], matrices[..., 1, 0], matrices[..., 1, 1]
+    q, rotation = _polar((a + d) / 2, (c - b) / 2)
+    r, reflection = _polar((a - d) / 2, (c + b) / 2)
+    phi, theta = (rotation + reflection) / 2, (rotation - reflection) / 2
+    u = torch.stack([phi.cos(), phi.sin()], dim=-1)
+    t = torch.stack([theta.cos(), -theta.sin()], dim=-1)
+    return torch.stack([q + r, (q - r).abs()], dim=-1), u, t
+
+
+def core_svd(cores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Singular values (..., r) descending, and the leading left/right singular vectors u, t (..., r) of cores.
+
+    On an accelerator with the paper's rank r = 2 this is `svd_2x2`: a few elementwise ops instead of
+    `torch.linalg.svd`, which synchronizes a CUDA device with the host at every call (twice per memory layer
+    per forward: retrieval and aux loss) and so stalls decoding and breaks CUDA graphs. On CPU, where there is
+    no device to wait for, LAPACK's 2x2 SVD costs less than the dozen small ops of the closed form.
+    """
+    if cores.shape[-1] == 2 and cores.device.type != "cpu":
+        return svd_2x2(cores)
+    left, singular_values, right_h = torch.linalg.svd(cores)
+    return singular_values, left[..., :, 0], right_h[..., 0, :]
+
+
+def tucker_aux_loss(cores: torch.Tensor, alpha: float, tau: float) -> torch.Tensor:
+    """alpha/(r-1) * sum_{i>=2} max(0, lambda_i - tau)^2 of each head's summed core, summed over heads.
+
+    cores: (..., h, r, r), the MCS cores of one memory layer or of several stacked (one SVD call for all).
+    """
+    rank = cores.shape[-1]
+    if rank == 1:
+        return cores.new_zeros(())
+    singular_values, _, _ = core_svd(cores.sum(-3).float())  # (..., r), descending
+    excess = F.relu(singular_values[..., 1:] - tau)
+    return alpha / (rank - 1) * excess.pow(2).sum()

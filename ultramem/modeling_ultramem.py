@@ -1,8 +1,8 @@
 """PyTorch UltraMem model ("Ultra-Sparse Memory Network", Huang et al., ICLR 2025).
 
-The backbone is GPT-NeoX shaped (pre-norm, RoPE on the full head dim, LayerNorm, GeLU MLP). Memory
-layers sit beside it: each reads the residual stream entering block `a` and adds its output to the
-stream leaving block `b` (skip-layer placement, `config.memory_layers`).
+The backbone is GPT-NeoX shaped (pre-norm, RoPE on the full head dim, LayerNorm, GeLU MLP): Llama's attention and
+Nemotron's two-matrix MLP, reused. Memory layers sit beside it: each reads the residual stream entering block `a` and
+adds its output to the stream leaving block `b` (skip-layer placement, `config.memory_layers`).
 
 One memory layer, for one token (paper section 3):
     x = LayerNorm(h)
@@ -15,23 +15,22 @@ One memory layer, for one token (paper section 3):
     v' = shuffle(v); row = v' mod N; group p = v' div N     implicit value expansion
     pooled_p = sum_{v in group p} [s^(1) V[row, :Dv/h], ..., s^(h) V[row, -Dv/h:]]   multi-core scoring
     out = sum_p W_p^T pooled_p                              one GEMM over the E projectors
+
+The math is in `memory_ops` (plain functions); the modules below hold the parameters, in data-flow order. Where the
+value table lives is `value_stores`' business, how the kernels compute is `memory_implementations`'.
 """
 
 import functools
 import math
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from contextvars import ContextVar
 from dataclasses import dataclass
 from statistics import NormalDist
-from types import SimpleNamespace
-from typing import Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AutoModel
 from transformers import initialization as init
-from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, find_packed_sequence_indices
@@ -42,13 +41,10 @@ from transformers.modeling_layers import (
     GradientCheckpointingLayer,
 )
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.modeling_utils import PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-from transformers.models.llama.modeling_llama import (
-    LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
-    eager_attention_forward,
-)
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+from transformers.models.nemotron.modeling_nemotron import NemotronMLP
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
@@ -56,62 +52,27 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 from transformers.utils.versions import require_version
 
-from .configuration_ultramem import TUCKER, UltraMemConfig, validate_memory_offload
-from .memory_ops import lookup_reduce, lookup_reduce_embedding_bag, tucker_candidate_topk
+from .configuration_ultramem import TUCKER, UltraMemConfig
+from .inference_cache import InferenceCache
+from .memory_implementations import MemoryOps, check_memory_implementation, memory_ops_for
+from .memory_ops import core_svd, physical_slots, product_key_topk, tucker_aux_loss, tucker_candidate_topk, tucker_topk
+from .value_stores import (
+    DeferredValueTable,
+    MemoryValueTable,
+    ValueStoreMixin,
+    offloaded_weights_loaded,
+    tables_deferred,
+)
 
 logger = logging.get_logger(__name__)
 
-# The model takes and returns `cache` (Transformers 5.24 renamed `past_key_values`): a remote-code copy of this file
-# loaded under an older Transformers says so here, not with a TypeError at its first forward.
-require_version("transformers>=5.24", "UltraMem's model code follows Transformers 5.24's `cache` API")
-
-
-class MemoryOps(Protocol):
-    """The memory layer's two compute kernels, with the contract of `memory_ops` (their reference).
-
-    Implementations: the pure-PyTorch reference (`memory_ops`), its `embedding_bag` lookup (fast on CPU) and
-    the Triton kernels (`ultramem.kernels`), chosen by `config.memory_kernel`. Where the value table lives is a separate axis: see `VALUE_STORES`.
-    """
-
-    def lookup_reduce(
-        self, values: torch.Tensor, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor, num_groups: int
-    ) -> torch.Tensor: ...
-
-    def tucker_candidate_topk(
-        self, row_scores: torch.Tensor, col_scores: torch.Tensor, cores: torch.Tensor, topk: int
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-TORCH_MEMORY_OPS: MemoryOps = SimpleNamespace(lookup_reduce=lookup_reduce, tucker_candidate_topk=tucker_candidate_topk)
-EMBEDDING_BAG_MEMORY_OPS: MemoryOps = SimpleNamespace(
-    lookup_reduce=lookup_reduce_embedding_bag, tucker_candidate_topk=tucker_candidate_topk
-)
-
-
-def select_memory_ops(memory_kernel: str, device: torch.device) -> MemoryOps:
-    """The kernels implementing `MemoryOps` for `config.memory_kernel`.
-
-    "torch" is the pure-PyTorch reference; "embedding_bag" the same with the lookup as one `F.embedding_bag`
-    (pure PyTorch, fast on CPU); "triton" the fused kernels of `ultramem.kernels`; "auto" picks embedding_bag
-    on CPU, Triton on CUDA when it is installed, the reference elsewhere. A checkpoint loaded with
-    `trust_remote_code` without the `ultramem` package installed runs a PyTorch path.
-    """
-    if memory_kernel == "embedding_bag" or (memory_kernel == "auto" and device.type == "cpu"):
-        return EMBEDDING_BAG_MEMORY_OPS
-    if memory_kernel == "torch" or (memory_kernel == "auto" and device.type != "cuda"):
-        return TORCH_MEMORY_OPS
-    try:
-        from ultramem import kernels
-    except ImportError as error:
-        if memory_kernel == "triton":
-            raise ImportError(
-                "config.memory_kernel='triton' needs the `ultramem` package with Triton installed "
-                "(pip install 'ultramem[triton]'); use memory_kernel='torch' or 'auto' otherwise."
-            ) from error
-        return TORCH_MEMORY_OPS
-    if memory_kernel == "auto" and not kernels.triton_available():
-        return TORCH_MEMORY_OPS
-    return kernels
+# A remote-code copy of this file loaded under an older Transformers says what it needs here, not with a TypeError
+require_version("transformers>=5.17", "UltraMem's model code needs Transformers 5.17 or later")
+# Transformers 5.24 renamed the cache argument and output field `past_key_values` to `cache`. This file uses `cache`;
+# on 5.17-5.23, whose `generate` passes and reads `past_key_values`, the old name is taken silently (there it is the
+# current name) and outputs carry the field those releases define.
+_CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+_accepts_past_key_values = deprecate_kwarg("past_key_values", "5.40.0" if _CACHE_FIELD == "cache" else "5.0.0", new_name="cache")
 
 
 def expected_top_m_mean(num_candidates: int, top_m: int) -> float:
@@ -207,129 +168,6 @@ class ScaledLayerNorm(nn.LayerNorm):
         init.zeros_(self.bias)
 
 
-class MemoryValueTable(nn.Embedding):
-    """The physical value table V (N, Dv) of one memory layer, held whole on this process's device.
-
-    This is the "local" value store. A value store is any module whose forward is the lookup-reduce of the
-    selected rows; where its values live (this device, shards on other ranks, host memory, a memory-mapped
-    file) is its own business, and the memory layer only ever calls it. Being a module call, every store is
-    seen by module hooks (Accelerate's `device_map` offload loads an offloaded table in them). Stores are
-    registered in `VALUE_STORES` and swapped in by `UltraMemPreTrainedModel.set_value_store`.
-    """
-
-    def __init__(self, num_values: int, value_dim: int, init_std: float):
-        super().__init__(num_values, value_dim)
-        self.init_std = init_std
-
-    def init_ultramem(self) -> None:
-        init.normal_(self.weight, std=self.init_std)
-
-    def forward(
-        self, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor, num_groups: int, ops: MemoryOps
-    ) -> torch.Tensor:
-        """rows, groups (T, K), scores (T, K, h) -> (T, E, Dv): see `memory_ops.lookup_reduce`."""
-        return ops.lookup_reduce(self.weight, rows, groups, scores, num_groups)
-
-
-class ValueStore(Protocol):
-    """Where a memory layer's values live: the one interface the memory layer reads values through.
-
-    `from_table` builds the store from a layer's `MemoryValueTable` (taking its weight or only the part it
-    keeps; `name` is the weight's state-dict key, e.g. to find it in a checkpoint); calling the store (its
-    `forward`) returns the pooled (T, E, Dv) values of the selected rows on the device of `scores`.
-    """
-
-    @classmethod
-    def from_table(cls, table: MemoryValueTable, name: str, **options) -> nn.Module: ...
-
-    def __call__(
-        self, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor, num_groups: int, ops: MemoryOps
-    ) -> torch.Tensor: ...
-
-
-class _LocalValueStore:
-    """The default store: the table itself."""
-
-    @classmethod
-    def from_table(cls, table: MemoryValueTable, name: str, **options) -> nn.Module:
-        if options:
-            raise TypeError(f"the local value store takes no options, got {sorted(options)}")
-        return table
-
-
-VALUE_STORES: dict[str, type[ValueStore]] = {"local": _LocalValueStore}
-"""Registry of value stores by name, as Transformers' `ALL_ATTENTION_FUNCTIONS` is for attention. The
-`ultramem` package registers the sharded (memory parallelism) and offloaded ("cpu", "disk") stores.
-
-A store may also offer `lookup_reduce_async(rows, groups, scores, num_groups, ops)`, same arguments, returning
-an object whose `result()` is what calling the store returns: the memory layer then starts the read when block `a`
-starts and collects it after block `b` (the skip-layer window, see `UltraMemMemoryLayer.start`)."""
-
-
-class DeferredValueTable(nn.Module):
-    """Stands for a table that a value store attaches after construction (no parameter).
-
-    Having no `weight`, the loader never reads the checkpoint's table into memory nor initializes one; the
-    checkpoint's `values.weight` keys are left to the store (`UltraMemModel` ignores them on load): the
-    offloaded stores of `from_pretrained(..., memory_offload=...)`, or the sharded stores of memory
-    parallelism, which read or initialize (with `init_std`) only their shard (`deferred_value_tables`).
-    """
-
-    def __init__(self, num_values: int, value_dim: int, offload: str | None, init_std: float):
-        super().__init__()
-        self.num_embeddings, self.embedding_dim, self.offload = num_values, value_dim, offload
-        self.init_std = init_std
-
-    def forward(self, *args, **kwargs) -> torch.Tensor:
-        raise RuntimeError(
-            f"UltraMemConfig.memory_offload={self.offload!r}: a value store attaches the value tables in "
-            "from_pretrained(path, memory_offload=...), or in set_value_store('number' | 'dimension') after deferred_value_tables(); "
-            "this model has none. Build it with memory_offload=None and call model.set_value_store('cpu') to offload "
-            "an in-memory model."
-        )
-
-
-_tables_deferred: ContextVar[bool] = ContextVar("tables_deferred", default=False)
-
-
-@contextmanager
-def deferred_value_tables() -> Iterator[None]:
-    """Models built (or loaded) inside have `DeferredValueTable`s, so no process ever holds a whole table
-    before `set_value_store` installs a store that allocates or reads only its part."""
-    token = _tables_deferred.set(True)
-    try:
-        yield
-    finally:
-        _tables_deferred.reset(token)
-
-
-def tables_deferred(config: UltraMemConfig) -> bool:
-    return bool(config.memory_offload) or _tables_deferred.get()
-
-
-def offload_store(offload: str) -> type[ValueStore]:
-    """The store class of `config.memory_offload`, from the `ultramem` package (also for `trust_remote_code` copies)."""
-    try:
-        from ultramem.offload import OFFLOAD_STORES
-    except ImportError as error:
-        raise ImportError(
-            f"UltraMemConfig.memory_offload={offload!r} needs the `ultramem` package installed (pip install ultramem); "
-            "without it load with memory_offload=None."
-        ) from error
-    return OFFLOAD_STORES[offload]
-
-
-class ValueProjector(nn.Linear):
-    """The E IVE projectors W_p (Dv -> D) stacked as one (E * Dv -> D) matrix, so they run as one GEMM."""
-
-    def __init__(self, in_features: int, out_features: int, init_std: float):
-        super().__init__(in_features, out_features, bias=False)
-        self.init_std = init_std
-
-    def init_ultramem(self) -> None:
-        init.normal_(self.weight, std=self.init_std)
-
-
 @dataclass
 class UltraMemCausalLMOutputWithPast(CausalLMOutputWithPast):
     """`CausalLMOutputWithPast` plus the two parts of the loss.
@@ -342,70 +180,12 @@ class UltraMemCausalLMOutputWithPast(CausalLMOutputWithPast):
     aux_loss: torch.FloatTensor | None = None
 
 
-class UltraMemMLP(nn.Module):
-    """Two-matrix GeLU MLP of inner size `intermediate_size` (4D in the paper)."""
-
-    def __init__(self, config: UltraMemConfig):
-        super().__init__()
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-        self.act_fn = ACT2FN[config.hidden_act]
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.up_proj(hidden_states)))
+class UltraMemMLP(NemotronMLP):
+    """Two-matrix MLP of inner size `intermediate_size` (4D in the paper) with `hidden_act` (GeLU): Nemotron's."""
 
 
-class UltraMemAttention(nn.Module):
-    """Multi-head causal self-attention with RoPE, dispatched through Transformers' attention interface."""
-
-    def __init__(self, config: UltraMemConfig, layer_idx: int):
-        super().__init__()
-        self.config = config
-        self.layer_idx = layer_idx
-        self.head_dim = config.head_dim
-        self.num_key_value_groups = 1
-        self.scaling = self.head_dim**-0.5
-        self.attention_dropout = config.attention_dropout
-        self.is_causal = True
-        width = config.num_attention_heads * self.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, width, bias=config.attention_bias)
-        self.k_proj = nn.Linear(config.hidden_size, width, bias=config.attention_bias)
-        self.v_proj = nn.Linear(config.hidden_size, width, bias=config.attention_bias)
-        self.o_proj = nn.Linear(width, config.hidden_size, bias=config.attention_bias)
-
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
-        cache: Cache | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, heads, T, head_dim)
-        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-        if cache is not None:
-            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        attn_output, attn_weights = attention_interface(
-            self,
-            query_states,
-            key_states,
-            value_states,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            **kwargs,
-        )
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()  # (B, T, D)
-        return self.o_proj(attn_output), attn_weights
+class UltraMemAttention(LlamaAttention):
+    """Multi-head causal self-attention with RoPE on the full head dim (no grouped KV heads): Llama's."""
 
 
 class UltraMemDecoderLayer(GradientCheckpointingLayer):
@@ -422,7 +202,7 @@ class UltraMemDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @_accepts_past_key_values
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -436,7 +216,7 @@ class UltraMemDecoderLayer(GradientCheckpointingLayer):
             self.input_layernorm(hidden_states),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
-            cache=cache,
+            **{_CACHE_FIELD: cache},  # Llama's attention names it as its Transformers release does
             **kwargs,
         )
         hidden_states = hidden_states + self.dropout(attn_output)
@@ -493,7 +273,7 @@ class CausalDepthwiseConv(nn.Module):
                     "UltraMem keeps query-conv states in the generation cache: build it with "
                     "DynamicCache(config=model.config) (or let the model create it with use_cache=True)."
                 )
-            has_past = cache.get_conv_state(self.cache_layer_idx, self.state_idx) is not None
+            has_past = layers[self.cache_layer_idx].has_previous_state[self.state_idx]  # get_conv_state: 5.24 on
             # With a previous state the cache returns cat(state, x) before overwriting its state in place
             # (so the old state must not be read after this call); on prefill it returns x, unpadded. While
             # `generate` records the past to roll it back (assisted decoding) the state is longer or shorter than
@@ -566,103 +346,47 @@ class MemoryQuery(nn.Module):
         return query[..., 0, :, :], query[..., -1, :, :]  # row and column queries, (B, T, H, r, Dk/r)
 
 
-Derived = TypeVar("Derived")
+class KeyRetrieval(nn.Module):
+    """Product keys (Lample et al. 2019): row and column keys of each head, scored against the query's r parts.
 
-
-class InferenceCache(nn.Module):
-    """Tensors derived from parameters, kept between forwards of an eval-mode model while they cannot change.
-
-    For what every decode step would otherwise recompute from fixed weights (the LayerNorm'd keys, the cores'
-    singular vectors). An entry is reused only in eval mode with grad off (a graph through a cached tensor
-    would be stale) and outside torch.compile (which traces the computation instead), and only while its
-    parameters keep their storage, dtype, device and version counter, which every in-place write bumps
-    (optimizer steps, `load_state_dict`, `copy_`). An entry holds the storages it was computed from, so a
-    new tensor (after `.to()`, say) cannot reuse their address and pass for them. `train()` empties the
-    cache. Writes through `.data` bypass the version counter: call `clear()` after them. It is a module only so
-    that `train()` / `eval()` reach it.
+    Shared by PKM and TDQKR: the keys (H, r, n, Dk/r) with their LayerNorm (trick 2), their init, and their scores.
+    Subclasses pick the top-m from the scores and say what auxiliary loss their parameters carry.
     """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.entries: dict[str, tuple[tuple, tuple[torch.UntypedStorage, ...], object]] = {}
-
-    def get(self, name: str, parameters: tuple[torch.Tensor, ...], compute: Callable[[], Derived]) -> Derived:
-        """compute(), or its cached result for `name` while `parameters` are unchanged.
-
-        A plain method, not `forward`: module hooks (DeepSpeed ZeRO-3's gather/release of parameters) must see
-        the modules `compute` calls, not a parameterless wrapper around them.
-        """
-        if self.training or torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return compute()
-        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in parameters)
-        entry = self.entries.get(name)
-        if entry is None or entry[0] != key:
-            entry = self.entries[name] = (key, tuple(p.untyped_storage() for p in parameters), compute())
-        return entry[2]
-
-    def clear(self) -> None:
-        self.entries.clear()
-
-    def __getstate__(self) -> dict:
-        """Pickled (`torch.save(model)`, `copy.deepcopy`) empty: the entries are derived, and the storages they hold
-        alias parameters under another type, which `torch.save` refuses."""
-        return {**self.__dict__, "entries": {}}
-
-    def train(self, mode: bool = True) -> "InferenceCache":
-        if mode:
-            self.clear()
-        return super().train(mode)
-
-
-def key_axis_scores(
-    retrieval: nn.Module, row_query: torch.Tensor, col_query: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row and column scores (B, T, H, r, n) of every key of a PKM or TDQKR retrieval module.
-
-    The LayerNorm'd keys (H, r, n, Dk/r) are cached at inference (see `InferenceCache`).
-    """
-    parameters = (retrieval.row_keys, retrieval.col_keys, *retrieval.key_norm.parameters())
-    row_keys, col_keys = retrieval.inference_cache.get(
-        "keys", parameters, lambda: (retrieval.key_norm(retrieval.row_keys), retrieval.key_norm(retrieval.col_keys))
-    )
-    row = torch.einsum("bthrd,hrnd->bthrn", row_query, row_keys)
-    col = torch.einsum("bthrd,hrnd->bthrn", col_query, col_keys)
-    return row, col
-
-
-def key_norm(config: UltraMemConfig, scales: MemoryInitScales) -> nn.Module:
-    """LayerNorm on each key part (trick 2), or the identity when `qk_layernorm` is off."""
-    if not config.qk_layernorm:
-        return nn.Identity()
-    part_dim = config.memory_key_dim // config.tucker_rank
-    return ScaledLayerNorm(part_dim, config.layer_norm_eps, scales.key_gain)
-
-
-def init_keys(retrieval: nn.Module) -> None:
-    """Keys ~ N(0, 1/part_dim), so unit-variance queries give unit-variance scores even without key norm."""
-    for keys in (retrieval.row_keys, retrieval.col_keys):
-        init.normal_(keys, std=keys.shape[-1] ** -0.5)
-
-
-class ProductKeyRetrieval(nn.Module):
-    """PKM retrieval (Lample et al. 2019): additive row + column scores, two-phase top-m, one score per slot."""
 
     def __init__(self, config: UltraMemConfig, scales: MemoryInitScales):
         super().__init__()
         self.topk = config.memory_topk
         self.num_keys = config.memory_num_keys
-        shape = (config.memory_heads, 1, config.memory_num_keys, config.memory_key_dim)
+        part_dim = config.memory_key_dim // config.tucker_rank
+        shape = (config.memory_heads, config.tucker_rank, config.memory_num_keys, part_dim)
         self.row_keys = nn.Parameter(torch.empty(shape))
         self.col_keys = nn.Parameter(torch.empty(shape))
-        self.key_norm = key_norm(config, scales)
+        self.key_norm = (
+            ScaledLayerNorm(part_dim, config.layer_norm_eps, scales.key_gain) if config.qk_layernorm else nn.Identity()
+        )
         self.inference_cache = InferenceCache()
 
     def init_ultramem(self) -> None:
-        init_keys(self)
+        """Keys ~ N(0, 1/part_dim), so unit-variance queries give unit-variance scores even without key norm."""
+        for keys in (self.row_keys, self.col_keys):
+            init.normal_(keys, std=keys.shape[-1] ** -0.5)
 
     def axis_scores(self, row_query: torch.Tensor, col_query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row and column scores of every key: (B, T, H, r, n) each."""
-        return key_axis_scores(self, row_query, col_query)
+        """S_row and S_col (B, T, H, r, n) of every key; the LayerNorm'd keys are cached at inference."""
+        parameters = (self.row_keys, self.col_keys, *self.key_norm.parameters())
+        row_keys, col_keys = self.inference_cache.get(
+            "keys", parameters, lambda: (self.key_norm(self.row_keys), self.key_norm(self.col_keys))
+        )
+        row = torch.einsum("bthrd,hrnd->bthrn", row_query, row_keys)
+        col = torch.einsum("bthrd,hrnd->bthrn", col_query, col_keys)
+        return row, col
+
+    def aux_loss(self) -> torch.Tensor:
+        return self.row_keys.new_zeros((), dtype=torch.float32)
+
+
+class ProductKeyRetrieval(KeyRetrieval):
+    """PKM retrieval: additive row + column scores, two-phase top-m, one score per slot (r = 1)."""
 
     def score_factors(self, row_scores: torch.Tensor, col_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(..., k, n) factors F_row, F_col with grid score [x, y] = F_row[:, x] . F_col[:, y]; for diagnostics.
@@ -677,101 +401,28 @@ class ProductKeyRetrieval(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Virtual addresses (B, T, H, m) and their scores (B, T, H, m, 1)."""
         row_scores, col_scores = self.axis_scores(row_query, col_query)
-        row_top, row_index = row_scores[..., 0, :].topk(self.topk, dim=-1)  # (B, T, H, m)
-        col_top, col_index = col_scores[..., 0, :].topk(self.topk, dim=-1)
-        grid = (row_top.unsqueeze(-1) + col_top.unsqueeze(-2)).flatten(-2)  # (B, T, H, m*m)
-        scores, flat_index = grid.topk(self.topk, dim=-1)
-        rows = row_index.gather(-1, flat_index // self.topk)
-        cols = col_index.gather(-1, flat_index % self.topk)
-        return rows * self.num_keys + cols, scores.unsqueeze(-1)
+        return product_key_topk(row_scores[..., 0, :], col_scores[..., 0, :], self.topk)
 
 
-def _polar(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Radius and angle of (x, y) with finite gradients at the origin (radius 0, angle 0, zero gradient there).
-
-    `hypot` and `atan2` have 0/0 gradients at (0, 0): a pure rotation or reflection, or a zero core, would give
-    NaN gradients through the aux loss. The origin is replaced by (1, 0) in both branches of the `where`.
-    """
-    origin = (x == 0) & (y == 0)
-    x_safe, y_safe = torch.where(origin, 1.0, x), torch.where(origin, 0.0, y)
-    radius = torch.where(origin, 0.0, torch.hypot(x_safe, y_safe))
-    return radius, torch.atan2(y_safe, x_safe)
-
-
-def svd_2x2(matrices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Closed-form SVD of 2x2 matrices (..., 2, 2): singular values (..., 2) descending, leading u and t (..., 2).
-
-    matrices = R(phi) diag(q + r, q - r) R(-theta), with q and r the norms of the rotation and reflection
-    parts. The signs of u and t are arbitrary (callers normalize them). Gradients are finite everywhere
-    (see `_polar`); where the SVD is differentiable they are those of `torch.linalg.svd`.
-    """
-    a, b, c, d = matrices[..., 0, 0], matrices[..., 0, 1], matrices[..., 1, 0], matrices[..., 1, 1]
-    q, rotation = _polar((a + d) / 2, (c - b) / 2)
-    r, reflection = _polar((a - d) / 2, (c + b) / 2)
-    phi, theta = (rotation + reflection) / 2, (rotation - reflection) / 2
-    u = torch.stack([phi.cos(), phi.sin()], dim=-1)
-    t = torch.stack([theta.cos(), -theta.sin()], dim=-1)
-    return torch.stack([q + r, (q - r).abs()], dim=-1), u, t
-
-
-def core_svd(cores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Singular values (..., r) descending, and the leading left/right singular vectors u, t (..., r) of cores.
-
-    On an accelerator with the paper's rank r = 2 this is `svd_2x2`: a few elementwise ops instead of
-    `torch.linalg.svd`, which synchronizes a CUDA device with the host at every call (twice per memory layer
-    per forward: retrieval and aux loss) and so stalls decoding and breaks CUDA graphs. On CPU, where there is
-    no device to wait for, LAPACK's 2x2 SVD costs less than the dozen small ops of the closed form.
-    """
-    if cores.shape[-1] == 2 and cores.device.type != "cpu":
-        return svd_2x2(cores)
-    left, singular_values, right_h = torch.linalg.svd(cores)
-    return singular_values, left[..., :, 0], right_h[..., 0, :]
-
-
-def tucker_aux_loss(cores: torch.Tensor, alpha: float, tau: float) -> torch.Tensor:
-    """alpha/(r-1) * sum_{i>=2} max(0, lambda_i - tau)^2 of each head's summed core, summed over heads.
-
-    cores: (..., h, r, r), the MCS cores of one memory layer or of several stacked (one SVD call for all).
-    """
-    rank = cores.shape[-1]
-    if rank == 1:
-        return cores.new_zeros(())
-    singular_values, _, _ = core_svd(cores.sum(-3).float())  # (..., r), descending
-    excess = F.relu(singular_values[..., 1:] - tau)
-    return alpha / (rank - 1) * excess.pow(2).sum()
-
-
-class TuckerQueryKeyRetrieval(nn.Module):
+class TuckerQueryKeyRetrieval(KeyRetrieval):
     """Tucker Decomposed Query-Key Retrieval (TDQKR) with multi-core scoring (MCS).
 
-    Scores are S_row^T C S_col with a rank-r Tucker core C = sum_i C^(i). The top-m is approximated in
-    two phases through the rank-1 SVD C ~ sigma u t^T: m rows by a = u^T S_row and m columns by
-    b = t^T S_col, then the exact scores of the m x m candidates pick the final m (see `candidates`).
+    Scores are S_row^T C S_col with a rank-r Tucker core C = sum_i C^(i). The top-m is approximated in two phases
+    through the rank-1 SVD C ~ sigma u t^T (`memory_ops.tucker_topk`). The aux loss keeps C close to rank 1.
     """
 
     def __init__(self, config: UltraMemConfig, scales: MemoryInitScales):
-        super().__init__()
-        self.topk = config.memory_topk
-        self.num_keys = config.memory_num_keys
-        part_dim = config.memory_key_dim // config.tucker_rank
-        shape = (config.memory_heads, config.tucker_rank, config.memory_num_keys, part_dim)
-        self.row_keys = nn.Parameter(torch.empty(shape))
-        self.col_keys = nn.Parameter(torch.empty(shape))
+        super().__init__(config, scales)
         self.cores = nn.Parameter(
             torch.empty(config.memory_heads, config.mcs_cores, config.tucker_rank, config.tucker_rank)
         )
-        self.key_norm = key_norm(config, scales)
-        self.inference_cache = InferenceCache()
         self.signed_candidates = config.tdqkr_signed_candidates
+        self.aux_loss_alpha, self.aux_loss_tau = config.aux_loss_alpha, config.aux_loss_tau
 
     def init_ultramem(self) -> None:
-        init_keys(self)
+        super().init_ultramem()
         num_cores, rank = self.cores.shape[1], self.cores.shape[-1]
         init.normal_(self.cores, std=(num_cores * rank * rank) ** -0.5)  # E||sum_i C^(i)||_F^2 = 1
-
-    def axis_scores(self, row_query: torch.Tensor, col_query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """S_row and S_col for every key: (B, T, H, r, n) each."""
-        return key_axis_scores(self, row_query, col_query)
 
     def score_factors(self, row_scores: torch.Tensor, col_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(..., r, n) factors F_row, F_col with grid score [x, y] = F_row[:, x] . F_col[:, y]; for diagnostics.
@@ -782,32 +433,6 @@ class TuckerQueryKeyRetrieval(nn.Module):
         left, singular_values, right_h = torch.linalg.svd(self.cores.sum(1).float())  # (H, r, r), (H, r), (H, r, r)
         row = torch.einsum("hak,...han->...hkn", left * singular_values.unsqueeze(-2), row_scores.float())
         return row, torch.einsum("hkb,...hbn->...hkn", right_h, col_scores.float())
-
-    def candidates(self, row_projected: torch.Tensor, col_projected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Candidate rows and columns (..., m') from the rank-1 projections a (..., n) and b (..., n).
-
-        sigma a_x b_y is large where a_x and b_y are both large, or both very negative. The SVD's sign is
-        arbitrary ((u, t) and (-u, -t) are the same rank-1 core), so picking the positive quadrant after a sign
-        normalisation makes retrieval jump when the normalisation flips (a tiny rotation of the core can
-        change every selected slot). Both quadrants are considered instead, which is sign-invariant:
-        by default each token takes the quadrant, (top-m a, top-m b) or (bottom-m a, bottom-m b), whose best
-        rank-1 score is higher (m' = m, the paper's m^2 candidates); with `tdqkr_signed_candidates` the m
-        largest and m smallest of each axis are all kept (m' = 2m, 4 m^2 candidates, exact for rank-1 cores).
-        Measured in README "Decisions" (`benchmarks/bench_retrieval.py`).
-        """
-        if self.signed_candidates:
-            row_index, col_index = (
-                torch.cat([axis.topk(self.topk, dim=-1).indices, axis.topk(self.topk, dim=-1, largest=False).indices], -1)
-                for axis in (row_projected, col_projected)
-            )
-            return row_index, col_index
-        # The quadrant is chosen from the axes' extremes, then one top-m per axis runs on the sign-flipped
-        # projections (the bottom-m of a is the top-m of -a): two topk calls instead of four, same candidates.
-        row_min, row_max = row_projected.amin(dim=-1, keepdim=True), row_projected.amax(dim=-1, keepdim=True)  # (..., 1)
-        col_min, col_max = col_projected.amin(dim=-1, keepdim=True), col_projected.amax(dim=-1, keepdim=True)
-        sign = torch.where(row_max * col_max >= row_min * col_min, 1.0, -1.0).to(row_projected.dtype)
-        row_index, col_index = ((axis * sign).topk(self.topk, dim=-1).indices for axis in (row_projected, col_projected))
-        return row_index, col_index
 
     @torch.no_grad()
     def leading_singular_vectors(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -820,21 +445,13 @@ class TuckerQueryKeyRetrieval(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Virtual addresses (B, T, H, m) and per-core scores (B, T, H, m, h)."""
         row_scores, col_scores = self.axis_scores(row_query, col_query)  # (B, T, H, r, n)
-        u, t = self.inference_cache.get("singular_vectors", (self.cores,), self.leading_singular_vectors)
-        # a = u^T S_row, b = t^T S_col, summed over the rank by broadcasting (an einsum here goes through a bmm on a
-        # permuted copy: 10x slower on CPU)
-        row_index, col_index = self.candidates(
-            (row_scores.detach() * u.unsqueeze(-1)).sum(-2), (col_scores.detach() * t.unsqueeze(-1)).sum(-2)
-        )  # (B, T, H, m') each
-        rank, num_candidates = row_scores.shape[-2], row_index.shape[-1]
-        row_candidates = row_scores.gather(-1, row_index.unsqueeze(-2).expand(-1, -1, -1, rank, -1))
-        col_candidates = col_scores.gather(-1, col_index.unsqueeze(-2).expand(-1, -1, -1, rank, -1))
-        flat_index, core_scores = ops.tucker_candidate_topk(
-            row_candidates, col_candidates, self.cores, self.topk
-        )  # (B, T, H, m), (B, T, H, m, h)
-        rows = row_index.gather(-1, flat_index // num_candidates)
-        cols = col_index.gather(-1, flat_index % num_candidates)
-        return rows * self.num_keys + cols, core_scores
+        leading = self.inference_cache.get("singular_vectors", (self.cores,), self.leading_singular_vectors)
+        return tucker_topk(
+            row_scores, col_scores, self.cores, leading, self.topk, self.signed_candidates, ops.tucker_candidate_topk
+        )
+
+    def aux_loss(self) -> torch.Tensor:
+        return tucker_aux_loss(self.cores, self.aux_loss_alpha, self.aux_loss_tau)
 
 
 def ive_shuffle(size: int, seed: int) -> torch.Tensor:
@@ -885,13 +502,22 @@ class ImplicitValueExpansion(nn.Module):
 
     def physical_slots(self, virtual_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Virtual addresses (...) -> physical rows in [0, N) and IVE groups in [0, E), same shape."""
-        if self.virtual_to_physical is not None:
-            virtual_index = self.virtual_to_physical[virtual_index]
-        return virtual_index % self.num_values, torch.div(virtual_index, self.num_values, rounding_mode="floor")
+        return physical_slots(virtual_index, self.virtual_to_physical, self.num_values)
 
     def forward(self, pooled: torch.Tensor) -> torch.Tensor:
         """Pooled values (T, E, Dv) of the E groups -> output (T, D)."""
         return self.projector(pooled.flatten(1))
+
+
+class ValueProjector(nn.Linear):
+    """The E IVE projectors W_p (Dv -> D) stacked as one (E * Dv -> D) matrix, so they run as one GEMM."""
+
+    def __init__(self, in_features: int, out_features: int, init_std: float):
+        super().__init__(in_features, out_features, bias=False)
+        self.init_std = init_std
+
+    def init_ultramem(self) -> None:
+        init.normal_(self.weight, std=self.init_std)
 
 
 class UltraMemMemoryLayer(GradientCheckpointingLayer):
@@ -909,15 +535,13 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         self.query = MemoryQuery(config, scales, cache_layer_idx, state_idx)
         retrieval_cls = TuckerQueryKeyRetrieval if config.retrieval_mode == TUCKER else ProductKeyRetrieval
         self.retrieval = retrieval_cls(config, scales)
-        self.values = (
-            DeferredValueTable(
-                config.memory_num_values, config.memory_value_dim, config.memory_offload, scales.value_std
-            )
-            if tables_deferred(config)
-            else MemoryValueTable(config.memory_num_values, config.memory_value_dim, scales.value_std)
-        )
+        table_cls = DeferredValueTable if tables_deferred(config) else MemoryValueTable
+        self.values = table_cls(config.memory_num_values, config.memory_value_dim, scales.value_std)  # a value store
         self.value_expansion = ImplicitValueExpansion(config, scales)
         self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def memory_ops(self, device: torch.device) -> MemoryOps:
+        return memory_ops_for(getattr(self.config, "_memory_implementation", None), device)
 
     def retrieve(
         self,
@@ -932,7 +556,7 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         padding_mask (B, T): 0 at padded tokens. sequence_ids (B, T): for rows that pack several sequences, the
         sequence of each token (Transformers' `find_packed_sequence_indices`); None when each row is one sequence.
         """
-        ops = ops or select_memory_ops(self.config.memory_kernel, hidden_states.device)
+        ops = ops or self.memory_ops(hidden_states.device)
         row_query, col_query = self.query(self.norm(hidden_states), padding_mask, cache, sequence_ids)
         virtual_index, scores = self.retrieval(row_query, col_query, ops)
         if self.config.memory_score_softmax:
@@ -982,7 +606,7 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, MemoryOps]:
         """The value store's arguments: physical rows and IVE groups (B*T, H*m), scores (B*T, H*m, h), E, the ops."""
         batch, length, _ = hidden_states.shape
-        ops = select_memory_ops(self.config.memory_kernel, hidden_states.device)
+        ops = self.memory_ops(hidden_states.device)
         virtual_index, scores = self.retrieve(hidden_states, padding_mask, cache, ops, sequence_ids)
         num_slots = virtual_index.shape[-2] * virtual_index.shape[-1]
         rows, groups = self.value_expansion.physical_slots(virtual_index.reshape(batch * length, num_slots))
@@ -992,36 +616,8 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         """The store's pooled values (B*T, E, Dv) -> the layer's output (B, T, D)."""
         return self.dropout(self.value_expansion(pooled.to(hidden_states.dtype)).view(hidden_states.shape))
 
-    def aux_loss(self) -> torch.Tensor:
-        if isinstance(self.retrieval, TuckerQueryKeyRetrieval):
-            return tucker_aux_loss(self.retrieval.cores, self.config.aux_loss_alpha, self.config.aux_loss_tau)
-        return self.norm.weight.new_zeros((), dtype=torch.float32)
 
-
-def offloaded_by_accelerate(module: nn.Module) -> bool:
-    """Whether Accelerate offloads the module (`device_map` "disk", or "cpu" beside an accelerator): its hooks
-    load the weights for each of its forwards and leave meta tensors otherwise."""
-    return getattr(getattr(module, "_hf_hook", None), "offload", False)
-
-
-def offloaded_weights_loaded(modules: list[nn.Module]) -> AbstractContextManager:
-    """Loads the weights of those `modules` that are `offloaded_by_accelerate`, for a read outside their forward
-    (a no-op context otherwise, which torch.compile traces)."""
-    offloaded = [module for module in modules if offloaded_by_accelerate(module)]
-    return _weights_loaded(offloaded) if offloaded else nullcontext()
-
-
-@contextmanager
-def _weights_loaded(modules: list[nn.Module]) -> Iterator[None]:
-    from accelerate.utils import align_module_device
-
-    with ExitStack() as loaded:
-        for module in modules:
-            loaded.enter_context(align_module_device(module))
-        yield
-
-
-class UltraMemPreTrainedModel(PreTrainedModel):
+class UltraMemPreTrainedModel(ValueStoreMixin, PreTrainedModel):
     config: UltraMemConfig
     config_class = UltraMemConfig
     base_model_prefix = "model"
@@ -1031,13 +627,17 @@ class UltraMemPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
+    _can_compile_fullgraph = True
     _can_record_outputs = {
         "hidden_states": UltraMemDecoderLayer,
         "attentions": UltraMemAttention,
     }
+    # Tables a value store serves are left out of the load (`DeferredValueTable`); the store reads them itself
+    _keys_to_ignore_on_load_unexpected = [r"memory_layers\.\d+\.values\.weight$"]
 
     def __init__(self, config: UltraMemConfig, *inputs, **kwargs):
         config.prepare_for_model()  # fields assigned after the config was built are checked before any module is
+        check_memory_implementation(getattr(config, "_memory_implementation", None))
         super().__init__(config, *inputs, **kwargs)
 
     @torch.no_grad()
@@ -1065,45 +665,11 @@ class UltraMemPreTrainedModel(PreTrainedModel):
         """Names of the memory value tables, for the optimizer's value-LR parameter group."""
         return [f"{name}.values.weight" for name, _ in self.named_memory_layers()]
 
-    def set_value_store(self, store: str, **options) -> None:
-        """Put every memory layer's values in the value store `store` of `VALUE_STORES` (see `ValueStore`).
-
-        Parameter names do not change (`...values.weight`), so optimizer groups and checkpoints keep their keys.
-        """
-        if store not in VALUE_STORES:
-            raise ValueError(f"value store {store!r} is not registered; choose one of {sorted(VALUE_STORES)}")
-        self._install_value_store(VALUE_STORES[store], **options)
-
-    def _install_value_store(self, store: type[ValueStore], **options) -> None:
-        for name, layer in self.named_memory_layers():
-            if not isinstance(layer.values, (MemoryValueTable, DeferredValueTable)):
-                raise ValueError(f"{name}.values is already a {type(layer.values).__name__} store")
-            layer.values = store.from_table(layer.values, f"{name}.values.weight", **options)
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, plus `memory_offload="cpu" | "disk"` (a config field set like any other).
-
-        With it, the value tables are left out of the load (`DeferredValueTable`) and then attached as the
-        offloaded stores of `ultramem.offload`, read from the checkpoint's safetensors; everything else goes
-        where `device_map` / `dtype` say. The checkpoint is checked first, so a bad one fails before any load.
-        """
-        config = kwargs.get("config")
-        offload = kwargs.get("memory_offload", getattr(config, "memory_offload", None))
-        if not offload:
-            model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-            if any(offloaded_by_accelerate(layer.values) for _, layer in model.named_memory_layers()):
-                logger.warning(
-                    "device_map offloads UltraMem value tables: Accelerate loads each of them whole at every "
-                    "forward. from_pretrained(..., memory_offload='cpu' | 'disk') reads only the selected rows."
-                )
-            return model
-        validate_memory_offload(offload)
-        store = offload_store(offload)
-        checkpoint = store.find_checkpoint(pretrained_model_name_or_path, **kwargs)
-        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        model._install_value_store(store, checkpoint=checkpoint, device=model.device, dtype=model.dtype)
-        return model
+    def set_memory_implementation(self, implementation: str | None) -> None:
+        """How the memory layers compute (`memory_implementations`): a registered name, or None for the device's
+        default. A private, unsaved setting, as `set_attn_implementation` is for attention."""
+        check_memory_implementation(implementation)
+        self.config._memory_implementation = implementation
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Map AutoConfig and every Auto class with an UltraMem model in `auto_map` (Transformers writes only the saved
@@ -1129,8 +695,6 @@ class UltraMemModel(UltraMemPreTrainedModel):
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.inference_cache = InferenceCache()
         self.gradient_checkpointing = False
-        if tables_deferred(config):  # the tables are attached after loading (`DeferredValueTable`)
-            self._keys_to_ignore_on_load_unexpected = [r"memory_layers\.\d+\.values\.weight$"]
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -1163,7 +727,8 @@ class UltraMemModel(UltraMemPreTrainedModel):
         ]
         return sum(loss.to(losses[0].device) for loss in losses[1:]) + losses[0]
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+
+    @_accepts_past_key_values
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -1180,6 +745,8 @@ class UltraMemModel(UltraMemPreTrainedModel):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, D)
+        if _CACHE_FIELD != "cache" and cache is not None and not isinstance(cache, Cache):
+            kwargs["cache"], cache = cache, None  # before 5.24 continuous batching's paged cache is the attention's
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         # Rows packing several sequences (padding-free training, the caller's restarting `position_ids`): the query
@@ -1197,13 +764,8 @@ class UltraMemModel(UltraMemPreTrainedModel):
         if isinstance(attention_mask, dict):
             causal_mask, padding_mask = attention_mask["full_attention"], attention_mask.get("linear_attention")
         else:
-            causal_mask = create_causal_mask(
-                config=self.config,
-                inputs_embeds=inputs_embeds,
-                attention_mask=attention_mask,
-                cache=cache,
-                position_ids=position_ids,
-            )
+            # positional: the cache argument is `cache` from Transformers 5.24 on, `past_key_values` before
+            causal_mask = create_causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids)
             # (B, T) padding mask of the current tokens for the query convolutions, also on one-token steps
             padding_mask = None
             if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
@@ -1228,7 +790,7 @@ class UltraMemModel(UltraMemPreTrainedModel):
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{_CACHE_FIELD: cache})
 
 
 class UltraMemForCausalLM(UltraMemPreTrainedModel, GenerationMixin):
@@ -1252,7 +814,7 @@ class UltraMemForCausalLM(UltraMemPreTrainedModel, GenerationMixin):
             )
         return super().init_continuous_batching(*args, **kwargs)
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @_accepts_past_key_values
     @can_return_tuple
     def forward(
         self,
@@ -1301,9 +863,9 @@ class UltraMemForCausalLM(UltraMemPreTrainedModel, GenerationMixin):
             lm_loss=lm_loss,
             aux_loss=aux_loss,
             logits=logits,
-            cache=outputs.cache,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+            **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)},
         )
 
 
@@ -1323,6 +885,14 @@ class TaskHeadWithAuxLoss:
     """
 
     accepts_loss_kwargs = False
+
+    def __init__(self, config: UltraMemConfig):
+        # The generic heads build their backbone with `AutoModel.from_config(config)`, which finds remote code only
+        # through the Auto mapping: a checkpoint's code (its own copy of the config class) is registered first, so a
+        # head loads with `trust_remote_code=True` alone instead of asking again, and failing, for the backbone.
+        if type(config) not in AutoModel._model_mapping:
+            AutoModel.register(type(config), UltraMemModel, exist_ok=True)
+        super().__init__(config)
 
     @property
     def loss_function(self) -> Callable[..., torch.Tensor]:
@@ -1352,6 +922,28 @@ TASK_HEADS = {
     "AutoModelForTokenClassification": UltraMemForTokenClassification,
     "AutoModelForQuestionAnswering": UltraMemForQuestionAnswering,
 }
+
+# Names that moved out of this module in 0.2 (one release of grace)
+_MOVED = {
+    "VALUE_STORES": "value_stores",
+    "deferred_value_tables": "value_stores",
+    "offloaded_by_accelerate": "value_stores",
+    "TORCH_MEMORY_OPS": "memory_implementations",
+    "EMBEDDING_BAG_MEMORY_OPS": "memory_implementations",
+    "svd_2x2": "memory_ops",
+}
+
+
+def __getattr__(name: str):
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    import warnings
+
+    module = _MOVED[name]
+    warnings.warn(f"{__name__}.{name} moved to ultramem.{module}.{name}", FutureWarning, stacklevel=2)
+    return getattr(importlib.import_module(f".{module}", __package__), name)
+
 
 __all__ = [
     "UltraMemForCausalLM",

@@ -5,7 +5,7 @@ import torch
 from conftest import assert_trains_like_the_reference
 
 from ultramem import memory_ops
-from ultramem.modeling_ultramem import EMBEDDING_BAG_MEMORY_OPS, TORCH_MEMORY_OPS, select_memory_ops
+from ultramem.memory_implementations import EMBEDDING_BAG_MEMORY_OPS, TORCH_MEMORY_OPS, memory_ops_for
 
 # atol is relative to the largest expected magnitude: a bfloat16 value gradient sums ~50 rounded contributions per
 # row here, in bfloat16 on both paths (the reference's is off by 0.12 at magnitude 10)
@@ -50,15 +50,15 @@ def test_embedding_bag_lookup_matches_reference(num_tokens, dtype, num_groups, n
         torch.testing.assert_close(got.float(), expected, rtol=tolerance["rtol"], atol=tolerance["atol"] * scale, msg=name)
 
 
-def test_auto_picks_embedding_bag_on_cpu():
+def test_the_default_on_cpu_is_embedding_bag():
     cpu = torch.device("cpu")
-    assert select_memory_ops("auto", cpu) is EMBEDDING_BAG_MEMORY_OPS
-    assert select_memory_ops("embedding_bag", cpu) is EMBEDDING_BAG_MEMORY_OPS
-    assert select_memory_ops("torch", cpu) is TORCH_MEMORY_OPS
+    assert memory_ops_for(None, cpu) is EMBEDDING_BAG_MEMORY_OPS
+    assert memory_ops_for("embedding_bag", cpu) is EMBEDDING_BAG_MEMORY_OPS
+    assert memory_ops_for("torch", cpu) is TORCH_MEMORY_OPS
 
 
 def test_model_trains_through_embedding_bag():
-    """UltraMemForCausalLM with memory_kernel='embedding_bag' gives the loss and every gradient of 'torch'."""
+    """UltraMemForCausalLM with memory_implementation='embedding_bag' gives the loss and every gradient of 'torch'."""
     assert_trains_like_the_reference("embedding_bag", torch.randint(0, 97, (2, LONG)))
 
 

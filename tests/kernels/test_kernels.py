@@ -301,7 +301,7 @@ def test_torch_compile_traces_the_kernels_without_graph_breaks():
 def test_cpu_tensors_without_interpreter_raise_a_clear_error(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     values, rows, groups, scores, _ = _lookup_inputs(2, 3, 4, 5, 1, 1, torch.float32, seed=0)
-    with pytest.raises(RuntimeError, match="need triton and CUDA tensors .*memory_kernel='torch'"):
+    with pytest.raises(RuntimeError, match="need triton and CUDA tensors .*set_memory_implementation"):
         kernels.lookup_reduce(values, rows, groups, scores, 1)
     with pytest.raises(RuntimeError, match="need triton and CUDA tensors"):
         kernels.tucker_candidate_topk(*_candidate_inputs((2,), 1, 1, 2, 3, torch.float32, seed=0), 3)
@@ -342,7 +342,7 @@ def test_kernels_compile_for_ampere_and_hopper():
 
 @in_process
 def test_model_trains_through_the_kernels():
-    """UltraMemForCausalLM with memory_kernel='triton' gives the loss and every gradient of 'torch'."""
+    """UltraMemForCausalLM with memory_implementation='triton' gives the loss and every gradient of 'torch'."""
     from conftest import assert_trains_like_the_reference
 
     torch.manual_seed(0)
@@ -357,7 +357,7 @@ def test_model_compiles_without_graph_breaks_through_the_kernels():
     from ultramem import UltraMemForCausalLM
 
     torch.manual_seed(0)
-    model = UltraMemForCausalLM(small_config(memory_kernel="triton", num_hidden_layers=2, memory_layers=[[0, 1]]))
+    model = UltraMemForCausalLM(small_config(memory_implementation="triton", num_hidden_layers=2, memory_layers=[[0, 1]]))
     input_ids = torch.randint(0, 97, (2, 9))
     eager = model(input_ids=input_ids, labels=input_ids).loss
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(input_ids=input_ids, labels=input_ids).loss

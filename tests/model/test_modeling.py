@@ -524,7 +524,7 @@ def test_static_cache_extended_decode_matches_full_forward():
 
 def test_closed_form_core_svd_matches_lapack():
     """The closed-form 2x2 SVD the model uses on accelerators, against LAPACK."""
-    from ultramem.modeling_ultramem import core_svd, svd_2x2
+    from ultramem.memory_ops import core_svd, svd_2x2
 
     torch.manual_seed(0)
     cores = torch.randn(4096, 2, 2, dtype=torch.float64)
@@ -539,7 +539,7 @@ def test_closed_form_core_svd_matches_lapack():
 def test_model_is_unchanged_with_the_closed_form_svd(monkeypatch):
     """Logits, aux loss and its gradient are the same when the model takes the accelerator (closed-form) path."""
     from ultramem import modeling_ultramem
-    from ultramem.modeling_ultramem import svd_2x2
+    from ultramem.memory_ops import svd_2x2
 
     config = small_config(memory_layers=[[0, 2], [1, 3]])
     torch.manual_seed(0)

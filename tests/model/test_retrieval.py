@@ -51,7 +51,7 @@ def _rotation(angle: float) -> torch.Tensor:
 )
 def test_svd_2x2_gradients_are_finite_and_match_linalg(name, matrix):
     """The closed form used on accelerators: finite gradients everywhere, torch.linalg.svd's where defined."""
-    from ultramem.modeling_ultramem import svd_2x2
+    from ultramem.memory_ops import svd_2x2
 
     closed = matrix.double().requires_grad_()
     singular, u, t = svd_2x2(closed)
@@ -188,8 +188,9 @@ def test_exact_top_m_without_the_grid(num_keys, rank, decay):
 
 def test_diagnostics_recall_matches_the_full_grid(monkeypatch):
     """Recall from the bounded search equals the recall against every cell of the n x n grid."""
-    import ultramem.diagnostics as diagnostics
     from test_modeling import _left_padded_batch, _model
+
+    import ultramem.diagnostics as diagnostics
 
     model = _model(small_config(memory_num_keys=24), seed=2)
     input_ids, attention_mask = _left_padded_batch(97, [10, 7, 4], seed=3)

@@ -100,13 +100,13 @@ def test_fresh_process_loads_identical_model(saved, mode, tmp_path):
 
 
 def test_saved_model_code_names_the_transformers_it_needs(saved, monkeypatch):
-    """The folder's copy of the model code, imported under a Transformers older than its `cache` API, says which."""
+    """The folder's copy of the model code, imported under a Transformers older than it supports, says which."""
     folder = saved[0]
     real_version = importlib.metadata.version
-    older = {"transformers": "5.23.0"}
+    older = {"transformers": "5.16.0"}
     monkeypatch.setattr(importlib.metadata, "version", lambda name: older.get(name) or real_version(name))
     spec = importlib.util.spec_from_file_location("ultramem.saved_modeling_copy", folder / "modeling_ultramem.py")
-    with pytest.raises(ImportError, match=r"transformers>=5\.24 is required .* found transformers==5\.23\.0"):
+    with pytest.raises(ImportError, match=r"transformers>=5\.17 is required .* found transformers==5\.16\.0"):
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
@@ -114,7 +114,6 @@ def test_saved_model_code_names_the_transformers_it_needs(saved, monkeypatch):
     "keywords, invalid",
     [
         (dict(memory_topk=0), "memory_topk=0 is invalid: must be a positive integer"),
-        (dict(memory_kernel="cuda"), "memory_kernel='cuda' is invalid: must be one of"),
         (dict(memory_layers=[[0, 9]]), r"memory_layers\[0\]=\[0, 9\] is invalid: block indices must be in \[0, 4\)"),
         (dict(aux_loss_alpha=-1.0), "aux_loss_alpha=-1.0 is invalid: must be >= 0"),
     ],
@@ -146,8 +145,10 @@ def test_placement_given_at_load_or_assigned_later_derives_the_cache_layout(save
             for use_cache in (True, False)
         )
         assert torch.equal(cached, uncached)
-    assigned.memory_topk = 0
     with pytest.raises(UltraMemConfigError, match="memory_topk=0 is invalid"):
+        assigned.memory_topk = 0  # a field alone: checked when set
+    assigned.memory_topk = 13  # against the others (memory_num_keys=12): checked when a model is built
+    with pytest.raises(UltraMemConfigError, match="memory_topk=13 is invalid: must be <= memory_num_keys=12"):
         UltraMemForCausalLM(assigned)
 
 

@@ -26,7 +26,7 @@ MODES = ("number", "dimension")
 
 def table_config() -> UltraMemConfig:
     """Tables (4096 x 16) larger than any other tensor of the model, so a whole one would show."""
-    return small_config(memory_kernel="torch", memory_num_keys=64, memory_value_dim=16)
+    return small_config(memory_implementation="torch", memory_num_keys=64, memory_value_dim=16)
 
 
 class _RecordedSlice:

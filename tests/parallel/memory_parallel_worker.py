@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ultramem import UltraMemForCausalLM
-from ultramem.modeling_ultramem import TORCH_MEMORY_OPS
+from ultramem.memory_implementations import TORCH_MEMORY_OPS
 from ultramem.parallel import count_bytes
 from ultramem.parallel.setup import memory_parallel_mesh
 from ultramem.parallel.volume import LookupShape, dimension_volume, number_volume
@@ -56,7 +56,7 @@ def _max_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def model_checks(mesh, world: int, rank: int) -> dict:
     """Logits, loss and every gradient of the sharded model on this rank's batch slice vs one process."""
     torch.manual_seed(0)
-    config = small_config(memory_kernel="torch")
+    config = small_config(memory_implementation="torch")
     reference = UltraMemForCausalLM(config)
     input_ids = torch.randint(1, config.vocab_size, (2 * world, 9))
     out = reference(input_ids, labels=input_ids)
@@ -132,7 +132,7 @@ def store_checks(mesh, rank: int) -> dict:
 
 
 def type_of(key: str):
-    from ultramem.modeling_ultramem import VALUE_STORES
+    from ultramem.value_stores import VALUE_STORES
 
     return VALUE_STORES[_store_name(key)]
 

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from ultramem import UltraMemForCausalLM
-from ultramem.modeling_ultramem import VALUE_STORES, MemoryValueTable
+from ultramem.value_stores import VALUE_STORES, MemoryValueTable
 
 
 class RecordingStore(nn.Module):

@@ -5,8 +5,16 @@ name in `ultramem.memory_ops`. Importing this package never imports Triton: kern
 on first launch. See README.md in this folder.
 """
 
+from types import SimpleNamespace
+
 from ultramem.kernels._device import triton_available
 from ultramem.kernels.candidate_topk import tucker_candidate_topk
 from ultramem.kernels.lookup_reduce import lookup_reduce
+from ultramem.memory_implementations import MemoryImplementations
 
-__all__ = ["lookup_reduce", "triton_available", "tucker_candidate_topk"]
+TRITON_MEMORY_OPS = SimpleNamespace(
+    lookup_reduce=lookup_reduce, tucker_candidate_topk=tucker_candidate_topk, available=triton_available
+)
+MemoryImplementations.register("triton", TRITON_MEMORY_OPS)
+
+__all__ = ["TRITON_MEMORY_OPS", "lookup_reduce", "triton_available", "tucker_candidate_topk"]

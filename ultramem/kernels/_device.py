@@ -1,4 +1,4 @@
-"""Where the Triton kernels can run (the model's `select_memory_ops` decides when to use them)."""
+"""Where the Triton kernels can run (`ultramem.memory_implementations` decides when to use them)."""
 
 from __future__ import annotations
 
@@ -26,5 +26,5 @@ def require_launchable(device: torch.device) -> None:
         raise RuntimeError(
             f"the Triton memory kernels need triton and CUDA tensors (or TRITON_INTERPRET=1 for CPU "
             f"tensors); got tensors on {device}, triton importable: {importlib.util.find_spec('triton') is not None}. "
-            "Set config.memory_kernel='torch' or 'auto'."
+            "Choose another with model.set_memory_implementation('torch' | 'embedding_bag') or leave it unset."
         )

@@ -7,12 +7,13 @@ model's device, in a background thread during the skip-layer window. `write_rand
 full-size random checkpoint of any UltraMem preset to disk without holding its tables in memory.
 """
 
-from ..modeling_ultramem import VALUE_STORES
+from ..value_stores import ValueStores
 from .safetensors_file import OffloadCheckpointError, SafetensorsCheckpoint
 from .stores import DiskValueStore, HostValueStore, OffloadedValueStore
 
 OFFLOAD_STORES: dict[str, type[OffloadedValueStore]] = {"cpu": HostValueStore, "disk": DiskValueStore}
-VALUE_STORES.update(OFFLOAD_STORES)
+for _name, _store in OFFLOAD_STORES.items():
+    ValueStores.register(_name, _store)
 
 __all__ = [
     "OFFLOAD_STORES",

@@ -1,16 +1,16 @@
 """Memory parallelism: value tables sharded over data-parallel ranks, number-wise or dimension-wise.
 
-Importing this package registers the "number" and "dimension" value stores in `VALUE_STORES`.
+Importing this package registers the "number" and "dimension" value stores (`ultramem.value_stores`).
 """
 
-from ultramem.modeling_ultramem import VALUE_STORES
 from ultramem.parallel.comm import count_bytes
 from ultramem.parallel.dimension import DimensionShardedValues
 from ultramem.parallel.number import NumberShardedValues
 from ultramem.parallel.setup import MEMORY_PARALLEL_CHOICES, apply_memory_parallel, plan_memory_parallel
+from ultramem.value_stores import ValueStores
 
-VALUE_STORES["number"] = NumberShardedValues
-VALUE_STORES["dimension"] = DimensionShardedValues
+ValueStores.register("number", NumberShardedValues)
+ValueStores.register("dimension", DimensionShardedValues)
 
 __all__ = [
     "MEMORY_PARALLEL_CHOICES",

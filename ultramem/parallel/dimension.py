@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ultramem.modeling_ultramem import MemoryOps
+from ultramem.memory_implementations import MemoryOps
 from ultramem.parallel.comm import all_gather, all_to_all
 from ultramem.parallel.sharded import ShardedValueStore
 

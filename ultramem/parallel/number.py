@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ultramem.modeling_ultramem import MemoryOps
+from ultramem.memory_implementations import MemoryOps
 from ultramem.parallel.comm import all_to_all, exchange_counts
 from ultramem.parallel.sharded import ShardedValueStore
 

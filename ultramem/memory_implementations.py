@@ -1,0 +1,103 @@
+"""How a memory layer's two kernels are computed: a registry, as Transformers' `AttentionInterface` is for attention.
+
+The choice is a private, unsaved setting (`config._memory_implementation`), given as
+`from_pretrained(path, memory_implementation=...)` or `model.set_memory_implementation(...)`; unset, it follows the
+device (`default_memory_implementation`). A checkpoint therefore never carries the machine it was trained on.
+
+Registered: "torch" (the pure-PyTorch reference, `memory_ops`), "embedding_bag" (the reference with its lookup as one
+`F.embedding_bag`, the fast path on CPU) and, on `import ultramem`, "triton" (`ultramem.kernels`). A new kernel is one
+`MemoryImplementations.register(name, ops)` call.
+
+This file is copied beside `modeling_ultramem.py` into checkpoints (remote code). A copy loaded without the
+`ultramem` package knows only the PyTorch implementations; with the package installed it also finds what the package
+registered.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Protocol
+
+import torch
+from transformers.utils.generic import GeneralInterface
+
+from .memory_ops import lookup_reduce, lookup_reduce_embedding_bag, tucker_candidate_topk
+
+
+class MemoryOps(Protocol):
+    """The memory layer's two kernels, with the contract of their reference in `memory_ops`."""
+
+    def lookup_reduce(
+        self, values: torch.Tensor, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor, num_groups: int
+    ) -> torch.Tensor: ...
+
+    def tucker_candidate_topk(
+        self, row_scores: torch.Tensor, col_scores: torch.Tensor, cores: torch.Tensor, topk: int
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+TORCH_MEMORY_OPS: MemoryOps = SimpleNamespace(lookup_reduce=lookup_reduce, tucker_candidate_topk=tucker_candidate_topk)
+EMBEDDING_BAG_MEMORY_OPS: MemoryOps = SimpleNamespace(
+    lookup_reduce=lookup_reduce_embedding_bag, tucker_candidate_topk=tucker_candidate_topk
+)
+
+
+class MemoryImplementations(GeneralInterface):
+    """Name -> `MemoryOps`. An entry may define `available()`; the device default skips entries that say False."""
+
+    _global_mapping = {"torch": TORCH_MEMORY_OPS, "embedding_bag": EMBEDDING_BAG_MEMORY_OPS}
+
+
+ALL_MEMORY_IMPLEMENTATIONS = MemoryImplementations()
+
+
+def _package_registry() -> MemoryImplementations | None:
+    """The `ultramem` package's registry when this module is a remote-code copy and the package is installed."""
+    try:
+        from ultramem import memory_implementations
+    except ImportError:
+        return None
+    return None if memory_implementations.MemoryImplementations is MemoryImplementations else memory_implementations.ALL_MEMORY_IMPLEMENTATIONS
+
+
+def registered_memory_implementations() -> list[str]:
+    package = _package_registry()
+    return sorted({*ALL_MEMORY_IMPLEMENTATIONS, *(package or ())})
+
+
+def _lookup(name: str) -> MemoryOps | None:
+    if name in ALL_MEMORY_IMPLEMENTATIONS:
+        return ALL_MEMORY_IMPLEMENTATIONS[name]
+    package = _package_registry()
+    return package[name] if package is not None and name in package else None
+
+
+def _usable(name: str) -> bool:
+    ops = _lookup(name)
+    return ops is not None and getattr(ops, "available", lambda: True)()
+
+
+def default_memory_implementation(device: torch.device) -> str:
+    """embedding_bag on CPU, Triton on CUDA where it is registered and can launch, the reference elsewhere."""
+    if device.type == "cpu":
+        return "embedding_bag"
+    if device.type == "cuda" and _usable("triton"):
+        return "triton"
+    return "torch"
+
+
+def check_memory_implementation(name: str | None) -> None:
+    """One line naming the allowed names, for a name no registry knows (None means the device default)."""
+    if name is not None and _lookup(name) is None:
+        hint = " (`pip install 'ultramem[triton]'` and `import ultramem` register it)" if name == "triton" else ""
+        raise ValueError(
+            f"memory_implementation={name!r} is not registered; choose one of "
+            f"{registered_memory_implementations()} or None (the device's default){hint}"
+        )
+
+
+def memory_ops_for(name: str | None, device: torch.device) -> MemoryOps:
+    """The ops of implementation `name` (None: the default for `device`)."""
+    name = name or default_memory_implementation(device)
+    check_memory_implementation(name)
+    return _lookup(name)

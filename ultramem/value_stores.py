@@ -1,0 +1,229 @@
+"""Where a memory layer's value table lives: one interface, one registry, one way to choose at load and after.
+
+A value store is a module whose forward is the lookup-reduce of the selected rows:
+`store(rows, groups, scores, num_groups, ops) -> (T, E, Dv)`, `ops` being the model's `MemoryOps` (how to compute,
+a separate axis: `memory_implementations`). Where the rows live is the store's business: this device (`"local"`,
+`MemoryValueTable`, the default), host memory or a memory-mapped file (`"cpu"`, `"disk"`, `ultramem.offload`), shards
+on other ranks (`"number"`, `"dimension"`, `ultramem.parallel`). Stores register in `VALUE_STORES` as attention
+functions do in Transformers' `AttentionInterface`; `import ultramem` registers all of the package's.
+
+Choosing a store:
+- at load: `from_pretrained(path, memory_offload="cpu" | "disk")` (the tables are never loaded whole: they are left
+  out of the load, see `DeferredValueTable`, and the store reads the checkpoint);
+- on a model: `model.set_value_store(name, **options)`.
+
+A store may also offer `lookup_reduce_async(...)` (same arguments) returning an object whose `result()` is the pooled
+tensor: the memory layer then starts the read at its read block and collects it after its write block.
+
+This file is copied beside `modeling_ultramem.py` into checkpoints (remote code); such a copy finds the package's
+stores when the `ultramem` package is installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from contextvars import ContextVar
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.utils import logging
+from transformers.utils.generic import GeneralInterface
+
+from .configuration_ultramem import UltraMemConfigError
+
+logger = logging.get_logger(__name__)
+
+
+class MemoryValueTable(nn.Embedding):
+    """The physical value table V (N, Dv) of one memory layer, whole on this process's device: the "local" store.
+
+    An `nn.Embedding` so that Accelerate's `device_map`, PEFT's `modules_to_save` and the Trainer treat it as the
+    embedding table it is; its forward is the store's lookup-reduce, not an embedding.
+    """
+
+    def __init__(self, num_values: int, value_dim: int, init_std: float):
+        super().__init__(num_values, value_dim)
+        self.init_std = init_std
+
+    def init_ultramem(self) -> None:
+        init.normal_(self.weight, std=self.init_std)
+
+    @classmethod
+    def from_table(cls, table: nn.Module, name: str, **options: Any) -> nn.Module:
+        if options:
+            raise TypeError(f"the local value store takes no options, got {sorted(options)}")
+        return table
+
+    def forward(self, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor, num_groups: int, ops) -> torch.Tensor:
+        """rows, groups (T, K), scores (T, K, h) -> (T, E, Dv): see `memory_ops.lookup_reduce`."""
+        return ops.lookup_reduce(self.weight, rows, groups, scores, num_groups)
+
+
+class ValueStore(Protocol):
+    """What a registered store class provides.
+
+    `from_table` builds the store from a layer's `MemoryValueTable` or `DeferredValueTable` (`name` is the weight's
+    state-dict key, e.g. to find it in a checkpoint). A store that reads a checkpoint at load defines
+    `find_checkpoint(path, **from_pretrained_kwargs)`, called before anything else is loaded.
+    """
+
+    @classmethod
+    def from_table(cls, table: nn.Module, name: str, **options: Any) -> nn.Module: ...
+
+
+class ValueStores(GeneralInterface):
+    """Name -> store class (`ValueStore`)."""
+
+    _global_mapping = {"local": MemoryValueTable}
+
+
+VALUE_STORES = ValueStores()
+
+
+def _package_registry() -> ValueStores | None:
+    """The `ultramem` package's registry (importing it registers every store) when this module is a remote-code copy."""
+    try:
+        from ultramem import value_stores
+    except ImportError:
+        return None
+    return None if value_stores.ValueStores is ValueStores else value_stores.VALUE_STORES
+
+
+def value_store(name: str) -> type[ValueStore]:
+    """The registered store class `name`, or one line naming the registered ones."""
+    if name in VALUE_STORES:
+        return VALUE_STORES[name]
+    package = _package_registry()
+    if package is not None and name in package:
+        return package[name]
+    if package is None and ValueStores._global_mapping.keys() == {"local"}:
+        raise ImportError(f"value store {name!r} needs the `ultramem` package installed (pip install ultramem)")
+    raise ValueError(f"value store {name!r} is not registered; choose one of {sorted({*VALUE_STORES, *(package or ())})}")
+
+
+class DeferredValueTable(nn.Module):
+    """Stands for a table that a value store attaches after construction (no parameter).
+
+    Having no `weight`, the loader never reads the checkpoint's table into memory nor initializes one; the store reads
+    or initializes (with `init_std`) only what it keeps.
+    """
+
+    def __init__(self, num_values: int, value_dim: int, init_std: float):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.init_std = num_values, value_dim, init_std
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        raise RuntimeError(
+            "a value store attaches the value tables in from_pretrained(path, memory_offload=...), or in "
+            "set_value_store('number' | 'dimension') after deferred_value_tables(); this model has none. Build it "
+            "with memory_offload=None and call model.set_value_store('cpu') to offload an in-memory model."
+        )
+
+
+_tables_deferred: ContextVar[bool] = ContextVar("tables_deferred", default=False)
+
+
+@contextmanager
+def deferred_value_tables() -> Iterator[None]:
+    """Models built (or loaded) inside get `DeferredValueTable`s, so no process ever holds a whole table before
+    `set_value_store` installs a store that allocates or reads only its part (memory parallelism)."""
+    token = _tables_deferred.set(True)
+    try:
+        yield
+    finally:
+        _tables_deferred.reset(token)
+
+
+def tables_deferred(config) -> bool:
+    """Inside `deferred_value_tables()`, or for a config loaded with `memory_offload` (its store reads the tables)."""
+    return _tables_deferred.get() or bool(getattr(config, "memory_offload", None))
+
+
+def offloaded_by_accelerate(module: nn.Module) -> bool:
+    """Whether Accelerate offloads the module (`device_map` "disk", or "cpu" beside an accelerator): its hooks
+    load the weights for each of its forwards and leave meta tensors otherwise."""
+    return getattr(getattr(module, "_hf_hook", None), "offload", False)
+
+
+def offloaded_weights_loaded(modules: list[nn.Module]) -> AbstractContextManager:
+    """Loads the weights of those `modules` that are `offloaded_by_accelerate`, for a read outside their forward
+    (a no-op context otherwise, which torch.compile traces)."""
+    offloaded = [module for module in modules if offloaded_by_accelerate(module)]
+    return _weights_loaded(offloaded) if offloaded else nullcontext()
+
+
+@contextmanager
+def _weights_loaded(modules: list[nn.Module]) -> Iterator[None]:
+    from accelerate.utils import align_module_device
+
+    with ExitStack() as loaded:
+        for module in modules:
+            loaded.enter_context(align_module_device(module))
+        yield
+
+
+MEMORY_OFFLOADS = ("cpu", "disk")
+
+
+class ValueStoreMixin:
+    """The `PreTrainedModel` side of value stores: `set_value_store`, and `memory_offload=` in `from_pretrained`."""
+
+    def set_value_store(self, store: str, **options: Any) -> None:
+        """Put every memory layer's values in the registered store `store` (see `ValueStore`).
+
+        Parameter names do not change (`...values.weight`), so optimizer groups and checkpoints keep their keys. The
+        stores take the model's train/eval mode.
+        """
+        store_class = value_store(store)
+        for name, layer in self.named_memory_layers():
+            if not isinstance(layer.values, (MemoryValueTable, DeferredValueTable)):
+                raise ValueError(f"{name}.values is already a {type(layer.values).__name__} store")
+            layer.values = store_class.from_table(layer.values, f"{name}.values.weight", **options)
+            layer.values.train(self.training)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, plus two loading settings that are never saved:
+
+        - `memory_offload="cpu" | "disk"`: the value tables are left out of the load and served by that store, read
+          from the checkpoint's safetensors (checked before anything loads); everything else goes where
+          `device_map` / `dtype` say;
+        - `memory_implementation=...`: how the memory layers compute (see `memory_implementations`).
+
+        Returns what `PreTrainedModel.from_pretrained` returns (`(model, info)` with `output_loading_info=True`).
+        """
+        # Auto classes hand both to the config first (it takes them as load-time keywords)
+        config = kwargs.get("config")
+        offload = kwargs.pop("memory_offload", None) or getattr(config, "memory_offload", None)
+        implementation = kwargs.pop("memory_implementation", None)
+        if offload is not None and offload not in MEMORY_OFFLOADS:
+            raise UltraMemConfigError(
+                f"UltraMemConfig.memory_offload={offload!r} is invalid: must be one of {(None, *MEMORY_OFFLOADS)}."
+            )
+        if not offload:
+            loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        else:
+            try:
+                store = value_store(offload)
+            except ImportError as error:
+                raise ImportError(
+                    f"memory_offload={offload!r} needs the `ultramem` package installed (pip install ultramem); "
+                    "without it load with memory_offload=None."
+                ) from error
+            checkpoint = store.find_checkpoint(pretrained_model_name_or_path, **kwargs)
+            with deferred_value_tables():
+                loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        if implementation is not None:
+            model.set_memory_implementation(implementation)
+        if offload:
+            model.set_value_store(offload, checkpoint=checkpoint, device=model.device, dtype=model.dtype)
+        elif any(offloaded_by_accelerate(layer.values) for _, layer in model.named_memory_layers()):
+            logger.warning(
+                "device_map offloads UltraMem value tables: Accelerate loads each of them whole at every "
+                "forward. from_pretrained(..., memory_offload='cpu' | 'disk') reads only the selected rows."
+            )
+        return loaded
