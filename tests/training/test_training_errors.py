@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -68,7 +69,9 @@ def test_config_file_that_contradicts_the_preset(tmp_path, capsys):
     config.write_text(json.dumps({"model_type": "ultramem", "hidden_size": 2 * hidden}))
     argv = ["--preset", "tiny-ultramem", "--config_file", str(config), "--output_dir", str(tmp_path / "out")]
     error = run_and_get_error(argv, capsys)
-    assert f"hidden_size={2 * hidden}" in error and f"contradicts --preset tiny-ultramem (hidden_size={hidden})" in error
+    assert (
+        f"hidden_size={2 * hidden}" in error and f"contradicts --preset tiny-ultramem (hidden_size={hidden})" in error
+    )
 
 
 def test_unknown_override_field(tmp_path, capsys):
@@ -145,3 +148,59 @@ def test_deepspeed_without_a_launcher_is_one_line(tmp_path, files):
     assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
     assert "zero2.json: needs a launcher, even for one process: `deepspeed --num_gpus N" in errors[0]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    from launch_support import TINY_ULTRAMEM
+    from transformers import AutoConfig
+
+    from ultramem import UltraMemForCausalLM
+
+    UltraMemForCausalLM(AutoConfig.for_model(**TINY_ULTRAMEM)).save_pretrained(tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def _no_data_read(monkeypatch):
+    import ultramem.training.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "load_raw_datasets", lambda args: pytest.fail("the data was read before the check"))
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [("memory_topk=-1", "memory_topk=-1 is invalid"),
+     ("memory_topk=17", "memory_topk=17 is invalid: must be <= memory_num_keys=16")],  # how two fields fit together
+)  # fmt: skip
+def test_an_invalid_override_of_a_checkpoint_is_one_line_before_tokenizing(
+    tmp_path, checkpoint, override, message, capsys, monkeypatch
+):
+    """The checkpoint branch used to update the config without checking it: tokenizing, then a 30-line traceback."""
+    _no_data_read(monkeypatch)
+    argv = ["--model_name_or_path", str(checkpoint), "--config_overrides", override,
+            "--output_dir", str(tmp_path / "out")]  # fmt: skip
+    assert message in run_and_get_error(argv, capsys)
+    assert not (tmp_path / "out").exists()
+
+
+def test_resume_without_a_checkpoint_is_one_line_before_tokenizing(tmp_path, capsys, monkeypatch):
+    """`--resume_from_checkpoint true` with none in --output_dir tokenized and built the model, then failed in train()."""
+    _no_data_read(monkeypatch)
+    (tmp_path / "out").mkdir()
+    for value, message in [
+        ("true", f"--resume_from_checkpoint true: --output_dir {tmp_path / 'out'} holds no checkpoint-N folder"),
+        (str(tmp_path / "nope"), f"--resume_from_checkpoint {tmp_path / 'nope'}: no such checkpoint folder"),
+    ]:
+        argv = ["--preset", "tiny-ultramem", "--output_dir", str(tmp_path / "out"), "--resume_from_checkpoint", value]
+        assert message in run_and_get_error(argv, capsys)
+
+
+def test_deepspeed_not_installed_is_one_line(tmp_path, capsys, monkeypatch):
+    import sys
+
+    for name in ("ACCELERATE_USE_DEEPSPEED", "DS_ACCELERATOR"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))  # restored after the test
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # `import deepspeed` raises ImportError
+    monkeypatch.setitem(sys.modules, "deepspeed.ops", None)
+    argv = ["--preset", "tiny-ultramem", "--output_dir", str(tmp_path / "out"), "--deepspeed", "zero2"]
+    assert "--deepspeed needs DeepSpeed: pip install 'ultramem[deepspeed]'" in run_and_get_error(argv, capsys)

@@ -48,19 +48,19 @@ def runs(tmp_path_factory):
     assert killed.returncode == -9, killed.stderr[-3000:]
     interrupted = folder / "interrupted"
     left_after_kill = sorted(path.name for path in interrupted.iterdir())
-    run_command(python_module("ultramem.training", *argv("interrupted", resume_from_checkpoint="true")))
-    return folder / "straight", interrupted, left_after_kill
+    resumed = run_command(python_module("ultramem.training", *argv("interrupted", resume_from_checkpoint="true")))
+    return folder / "straight", interrupted, left_after_kill, resumed.stderr
 
 
 def test_killed_save_leaves_only_complete_checkpoints(runs):
-    _, _, left_after_kill = runs
+    _, _, left_after_kill, _ = runs
     assert f"checkpoint-{SAVE_EVERY}" in left_after_kill
     assert f"checkpoint-{KILL_AT}" not in left_after_kill  # only its staging folder exists
     assert f".incomplete-checkpoint-{KILL_AT}" in left_after_kill
 
 
 def test_resumed_run_matches_the_uninterrupted_one(runs):
-    straight, resumed, _ = runs
+    straight, resumed, _, _ = runs
     expected, got = losses(straight), losses(resumed)
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in range(SAVE_EVERY + 1, STEPS + 1):  # the steps trained after resuming from checkpoint-3
@@ -69,3 +69,8 @@ def test_resumed_run_matches_the_uninterrupted_one(runs):
     for name, tensor in final_straight.items():
         torch.testing.assert_close(final_resumed[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
     assert not [path for path in resumed.iterdir() if path.name.startswith(".incomplete")]
+
+
+def test_resumed_run_names_the_checkpoint_it_continues_from(runs):
+    _, resumed, _, stderr = runs
+    assert f"ultramem-train: resuming from {resumed / f'checkpoint-{SAVE_EVERY}'} (step {SAVE_EVERY})" in stderr

@@ -68,3 +68,29 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path):
     for key in ("loss", "lm_loss", "aux_loss"):
         assert [entry[key] for entry in accumulated] == pytest.approx([entry[key] for entry in full], rel=1e-5)
     assert full[0]["aux_loss"] > 0.01
+
+
+def test_train_takes_the_dataclasses_the_command_line_parses(finished_run, tmp_path):
+    """`ultramem.training.train` is the command line's run as a function: typed arguments in, the run's metrics and
+    log out, the same numbers as `ultramem-train` with the same settings."""
+    from launch_support import TINY_ULTRAMEM
+
+    from ultramem.training import DataArguments, ModelArguments, TrainResult, UltraMemTrainingArguments, train
+
+    argv, output_dir, metrics = finished_run
+    config_file = argv[argv.index("--config_file") + 1]
+    corpus = argv[argv.index("--train_file") + 1]
+    assert TINY_ULTRAMEM["model_type"] == "ultramem"
+    result = train(
+        ModelArguments(config_file=config_file),
+        DataArguments(train_file=corpus, block_size=32, max_eval_samples=8),
+        UltraMemTrainingArguments(output_dir=str(tmp_path / "library"), max_steps=STEPS, per_device_train_batch_size=4,
+                                  learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none",
+                                  disable_tqdm=True, seed=7, diagnostics_batch_size=2),
+    )  # fmt: skip
+    assert isinstance(result, TrainResult) and result.resumed_from is None
+    assert result.metrics["eval_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-6)
+    assert [entry["loss"] for entry in result.log_history if "loss" in entry] == pytest.approx(
+        [entry["loss"] for entry in training_logs(output_dir)], rel=1e-6
+    )
+    assert (tmp_path / "library" / "model.safetensors").is_file()

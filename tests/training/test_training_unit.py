@@ -86,7 +86,9 @@ def test_evaluation_is_capped_by_default(tmp_path):
     blocks = tokenize_and_pack(raw, tokenizer, data, training.main_process_first)
     assert data.max_eval_samples == DEFAULT_MAX_EVAL_SAMPLES and len(blocks["validation"]) == DEFAULT_MAX_EVAL_SAMPLES
     data.max_eval_samples = 0
-    assert len(tokenize_and_pack(raw, tokenizer, data, training.main_process_first)["validation"]) == len(blocks["train"])
+    assert len(tokenize_and_pack(raw, tokenizer, data, training.main_process_first)["validation"]) == len(
+        blocks["train"]
+    )
 
 
 def test_atomic_checkpoints_are_their_own_piece(tmp_path):
@@ -172,3 +174,82 @@ def test_memory_diagnostics_log_under_bf16_mixed_precision(tmp_path):
     trainer.train()
     logged = next(entry for entry in trainer.state.log_history if "memory/tdqkr_recall" in entry)
     assert 0.0 < logged["memory/tdqkr_recall"] <= 1.0 and logged["memory/memory_output_std"] > 0
+
+
+def test_config_overrides_take_lists_and_dicts():
+    """`--config_overrides` split on every comma: list and dict fields (memory_layers, rope_parameters) could not be
+    given."""
+    from ultramem.training.arguments import ModelArguments
+    from ultramem.training.model_setup import build_config, parse_overrides
+
+    assert parse_overrides('a=1,b=true,c=gelu,d=[[0, 1], [1, 2]],e={"x": 1, "y": [2, 3]},f={\'z\': True},g="a,b"') == {
+        "a": 1, "b": True, "c": "gelu", "d": [[0, 1], [1, 2]], "e": {"x": 1, "y": [2, 3]}, "f": {"z": True}, "g": "a,b"
+    }  # fmt: skip
+    overrides = 'memory_layers=[[0,1]],rope_parameters={"rope_type": "default", "rope_theta": 500.0},memory_topk=8'
+    config = build_config(ModelArguments(preset="tiny-ultramem", config_overrides=overrides))
+    assert [list(pair) for pair in config.memory_layers] == [[0, 1]] and config.memory_topk == 8
+    assert config.rope_parameters["rope_theta"] == 500.0
+
+
+def test_evaluation_blocks_are_drawn_across_the_whole_validation_set(tmp_path):
+    """Evaluation read only the first `--max_eval_samples` blocks (a book's title page and contents): they are now a
+    seeded sample of all of them, in file order, the same in every run."""
+    from ultramem.tokenization import load_tokenizer
+    from ultramem.training.data import tokenize_and_pack
+
+    text = tmp_path / "numbers.txt"
+    text.write_text("".join(f"line {n} of the validation text\n" for n in range(3000)))
+    _, data, training = parse_args(["--preset", "tiny-dense", "--output_dir", str(tmp_path), "--train_file", str(text),
+                                    "--validation_file", str(text), "--block_size", "16", "--max_eval_samples", "0"])  # fmt: skip
+    raw, tokenizer = load_raw_datasets(data), load_tokenizer()
+    every_block = [
+        tuple(ids)
+        for ids in tokenize_and_pack(raw, tokenizer, data, training.main_process_first)["validation"]["input_ids"]
+    ]
+    data.max_eval_samples = 20
+    drawn = tokenize_and_pack(raw, tokenizer, data, training.main_process_first)["validation"]["input_ids"]
+    positions = [every_block.index(tuple(ids)) for ids in drawn]
+    assert len(positions) == 20 and positions == sorted(positions)
+    assert positions != list(range(20)) and positions[-1] > len(every_block) // 2  # not the start: all of it
+    again = tokenize_and_pack(raw, tokenizer, data, training.main_process_first)["validation"]["input_ids"]
+    assert again == drawn
+    data.eval_sample_seed = 1
+    assert tokenize_and_pack(raw, tokenizer, data, training.main_process_first)["validation"]["input_ids"] != drawn
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU case")
+def test_bf16_without_an_accelerator_trains_on_the_cpu(tmp_path):
+    """The Trainer refuses `--bf16` without an accelerator unless `--use_cpu` is given, which the README's example
+    did not say: without an accelerator it now means the CPU."""
+    _, _, args = parse_args(["--preset", "tiny-dense", "--output_dir", str(tmp_path), "--bf16", "true"])
+    assert args.bf16 and args.use_cpu and args.device.type == "cpu"
+
+
+def test_private_trainer_overrides_are_listed():
+    """Every private Trainer method a trainer of `ultramem.training` overrides is in `trainer_overrides`, listed in
+    `PINNED_BY` with tests that exist; everything else uses the Trainer's public methods and callbacks."""
+    import inspect
+    from pathlib import Path
+
+    from transformers import Trainer
+
+    from ultramem.training import trainer_overrides
+    from ultramem.training.trainer import UltraMemTrainer
+
+    trainer_methods = {name for name in vars(Trainer) if callable(getattr(Trainer, name))}
+    private = {"create_accelerator_and_postprocess"}  # public-looking, but Trainer's internal setup
+    found = set()
+    for cls in UltraMemTrainer.__mro__:
+        if not cls.__module__.startswith("ultramem."):
+            continue
+        for name in vars(cls).keys() & trainer_methods:
+            if (name.startswith("_") and not name.startswith("__")) or name in private:
+                assert cls.__module__ == trainer_overrides.__name__, f"{cls.__name__}.{name} overrides a private method"
+                found.add((cls.__name__, name))
+    assert found == set(trainer_overrides.PINNED_BY)
+    repo = Path(__file__).resolve().parents[2]
+    for tests in trainer_overrides.PINNED_BY.values():
+        for test in tests:
+            path, name = test.split("::")
+            assert f"def {name}(" in (repo / path).read_text(), test
+    assert inspect.getsourcefile(UltraMemTrainer.log) != inspect.getsourcefile(trainer_overrides)
