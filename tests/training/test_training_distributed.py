@@ -10,9 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import small_config
-from launch_support import base_args, losses, python_module, run_command, training_logs
-from launch_support import write_config
-from launch_support import write_corpus
+from launch_support import base_args, losses, python_module, run_command, training_logs, write_config, write_corpus
 from transformers import AutoModelForCausalLM
 
 STEPS, GLOBAL_BATCH = 6, 4

@@ -7,8 +7,17 @@ import sys
 
 import pytest
 import torch
-from launch_support import REPO, base_args, child_env, losses, python_module, run_command, weights
-from launch_support import write_config, write_corpus
+from launch_support import (
+    REPO,
+    base_args,
+    child_env,
+    losses,
+    python_module,
+    run_command,
+    weights,
+    write_config,
+    write_corpus,
+)
 
 STEPS, SAVE_EVERY, KILL_AT = 8, 3, 6
 
