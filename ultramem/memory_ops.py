@@ -17,8 +17,10 @@ r Tucker rank, h MCS cores, E IVE groups, N physical rows and Dv the value dim.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import mmap
+from statistics import NormalDist
 
 import torch
 import torch.nn.functional as F
@@ -385,3 +387,40 @@ def tucker_aux_loss(cores: torch.Tensor, alpha: float, tau: float) -> torch.Tens
     singular_values, _, _ = core_svd(cores.sum(-3).float())  # (..., r), descending
     excess = F.relu(singular_values[..., 1:] - tau)
     return alpha / (rank - 1) * excess.pow(2).sum()
+
+
+def expected_top_m_mean(num_candidates: int, top_m: int) -> float:
+    """E[mean of the top-m of `num_candidates` standard normals] (appendix A), in closed form.
+
+    The paper estimates it by sampling; the mean of a standard normal above its (1 - m/N) quantile,
+    phi(z) / (m/N), is the same quantity for m << N, deterministic, and allocation-free.
+    """
+    tail = min(top_m / num_candidates, 0.5)
+    normal = NormalDist()
+    return normal.pdf(normal.inv_cdf(1.0 - tail)) / tail
+
+
+@functools.cache
+def mcs_output_gain(num_keys: int, top_m: int, rank: int, num_cores: int, samples: int = 512) -> float:
+    """sqrt(E[S^2] / E[mean_i s_i^2]) over the top-m slots at init: the value scale that makes h cores match one.
+
+    Sampled (seeded, float64) with standard normal row/column scores (r, n) and random cores, the top-m
+    taken by the two-phase search over the signed rank-1 candidates; see `modeling_ultramem.MemoryInitScales`.
+    """
+    if num_cores == 1:
+        return 1.0
+    generator = torch.Generator().manual_seed(0)
+    # torch.normal, not torch.randn (the same numbers): DeepSpeed's `zero.Init` casts what torch.randn makes to the
+    # training dtype, and torch.linalg.svd has no bfloat16 kernel (ZeRO-3 with --bf16 failed building the model)
+    float64 = dict(generator=generator, dtype=torch.float64, device="cpu")
+    rows, cols = torch.normal(0.0, 1.0, (2, samples, rank, num_keys), **float64)
+    cores = torch.normal(0.0, 1.0, (samples, num_cores, rank, rank), **float64)
+    cores = cores / (num_cores * rank * rank) ** 0.5  # E||sum_i C^(i)||_F^2 = 1, as `TuckerQueryKeyRetrieval`
+    left, _, right_h = torch.linalg.svd(cores.sum(1))
+    candidates = []
+    for scores, vector in ((rows, left[..., :, 0]), (cols, right_h[..., 0, :])):
+        projected = torch.einsum("srn,sr->sn", scores, vector)
+        index = torch.cat([projected.topk(top_m).indices, (-projected).topk(top_m).indices], dim=-1)  # (S, 2m)
+        candidates.append(scores.gather(-1, index.unsqueeze(1).expand(-1, rank, -1)))  # (S, r, 2m)
+    _, selected = tucker_candidate_topk(candidates[0], candidates[1], cores, top_m)  # (S, m, h) per-core scores
+    return (selected.sum(-1).pow(2).mean() / selected.pow(2).mean()).sqrt().item()

@@ -20,11 +20,9 @@ The math is in `memory_ops` (plain functions); the modules below hold the parame
 value table lives is `value_stores`' business, how the kernels compute is `memory_implementations`'.
 """
 
-import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from statistics import NormalDist
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +53,15 @@ from transformers.utils.versions import require_version
 from .configuration_ultramem import TUCKER, UltraMemConfig
 from .inference_cache import InferenceCache
 from .memory_implementations import MemoryOps, check_memory_implementation, memory_ops_for
-from .memory_ops import core_svd, physical_slots, product_key_topk, tucker_aux_loss, tucker_candidate_topk, tucker_topk
+from .memory_ops import (
+    core_svd,
+    expected_top_m_mean,
+    mcs_output_gain,
+    physical_slots,
+    product_key_topk,
+    tucker_aux_loss,
+    tucker_topk,
+)
 from .value_stores import (
     DeferredValueTable,
     MemoryValueTable,
@@ -73,43 +79,6 @@ require_version("transformers>=5.17", "UltraMem's model code needs Transformers 
 # current name) and outputs carry the field those releases define.
 _CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 _accepts_past_key_values = deprecate_kwarg("past_key_values", "5.40.0" if _CACHE_FIELD == "cache" else "5.0.0", new_name="cache")
-
-
-def expected_top_m_mean(num_candidates: int, top_m: int) -> float:
-    """E[mean of the top-m of `num_candidates` standard normals] (appendix A), in closed form.
-
-    The paper estimates it by sampling; the mean of a standard normal above its (1 - m/N) quantile,
-    phi(z) / (m/N), is the same quantity for m << N, deterministic, and allocation-free.
-    """
-    tail = min(top_m / num_candidates, 0.5)
-    normal = NormalDist()
-    return normal.pdf(normal.inv_cdf(1.0 - tail)) / tail
-
-
-@functools.cache
-def mcs_output_gain(num_keys: int, top_m: int, rank: int, num_cores: int, samples: int = 512) -> float:
-    """sqrt(E[S^2] / E[mean_i s_i^2]) over the top-m slots at init: the value scale that makes h cores match one.
-
-    Sampled (seeded, float64) with standard normal row/column scores (r, n) and random cores, the top-m
-    taken by the two-phase search over the signed rank-1 candidates; see `MemoryInitScales`.
-    """
-    if num_cores == 1:
-        return 1.0
-    generator = torch.Generator().manual_seed(0)
-    # torch.normal, not torch.randn (the same numbers): DeepSpeed's `zero.Init` casts what torch.randn makes to the
-    # training dtype, and torch.linalg.svd has no bfloat16 kernel (ZeRO-3 with --bf16 failed building the model)
-    float64 = dict(generator=generator, dtype=torch.float64, device="cpu")
-    rows, cols = torch.normal(0.0, 1.0, (2, samples, rank, num_keys), **float64)
-    cores = torch.normal(0.0, 1.0, (samples, num_cores, rank, rank), **float64)
-    cores = cores / (num_cores * rank * rank) ** 0.5  # E||sum_i C^(i)||_F^2 = 1, as `TuckerQueryKeyRetrieval`
-    left, _, right_h = torch.linalg.svd(cores.sum(1))
-    candidates = []
-    for scores, vector in ((rows, left[..., :, 0]), (cols, right_h[..., 0, :])):
-        projected = torch.einsum("srn,sr->sn", scores, vector)
-        index = torch.cat([projected.topk(top_m).indices, (-projected).topk(top_m).indices], dim=-1)  # (S, 2m)
-        candidates.append(scores.gather(-1, index.unsqueeze(1).expand(-1, rank, -1)))  # (S, r, 2m)
-    _, selected = tucker_candidate_topk(candidates[0], candidates[1], cores, top_m)  # (S, m, h) per-core scores
-    return (selected.sum(-1).pow(2).mean() / selected.pow(2).mean()).sqrt().item()
 
 
 @dataclass(frozen=True)
@@ -805,7 +774,13 @@ class UltraMemForCausalLM(UltraMemPreTrainedModel, GenerationMixin):
 
     def init_continuous_batching(self, *args, **kwargs):
         """Continuous batching (`generate_batch`, `transformers serve`) works without query convs: every other part
-        of a memory layer is per token. Its paged cache has no place for conv states, so it is refused with them."""
+        of a memory layer is per token. Its paged cache has no place for conv states, so it is refused with them,
+        and before Transformers 5.24, whose paged cache travels under the name this model gives the generation cache."""
+        if _CACHE_FIELD != "cache":
+            raise NotImplementedError(
+                "Continuous batching of UltraMem needs Transformers >= 5.24: use model.generate(), which batches "
+                "with left padding."
+            )
         if self.config.memory_conv_state_slots:
             raise NotImplementedError(
                 "Continuous batching (generate_batch, init_continuous_batching) has no cache for UltraMem's query-conv "

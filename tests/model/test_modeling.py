@@ -1,5 +1,7 @@
 """The model against independent references: GPT-NeoX, a float64 loop implementation, full recomputation."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +16,7 @@ from ultramem import (
     UltraMemForTokenClassification,
 )
 from ultramem.diagnostics import retrieval_diagnostics
-from ultramem.modeling_ultramem import mcs_output_gain
+from ultramem.memory_ops import mcs_output_gain
 
 
 def _model(config, seed: int = 0) -> UltraMemForCausalLM:
@@ -352,8 +354,14 @@ def test_continuous_batching_equals_generate_without_query_convs_and_is_refused_
 
     prompts = [[1, 2, 3], [4, 5]]
     generation = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
-    paged = ContinuousBatchingConfig(num_blocks=16, page_size=16, max_batch_tokens=64)  # a few kB, not a share of RAM
+    # a few kB, not a share of RAM; the page size is `block_size` before Transformers 5.24
+    page = "page_size" if "page_size" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)} else "block_size"
+    paged = ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=64, **{page: 16})
     model = _model(small_config(vocab_size=211, use_query_conv=False))
+    if not hasattr(ContinuousBatchingConfig(), "page_size"):  # before Transformers 5.24
+        with pytest.raises(NotImplementedError, match="needs Transformers >= 5.24"):
+            model.generate_batch(inputs=prompts, generation_config=generation, continuous_batching_config=paged)
+        return
     batched = model.generate_batch(inputs=prompts, generation_config=generation, continuous_batching_config=paged)
     expected = [model.generate(torch.tensor([p]), generation_config=generation)[0, len(p) :].tolist() for p in prompts]
     assert [batched[key].generated_tokens for key in sorted(batched)] == expected
@@ -449,7 +457,9 @@ def test_gradient_checkpointing_gives_same_gradients(use_reentrant):
     for checkpointing in (False, True):
         model = _model(config).train()
         if checkpointing:
-            model.activation_checkpointing_enable({"use_reentrant": use_reentrant})
+            # `activation_checkpointing_enable` from Transformers 5.24 on, `gradient_checkpointing_enable` before
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable({"use_reentrant": use_reentrant})
         model(input_ids, labels=input_ids).loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()
