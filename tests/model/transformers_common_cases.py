@@ -134,8 +134,39 @@ class UltraMemModelTest(ModelTesterMixin, GenerationTesterMixin, unittest.TestCa
     def test_config(self):
         self.config_tester.run_common_tests()
 
+    # The checks of upstream's CausalLMModelTest (not in the sdist), in our words
     def test_model(self):
         self.model_tester.create_and_check_model(*self.model_tester.prepare_config_and_inputs())
+
+    def test_sequence_classification_model(self):
+        for problem_type, labels in (
+            ("single_label_classification", ids_tensor([self.model_tester.batch_size], self.model_tester.num_labels)),
+            ("multi_label_classification", torch.rand(self.model_tester.batch_size, self.model_tester.num_labels)),
+        ):
+            config, inputs = self.model_tester.prepare_config_and_inputs_for_common()
+            config.num_labels, config.problem_type = self.model_tester.num_labels, problem_type
+            model = UltraMemForSequenceClassification(config).to(torch_device).eval()
+            result = model(**inputs, labels=labels)
+            self.assertEqual(result.logits.shape, (self.model_tester.batch_size, self.model_tester.num_labels))
+            self.assertTrue(torch.isfinite(result.loss))
+
+    def test_token_classification_model(self):
+        config, inputs = self.model_tester.prepare_config_and_inputs_for_common()
+        config.num_labels = self.model_tester.num_labels
+        labels = ids_tensor([self.model_tester.batch_size, self.model_tester.seq_length], config.num_labels)
+        result = UltraMemForTokenClassification(config).to(torch_device).eval()(**inputs, labels=labels)
+        shape = (self.model_tester.batch_size, self.model_tester.seq_length, self.model_tester.num_labels)
+        self.assertEqual(result.logits.shape, shape)
+        self.assertTrue(torch.isfinite(result.loss))
+
+    def test_question_answering_model(self):
+        config, inputs = self.model_tester.prepare_config_and_inputs_for_common()
+        positions = ids_tensor([self.model_tester.batch_size], self.model_tester.seq_length)
+        model = UltraMemForQuestionAnswering(config).to(torch_device).eval()
+        result = model(**inputs, start_positions=positions, end_positions=positions)
+        for logits in (result.start_logits, result.end_logits):
+            self.assertEqual(logits.shape, (self.model_tester.batch_size, self.model_tester.seq_length))
+        self.assertTrue(torch.isfinite(result.loss))
 
     def _get_conv_state_shape(self, batch_size: int, config: UltraMemConfig) -> tuple[int, int, int]:
         """The query conv keeps its last kernel-1 inputs (hidden_size channels) per memory layer."""
