@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from transformers.testing_utils import torch_device
 
 SKIP_VARIABLE = "ULTRAMEM_SKIP_TRANSFORMERS_COMMON"
 # torch.compile backend of the compiled-generation check: "aot_eager" captures the graph whole without Inductor's
@@ -102,7 +103,7 @@ class GenerationTesterMixin:
     def _models(self):
         for model_class in self.all_generative_model_classes:
             config, inputs = self.prepare_config_and_inputs_for_generate()
-            model = model_class(config).to(torch_device()).eval()
+            model = model_class(config).to(torch_device).eval()
             # Off the init: the query conv starts as the identity (only its current tap is nonzero), which would hide
             # a conv state that is lost between decoding steps
             with torch.no_grad():
@@ -179,12 +180,6 @@ class GenerationTesterMixin:
             with torch.compiler.set_stance("fail_on_recompile"):
                 again = self._greedy(model, inputs, cache_implementation="static", compile_config=compile_config)
             self.assert_same_generation(again, eager)
-
-
-def torch_device() -> str:
-    from transformers.testing_utils import torch_device as device
-
-    return device
 
 
 def _install_sources() -> None:
