@@ -23,7 +23,7 @@ if [ ! -f "$dest/test_modeling_common.py" ]; then
     printf '*\n' > "$root/.gitignore"  # the folder ignores itself: no change to the repository's .gitignore
     work=$(mktemp -d "$root/download.XXXXXX")
     trap 'rm -rf "$work"' EXIT
-    python -m pip download -q --no-binary :all: --no-deps --dest "$work" "transformers==$version"
+    python -m pip download -q --no-cache-dir --no-binary :all: --no-deps --dest "$work" "transformers==$version"
     sdist=$(ls "$work"/transformers-*.tar.gz)
     tar -xzf "$sdist" -C "$work" "transformers-$version/tests"
     rm -rf "$root/$version"
