@@ -60,10 +60,21 @@ def setup(tmp_path_factory):
 
 
 def test_ddp_matches_single_process(setup):
+    """...without DDP's search for unused parameters, which found none and warned so on every rank."""
     folder, argv = setup
-    run_command(python_module("torch.distributed.run", "--nproc_per_node", "2", "-m", "ultramem.training",
-                              *argv("ddp", GLOBAL_BATCH // 2)))  # fmt: skip
+    result = run_command(python_module("torch.distributed.run", "--nproc_per_node", "2", "-m", "ultramem.training",
+                                       *argv("ddp", GLOBAL_BATCH // 2)))  # fmt: skip
     assert losses(folder / "ddp") == pytest.approx(losses(folder / "single"), abs=LOSS_TOLERANCE)
+    assert "find_unused_parameters=True" not in result.stderr
+
+
+def test_memory_parallel_plan_is_printed_once(setup):
+    """The plan of --memory_parallel (its predicted communication volumes) was printed by every rank."""
+    folder, argv = setup
+    result = run_command(python_module("torch.distributed.run", "--nproc_per_node", "2", "-m", "ultramem.training",
+                                       *argv("ddp-number", GLOBAL_BATCH // 2), "--memory_parallel", "number"))  # fmt: skip
+    plans = [line for line in result.stderr.splitlines() if "memory_parallel=number over 2 ranks" in line]
+    assert len(plans) == 1, result.stderr[-3000:]
 
 
 def test_zero2_matches_single_process(setup):
@@ -174,6 +185,8 @@ def test_fsdp2_config_shards_every_parameter(setup):
     folder, argv = setup
     result = run_command(["accelerate", "launch", "--config_file", "ultramem/configs/accelerate/fsdp2.yaml",
                           "-m", "ultramem.training", *argv("fsdp2", GLOBAL_BATCH // 2, DIAGNOSTICS_BATCH)])  # fmt: skip
+    # FSDP2 warned that the model returned a view (the aux loss gathered from the sharded cores): a copy now
+    assert "(FSDPUltraMemForCausalLM) returned a view tensor" not in result.stderr
     report = [line for line in result.stdout.splitlines() if line.startswith("ultramem-train: FSDP2 shards")]
     assert len(report) == 1 and "over 2 processes ((Shard(dim=0),))" in report[0], result.stdout[-3000:]
     sharded, total = (int(word) for word in report[0].split()[3:6:2])

@@ -53,7 +53,8 @@ def _plain_aux_loss(module: torch.nn.Module, args: Any, output: Any) -> Any:
     aux = getattr(output, "aux_loss", None)
     if isinstance(aux, DTensor):
         _grads_placed_like_params(module)
-        output.aux_loss = aux.full_tensor()
+        # a copy: `full_tensor()` returns a view, on which FSDP2 warns that an in-place op would skip its hooks
+        output.aux_loss = aux.full_tensor().clone()
         if output.lm_loss is not None:
             output.loss = output.lm_loss + output.aux_loss.to(output.lm_loss.dtype)
     return output

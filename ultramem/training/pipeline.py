@@ -147,6 +147,10 @@ def train(
             print(f"ultramem-train: resuming from {resume} ({_checkpoint_step(resume)})", file=sys.stderr)
     set_seed(training_args.seed)
     model = build_model(model_args, config, defer_tables=training_args.memory_parallel != "none")
+    if training_args.ddp_find_unused_parameters is None and model.config.model_type == "ultramem":
+        # Every parameter of an UltraMem (or its dense preset) takes part in each step: DDP need not search the graph
+        # for unused ones (the Trainer's default without gradient checkpointing), which it warned about on every rank
+        training_args.ddp_find_unused_parameters = False
     shard_value_tables(model, training_args, data_args.block_size, model_args.model_name_or_path)
     diagnostics_count = min(training_args.diagnostics_batch_size, len(blocks["validation"]))
     trainer = UltraMemTrainer(
