@@ -7,7 +7,8 @@ this module. The test classes are in `transformers_common_cases.py`; UltraMem-sp
 its reason.
 
 The sdist leaves out test_modeling_common's subpackages; what stands in for each, defined here:
-- `exporters/test_export.py` (`ExportTesterMixin`, the torch.export tests): an empty mixin, so those do not run.
+- `exporters/test_export.py` (`ExportTesterMixin`, upstream's torch.export tests): `ExportTesterMixin` below, one
+  export check of the forward.
 - `generation/test_utils.py` (`GenerationTesterMixin`, upstream's generate tests): `GenerationTesterMixin` below,
   UltraMem's own generation checks (cache on/off, left padding, continuing from a cache, the conv states' shape, and
   static-cache and compiled generation, gated on `_can_compile_fullgraph` as upstream gates its static-cache tests).
@@ -60,7 +61,21 @@ CONFIG_COMMON_KWARGS = {
 
 
 class ExportTesterMixin:
-    """Stands in for upstream's torch.export tests, which are not in the sdist: none run."""
+    """Stands in for upstream's torch.export tests (not in the sdist): the forward of the base model and of the causal
+    LM exports with `torch.export` (non-strict) and the exported program gives the model's outputs on other inputs."""
+
+    def test_torch_export(self):
+        if not self.test_torch_exportable:
+            self.skipTest("test_torch_exportable is False")
+        config, inputs = self.model_tester.prepare_config_and_inputs_for_common()
+        _, other_inputs = self.model_tester.prepare_config_and_inputs_for_common()
+        for model_class in self.all_model_classes[:2]:  # UltraMemModel, UltraMemForCausalLM
+            model = model_class(config).to(torch_device).eval()
+            program = torch.export.export(model, args=(), kwargs={**inputs, "use_cache": False}, strict=False)
+            with torch.no_grad():
+                exported = program.module()(**other_inputs, use_cache=False)
+                expected = model(**other_inputs, use_cache=False)
+            torch.testing.assert_close(exported[0], expected[0], rtol=1e-5, atol=1e-5)
 
 
 class GenerationTesterMixin:

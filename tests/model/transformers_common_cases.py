@@ -101,7 +101,7 @@ class UltraMemModelTester:
 class UltraMemModelTest(ModelTesterMixin, GenerationTesterMixin, unittest.TestCase):
     """`ModelTesterMixin` on UltraMem, plus the config tests and the generation checks of the stand-in mixin."""
 
-    all_model_classes = (
+    all_model_classes = (  # the base model and the causal LM first (the export check takes those two)
         UltraMemModel,
         UltraMemForCausalLM,
         UltraMemForSequenceClassification,
