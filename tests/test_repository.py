@@ -26,3 +26,29 @@ def test_decisions_are_cited_from_the_repository():
     assert "## Memory layer placement" in (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
     hits = [str(path.relative_to(ROOT)) for path in CODE + DOCS if re.search(r"\bSPEC\b", path.read_text(encoding="utf-8"))]
     assert not hits, hits
+
+
+def test_the_package_keeps_its_layers_and_has_no_import_cycle():
+    """import-linter's contracts in pyproject.toml: tools on top, then stores, the model, kernels, registries, config
+    and math at the bottom; no cycle between modules."""
+    import shutil
+    import subprocess
+
+    done = subprocess.run([shutil.which("lint-imports") or "lint-imports"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:]
+
+
+def test_import_ultramem_registers_every_store_and_implementation():
+    import subprocess
+    import sys
+
+    script = (
+        "import ultramem\n"
+        "from ultramem.value_stores import VALUE_STORES\n"
+        "from ultramem.memory_implementations import ALL_MEMORY_IMPLEMENTATIONS\n"
+        "print(sorted(VALUE_STORES), sorted(ALL_MEMORY_IMPLEMENTATIONS))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True)
+    stores, implementations = done.stdout.strip().splitlines()[-1].split("] [")
+    assert {"'local'", "'cpu'", "'disk'", "'number'", "'dimension'"} <= set(stores.strip("[]").split(", "))
+    assert {"'torch'", "'embedding_bag'", "'triton'"} <= set(implementations.strip("[]").split(", "))

@@ -29,9 +29,10 @@ def fresh_env(tmp_path: Path) -> dict[str, str]:
 
 @pytest.fixture
 def v0_1(tmp_path) -> Path:
-    """A copy of the checkpoint that ultramem 0.1 saved (with `memory_kernel: "triton"` in its config.json)."""
+    """A copy of the checkpoint that ultramem 0.1 saved (with `memory_kernel: "triton"` in its config.json); its
+    remote-code copies are left out (fixtures/checkpoint_v0_1/README.md), so it loads through the installed package."""
     folder = tmp_path / "v0_1"
-    shutil.copytree(V0_1, folder)
+    shutil.copytree(V0_1, folder, ignore=shutil.ignore_patterns("README.md"))
     return folder
 
 
