@@ -1,0 +1,152 @@
+"""Convert an UltraMem checkpoint's value tables to int8 / int4, streaming: never a whole table in memory.
+
+    python -m ultramem.quantize CHECKPOINT OUT --format int8|int4 [--group-size N]
+
+Each table stays one tensor under its key (uint8, the layout of `ultramem.quantized.format`), quantized row block by
+row block from the memory-mapped source; every other tensor is copied byte for byte, in the same files (a sharded
+checkpoint stays sharded, its index rewritten); the code, tokenizer and other files are copied, and config.json
+records the format (`memory_quantization`, `memory_quantization_group_size`) so the result loads as what it is.
+Refused with one line before any work: a checkpoint already quantized, a group size that does not divide the MCS
+chunk, an output folder that is not empty, not enough free disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import struct
+import sys
+from pathlib import Path
+
+import torch
+
+from .offload.safetensors_file import INDEX_FILE, SINGLE_FILE, read_header
+from .quantized.format import FORMATS, QuantizationError, quantize, quantized_width, resolve_group_size
+from .quantized.stores import METADATA_FORMAT, METADATA_GROUP, TABLE_KEY, QuantizedCheckpoint
+
+COPY_BYTES = 64 << 20
+
+
+def _files(checkpoint: Path) -> list[str]:
+    if (checkpoint / SINGLE_FILE).is_file():
+        return [SINGLE_FILE]
+    if (checkpoint / INDEX_FILE).is_file():
+        return sorted(set(json.loads((checkpoint / INDEX_FILE).read_text())["weight_map"].values()))
+    raise QuantizationError(f"{checkpoint} has no {SINGLE_FILE} or {INDEX_FILE} to convert")
+
+
+def _plan(checkpoint: Path, format: str, group_size: int | None) -> tuple[dict, int, list[tuple]]:
+    """Checks (one line each, before any work) and the layout of every output file: (file, header, entries)."""
+    config_file = checkpoint / "config.json"
+    if not config_file.is_file():
+        raise QuantizationError(f"{checkpoint} is not a checkpoint folder (no config.json)")
+    config = json.loads(config_file.read_text())
+    if config.get("model_type") != "ultramem":
+        raise QuantizationError(f"{checkpoint} is not an UltraMem checkpoint (model_type {config.get('model_type')!r})")
+    if config.get("memory_quantization"):
+        raise QuantizationError(
+            f"{checkpoint} is already quantized ({config['memory_quantization']}): convert the float checkpoint it "
+            "came from instead (quantizing twice adds both errors)"
+        )
+    value_dim, num_cores = config.get("memory_value_dim", 512), config.get("mcs_cores", 2)
+    group_size = resolve_group_size(format, value_dim, num_cores, group_size)
+    files = []
+    for file in _files(checkpoint):
+        header, data_start = read_header(checkpoint / file)
+        entries, offset = [], 0
+        for name, entry in sorted(
+            ((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda item: item[1]["data_offsets"][0]
+        ):
+            shape, (begin, end) = list(entry["shape"]), entry["data_offsets"]
+            is_table = bool(TABLE_KEY.search(name))
+            if is_table and entry["dtype"] == "U8":
+                raise QuantizationError(f"{checkpoint} is already quantized ({name} is uint8)")
+            if is_table:
+                if len(shape) != 2 or shape[1] != value_dim:
+                    raise QuantizationError(f"{name} is {shape}, the config's memory_value_dim is {value_dim}")
+                dtype, shape = "U8", [shape[0], quantized_width(format, value_dim, group_size)]
+                nbytes = shape[0] * shape[1]
+            else:
+                dtype, nbytes = entry["dtype"], end - begin
+            entries.append((name, is_table, data_start + begin, dtype, shape, nbytes, offset))
+            offset += nbytes
+        metadata = {**(header.get("__metadata__") or {"format": "pt"}), METADATA_FORMAT: format}
+        metadata[METADATA_GROUP] = str(group_size)
+        layout = {"__metadata__": metadata}
+        for name, _, _, dtype, shape, nbytes, start in entries:
+            layout[name] = {"dtype": dtype, "shape": shape, "data_offsets": [start, start + nbytes]}
+        encoded = json.dumps(layout, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        files.append((file, encoded, entries, 8 + len(encoded) + offset))
+    return config, group_size, files
+
+
+def convert(checkpoint: str | Path, output: str | Path, format: str, group_size: int | None = None) -> Path:
+    """Write the quantized copy of `checkpoint` to `output` (see the module docstring); returns `output`."""
+    checkpoint, output = Path(checkpoint), Path(output)
+    if format not in FORMATS:
+        raise QuantizationError(f"--format {format!r} is invalid: choose one of {FORMATS}")
+    if not checkpoint.is_dir():
+        raise QuantizationError(f"{checkpoint} is not a folder")
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise QuantizationError(f"{output} exists and is not an empty folder: choose a new output folder")
+    config, group_size, files = _plan(checkpoint, format, group_size)
+    others = [p for p in checkpoint.iterdir() if p.is_file() and p.name not in {INDEX_FILE, *(f for f, *_ in files)}]
+    needed = sum(size for *_, size in files) + sum(p.stat().st_size for p in others)
+    existing = next(folder for folder in (output, *output.absolute().parents) if folder.exists())
+    free = shutil.disk_usage(existing).free
+    if needed > free:
+        raise QuantizationError(
+            f"not enough disk space in {existing}: the quantized checkpoint needs {needed / 1e9:.2f} GB, "
+            f"{free / 1e9:.2f} GB free"
+        )
+    output.mkdir(parents=True, exist_ok=True)
+    source = QuantizedCheckpoint([checkpoint / file for file, *_ in files])
+    num_cores = config.get("mcs_cores", 2)
+    for file, encoded, entries, _ in files:
+        partial = output / (file + ".partial")
+        with open(partial, "wb") as handle, open(checkpoint / file, "rb") as reader:
+            handle.write(struct.pack("<Q", len(encoded)) + encoded)
+            for name, is_table, begin, _, _, nbytes, _ in entries:
+                if is_table:  # row block by row block from the mapped float table (`quantize` streams)
+                    table = source.map(name)
+                    block_rows = max(1, COPY_BYTES // (table.shape[1] * table.element_size()))
+                    for start in range(0, table.shape[0], block_rows):
+                        handle.write(quantize(table[start : start + block_rows], format, num_cores, group_size).numpy())
+                    continue
+                reader.seek(begin)
+                while nbytes > 0:
+                    chunk = reader.read(min(COPY_BYTES, nbytes))
+                    handle.write(chunk)
+                    nbytes -= len(chunk)
+        os.replace(partial, output / file)
+    if (checkpoint / INDEX_FILE).is_file():
+        index = json.loads((checkpoint / INDEX_FILE).read_text())
+        index.setdefault("metadata", {})["total_size"] = sum(n for _, _, entries, _ in files for *_, n, _ in entries)
+        (output / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    for path in others:
+        if path.name != "config.json":
+            shutil.copy2(path, output / path.name)
+    config.update(memory_quantization=format, memory_quantization_group_size=group_size)
+    (output / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return output
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m ultramem.quantize", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="folder of the float checkpoint")
+    parser.add_argument("output", help="new folder for the quantized checkpoint")
+    parser.add_argument("--format", required=True, choices=FORMATS)
+    parser.add_argument("--group-size", type=int, default=None, help="columns per scale/bias group (divides Dv/h)")
+    args = parser.parse_args(argv)
+    try:
+        out = convert(args.checkpoint, args.output, args.format, args.group_size)
+    except QuantizationError as error:
+        sys.exit(f"error: {error}")
+    print(f"wrote {out} ({args.format})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Loading a model with quantized value tables: the format from the checkpoint's config or given once, the location
+from `memory_offload`, checked against the checkpoint's tables before anything else loads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..value_stores import MEMORY_OFFLOADS, ValueStoreMixin, deferred_value_tables
+from .format import QuantizationError, check_format, resolve_group_size
+from .stores import QUANTIZED_STORES, QuantizedCheckpoint, saved_quantization, store_name
+
+
+def from_pretrained_quantized(
+    model_class: type,
+    pretrained_model_name_or_path: Any,
+    *args: Any,
+    memory_quantization: str | None = None,
+    memory_quantization_group_size: int | None = None,
+    memory_offload: str | None = None,
+    **kwargs: Any,
+):
+    """`model_class.from_pretrained` with the value tables in a quantized store.
+
+    - `memory_quantization`: "int8" | "int4"; None takes the checkpoint's (its config.json records the format of a
+      converted checkpoint, so it loads as what it is). Given on a float checkpoint, the tables are quantized while
+      loading, row block by row block from the mapped file (peak memory: the quantized tables and one block).
+    - `memory_quantization_group_size`: int4's group (default: the saved one, else `format.DEFAULT_INT4_GROUP_SIZE`).
+    - `memory_offload`: None (the table on the model's device), "cpu" (host memory) or "disk" (mapped; needs a
+      converted checkpoint).
+
+    The model's config then records the format, so `save_pretrained` writes a quantized checkpoint. Returns what
+    `from_pretrained` returns.
+    """
+    config = kwargs.get("config")
+    saved_format, saved_group = saved_quantization(pretrained_model_name_or_path)
+    format = memory_quantization or getattr(config, "memory_quantization", None) or saved_format
+    check_format(format)
+    if format is None:
+        raise QuantizationError(
+            "from_pretrained_quantized needs memory_quantization='int8' or 'int4' for a checkpoint of float tables"
+        )
+    if saved_format is not None and format != saved_format:
+        raise QuantizationError(
+            f"the checkpoint holds {saved_format} tables: load it with memory_quantization={saved_format!r} (or "
+            "None); re-quantizing quantized tables would add the errors of both"
+        )
+    if memory_offload is not None and memory_offload not in MEMORY_OFFLOADS:
+        raise QuantizationError(f"memory_offload={memory_offload!r} is invalid: must be one of {(None, *MEMORY_OFFLOADS)}")
+    group_size = memory_quantization_group_size or (saved_group if saved_format == format else None)
+    if saved_format is not None and saved_group is not None and group_size != saved_group:
+        raise QuantizationError(
+            f"the checkpoint's {format} tables have group size {saved_group}, not {group_size}: leave "
+            "memory_quantization_group_size unset"
+        )
+    name = store_name(memory_offload, format)
+    checkpoint = QUANTIZED_STORES[name].find_checkpoint(pretrained_model_name_or_path, **kwargs)
+    if config is None:
+        from transformers import AutoConfig
+
+        hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "subfolder", "local_files_only") if k in kwargs}
+        config = AutoConfig.from_pretrained(pretrained_model_name_or_path, trust_remote_code=True, **hub)
+    group_size = resolve_group_size(format, config.memory_value_dim, config.mcs_cores, group_size)
+    checkpoint.check_tables(format, group_size, config.memory_value_dim, memory_offload)
+    with deferred_value_tables():  # the tables are left out of the load: the store reads them
+        loaded = super(ValueStoreMixin, model_class).from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+    model = loaded[0] if isinstance(loaded, tuple) else loaded
+    model.config.memory_quantization, model.config.memory_quantization_group_size = format, group_size
+    model.set_value_store(name, config=model.config, checkpoint=checkpoint, device=model.device, dtype=model.dtype)
+    return loaded
+
+
+__all__ = ["QuantizedCheckpoint", "from_pretrained_quantized"]

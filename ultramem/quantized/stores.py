@@ -1,0 +1,333 @@
+"""Value stores over quantized tables: one per location, each parameterised by the format.
+
+- `QuantizedValueTable`: the uint8 table as a buffer of the model (moves with `model.to`), the quantized "local";
+- `QuantizedHostValueStore`: in host memory, like memory_offload="cpu";
+- `QuantizedDiskValueStore`: memory-mapped from a quantized checkpoint, like memory_offload="disk".
+
+They are registered as "int8", "int4", "cpu-int8", "cpu-int4", "disk-int8", "disk-int4" (`store_name(offload,
+format)`): `model.set_value_store("int8", config=model.config)` quantizes an in-memory model's tables, and loading
+goes through `from_pretrained_quantized` (the format comes from the checkpoint's config, or is given once as
+`memory_quantization=`; the location is `memory_offload` as for float tables). Every store reads a quantized
+checkpoint's uint8 table as it is, or quantizes a float one row block by row block ("disk" excepted: a mapping
+cannot be quantized in place, convert the checkpoint with `python -m ultramem.quantize`).
+
+The tables are frozen: training through these stores updates every other weight (scores and queries get their
+gradients through `ultramem::quantized_bag_sum`'s autograd) and says so once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.utils import logging
+
+from ..offload.safetensors_file import (
+    OffloadCheckpointError,
+    SafetensorsCheckpoint,
+    TensorLocation,
+    advise_will_need,
+    read_header,
+)
+from ..offload.stores import _READER, DiskValueStore, HostValueStore, PendingLookup, _side_stream
+from .format import FORMATS, QuantizationError, check_format, quantize, quantized_width, resolve_group_size
+from .ops import lookup_reduce_quantized
+
+logger = logging.get_logger(__name__)
+
+TABLE_KEY = re.compile(r"(^|\.)memory_layers\.\d+\.values\.weight$")
+METADATA_FORMAT, METADATA_GROUP = "ultramem_quantization", "ultramem_quantization_group_size"
+FROZEN_WARNING = (
+    "Quantized value tables are frozen: training updates every other weight (scores and queries get their "
+    "gradients) but not the tables. Load without memory_quantization to train them."
+)
+
+
+class QuantizedCheckpoint(SafetensorsCheckpoint):
+    """`SafetensorsCheckpoint` that also locates uint8 tensors (the quantized tables) and reads each file's metadata."""
+
+    def __init__(self, files: list[Path]):
+        super().__init__(files)
+        self.metadata: dict[Path, dict[str, str]] = {}
+        for path in files:
+            header, data_start = read_header(path)
+            self.metadata[path] = header.get("__metadata__") or {}
+            for name, entry in header.items():
+                if name != "__metadata__" and entry["dtype"] == "U8":
+                    offset = data_start + entry["data_offsets"][0]
+                    self.locations[name] = TensorLocation(path, torch.uint8, tuple(entry["shape"]), offset)
+
+    def table_names(self) -> list[str]:
+        return sorted(name for name in self.locations if TABLE_KEY.search(name))
+
+    def check_tables(self, format: str | None, group_size: int | None, value_dim: int, offload: str | None) -> None:
+        """One line before any loading when the tables do not hold what `format` says."""
+        for name in self.table_names():
+            location = self.locations[name]
+            quantized = location.dtype == torch.uint8
+            if format is None and quantized:
+                raise QuantizationError(
+                    f"{name} is a quantized (uint8) table but the config has no memory_quantization: load it with "
+                    "memory_quantization='int8' or 'int4' (the format it was converted to)"
+                )
+            if format is None:
+                continue
+            if not quantized and offload == "disk":
+                raise QuantizationError(
+                    f"{name} is a {location.dtype} table: memory_offload='disk' maps the file as it is, so it needs "
+                    f"a quantized checkpoint: python -m ultramem.quantize CHECKPOINT OUT --format {format}"
+                )
+            saved = self.metadata[location.path].get(METADATA_FORMAT)
+            if quantized and saved is not None and saved != format:
+                raise QuantizationError(
+                    f"{name} holds {saved} tables, not {format}: load with memory_quantization={saved!r}"
+                )
+            width = quantized_width(format, value_dim, group_size)
+            if quantized and location.shape[1] != width:
+                raise QuantizationError(
+                    f"{name} is {location.shape}, a {format} table of value dim {value_dim} with group size "
+                    f"{group_size} has {width} bytes a row: the checkpoint's format or group size differs from the "
+                    "config's"
+                )
+
+
+def _quantized_table(
+    table: nn.Module, name: str, format: str, num_cores: int, group_size: int, checkpoint: SafetensorsCheckpoint | None
+) -> torch.Tensor:
+    """The checkpoint's quantized table as it is (read into memory), or its float table (or `table`'s weight)
+    quantized row block by row block."""
+    value_dim = table.embedding_dim
+    width = quantized_width(format, value_dim, group_size)
+    if checkpoint is None:
+        if not hasattr(table, "weight"):
+            raise QuantizationError(
+                f"{name} has no table to quantize: load with from_pretrained(path, memory_quantization=...)"
+            )
+        source = table.weight.detach()
+        if source.dtype == torch.uint8:
+            raise QuantizationError(f"{name} is already quantized")
+        return quantize(source, format, num_cores, group_size)
+    location = checkpoint.locate(name)
+    if location.dtype == torch.uint8:
+        if location.shape != (table.num_embeddings, width):
+            raise QuantizationError(
+                f"{name} is {location.shape} in the checkpoint; {format} with group size {group_size} needs "
+                f"{(table.num_embeddings, width)}"
+            )
+        return checkpoint.read(name)
+    if location.shape != (table.num_embeddings, value_dim):
+        raise OffloadCheckpointError(
+            f"{name} is {location.shape} in the checkpoint, the config needs {(table.num_embeddings, value_dim)}"
+        )
+    return quantize(checkpoint.map(name), format, num_cores, group_size)
+
+
+class QuantizedStoreMixin:
+    """Format, group size and the lookup shared by the quantized stores. `format` is set on the registered
+    subclasses (`bound`); `from_table` takes the model's config (or `num_cores`) for the MCS chunk."""
+
+    format: str | None = None
+    group_size: int
+    value_dim: int
+
+    @classmethod
+    def bound(cls, format: str) -> type:
+        """This store with its format fixed (the registered "int8", "cpu-int4", ... classes)."""
+        return type(f"{cls.__name__}{format.capitalize()}", (cls,), {"format": format, "__module__": cls.__module__})
+
+    @classmethod
+    def _settings(
+        cls, table: nn.Module, config: Any, num_cores: int | None, group_size: int | None, format: str | None
+    ) -> tuple[str, int, int]:
+        format = format or cls.format
+        check_format(format)
+        if format is None:
+            raise QuantizationError(f"{cls.__name__} needs format='int8' or 'int4'")
+        if num_cores is None and config is None:
+            raise QuantizationError(
+                "a quantized value store needs the MCS core count for its groups: pass config=model.config "
+                "(or num_cores=...) to set_value_store"
+            )
+        num_cores = num_cores or config.mcs_cores
+        if group_size is None and config is not None and getattr(config, "memory_quantization", None) == format:
+            group_size = getattr(config, "memory_quantization_group_size", None)
+        return format, num_cores, resolve_group_size(format, table.embedding_dim, num_cores, group_size)
+
+    @staticmethod
+    def find_checkpoint(path: Any, **from_pretrained_kwargs: Any) -> QuantizedCheckpoint:
+        return QuantizedCheckpoint.find(path, **from_pretrained_kwargs)
+
+    def _warn_if_training(self) -> None:
+        if self.training and torch.is_grad_enabled():
+            logger.warning_once(FROZEN_WARNING)
+
+    def _lookup(self, table: torch.Tensor, rows, groups, scores, num_groups) -> torch.Tensor:
+        return lookup_reduce_quantized(table, rows, groups, scores, num_groups, self.format, self.group_size)
+
+
+class QuantizedValueTable(QuantizedStoreMixin, nn.Module):
+    """The quantized table on the model's device: a uint8 buffer `weight` (saved under the table's key, so
+    `save_pretrained` writes a quantized checkpoint), no parameter, not an `nn.Embedding` (PEFT and torchao's
+    embedding quantization leave it alone)."""
+
+    def __init__(self, weight: torch.Tensor, format: str, group_size: int, value_dim: int):
+        super().__init__()
+        self.format, self.group_size, self.value_dim = format, group_size, value_dim
+        self.register_buffer("weight", weight)
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.value_dim
+
+    @classmethod
+    def from_table(
+        cls,
+        table: nn.Module,
+        name: str,
+        config: Any = None,
+        num_cores: int | None = None,
+        group_size: int | None = None,
+        format: str | None = None,
+        checkpoint: SafetensorsCheckpoint | None = None,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> QuantizedValueTable:
+        format, num_cores, group_size = cls._settings(table, config, num_cores, group_size, format)
+        weight = _quantized_table(table, name, format, num_cores, group_size, checkpoint)
+        if device is None and hasattr(table, "weight"):
+            device = table.weight.device
+        return cls(weight.to(device) if device is not None else weight, format, group_size, table.embedding_dim)
+
+    def forward(self, rows, groups, scores, num_groups, ops=None) -> torch.Tensor:
+        """rows, groups (T, K), scores (T, K, h) -> (T, E, Dv) float32."""
+        self._warn_if_training()
+        return self._lookup(self.weight, rows, groups, scores, num_groups)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.value_dim}, format={self.format!r}, group_size={self.group_size}"
+
+
+class _QuantizedOffloadedStore(QuantizedStoreMixin):
+    """The offloaded stores' reading (sorted unique rows, background thread, side-stream copy), with the quantized
+    op pooling straight from the host table (no gather copy: the op reads the selected rows in place)."""
+
+    @classmethod
+    def from_table(
+        cls,
+        table: nn.Module,
+        name: str,
+        config: Any = None,
+        num_cores: int | None = None,
+        group_size: int | None = None,
+        format: str | None = None,
+        checkpoint: SafetensorsCheckpoint | None = None,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        format, num_cores, group_size = cls._settings(table, config, num_cores, group_size, format)
+        store = cls(cls._load_quantized(table, name, format, num_cores, group_size, checkpoint, device), name)
+        store.format, store.group_size, store.value_dim = format, group_size, table.embedding_dim
+        return store
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.value_dim
+
+    def _start(self, rows, groups, scores, num_groups, background: bool) -> PendingLookup:
+        """`OffloadedValueStore._start` with the quantized stores' warning."""
+        self._warn_if_training()
+        device = scores.device
+        host = rows.cpu(), groups.cpu(), scores.cpu()
+        if background:
+            return PendingLookup(_READER.submit(self._pooled_on, device, *host, num_groups))
+        done: Future = Future()
+        done.set_result(self._pooled_on(device, *host, num_groups))
+        return PendingLookup(done)
+
+    def _pooled_on(self, device: torch.device, rows, groups, scores, num_groups) -> tuple[torch.Tensor, Any]:
+        unique = torch.unique(rows)  # sorted: for the count and the disk's read-ahead advice
+        self.rows_read += unique.numel()
+        self._will_read(unique)
+        pooled = self._lookup(self.table, rows, groups, scores, num_groups)
+        if device.type != "cuda":
+            return pooled.to(device), None
+        stream = _side_stream(device)
+        with torch.cuda.stream(stream):
+            pooled = pooled.pin_memory().to(device, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        return pooled, copied
+
+
+class QuantizedHostValueStore(_QuantizedOffloadedStore, HostValueStore):
+    """memory_offload="cpu" with quantized tables: the uint8 table in host memory (pinned beside a GPU)."""
+
+    @staticmethod
+    def _load_quantized(table, name, format, num_cores, group_size, checkpoint, device) -> torch.Tensor:
+        values = _quantized_table(table, name, format, num_cores, group_size, checkpoint).cpu()
+        return values.pin_memory() if device is not None and torch.device(device).type == "cuda" else values
+
+
+class QuantizedDiskValueStore(_QuantizedOffloadedStore, DiskValueStore):
+    """memory_offload="disk" with quantized tables: the checkpoint's uint8 table memory-mapped; only the selected
+    rows are read (the quantized op reads them from the mapping)."""
+
+    @staticmethod
+    def _load_quantized(table, name, format, num_cores, group_size, checkpoint, device) -> torch.Tensor:
+        if checkpoint is None:
+            raise OffloadCheckpointError(
+                "the 'disk' value store maps a checkpoint's table: load with "
+                "from_pretrained_quantized(path, memory_offload='disk')"
+            )
+        location = checkpoint.locate(name)
+        expected = (table.num_embeddings, quantized_width(format, table.embedding_dim, group_size))
+        if location.dtype != torch.uint8:
+            raise QuantizationError(
+                f"{name} is a {location.dtype} table: the 'disk' store maps a quantized checkpoint as it is; "
+                f"convert it first: python -m ultramem.quantize CHECKPOINT OUT --format {format}"
+            )
+        if location.shape != expected:
+            raise QuantizationError(f"{name} is {location.shape} in the checkpoint, {format} needs {expected}")
+        return checkpoint.map(name)
+
+    def _will_read(self, rows: torch.Tensor) -> None:
+        advise_will_need(self.table, rows)
+
+
+LOCATIONS: dict[str | None, type] = {
+    None: QuantizedValueTable,
+    "cpu": QuantizedHostValueStore,
+    "disk": QuantizedDiskValueStore,
+}
+
+
+def store_name(offload: str | None, format: str) -> str:
+    """The registered name of the quantized store for a `memory_offload` location and a format: "int8",
+    "cpu-int4", ..."""
+    return format if offload is None else f"{offload}-{format}"
+
+
+QUANTIZED_STORES: dict[str, type] = {
+    store_name(offload, format): store.bound(format) for offload, store in LOCATIONS.items() for format in FORMATS
+}
+
+
+def saved_quantization(path: Any, **from_pretrained_kwargs: Any) -> tuple[str | None, int | None]:
+    """(memory_quantization, memory_quantization_group_size) saved in a checkpoint's config.json."""
+    config_file = Path(path) / "config.json"
+    if config_file.is_file():
+        saved = json.loads(config_file.read_text())
+    else:
+        from transformers import PretrainedConfig
+
+        saved, _ = PretrainedConfig.get_config_dict(str(path), **from_pretrained_kwargs)
+    return saved.get("memory_quantization"), saved.get("memory_quantization_group_size")
