@@ -175,8 +175,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.interleave:
             size_rows, size_infos = bench_size_interleaved(size, args)
         else:
-            measured = [bench_model(size, kind, args) for kind in KINDS]
-            size_rows, size_infos = [r for rs, _ in measured for r in rs], [info for _, info in measured]
+            size_rows, size_infos = [], []
+            for kind in KINDS:
+                model_rows, info = bench_model(size, kind, args)
+                size_rows, size_infos = size_rows + model_rows, size_infos + [info]
+                report.save(args, {"complete": False, "rows": rows + size_rows})  # kept should the run be cut short
         rows += size_rows
         infos += size_infos
     analytic = analytic_rows(args)
@@ -194,6 +197,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "models": infos,
         "rows": rows,
         "ratios": ratio_rows(rows),
+        "complete": True,
     }
     if not args.no_plot:
         plot(args, rows)

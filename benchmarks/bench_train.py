@@ -120,7 +120,11 @@ COLUMNS = {"preset": "preset", "params_m": "params(M)", "forward_ms": "fwd ms", 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.manual_seed(0)
-    rows = [bench_model(size, kind, args) for size in args.sizes for kind in ("dense", "ultramem", "moe")]
+    rows = []
+    for size in args.sizes:
+        for kind in ("dense", "ultramem", "moe"):
+            rows.append(bench_model(size, kind, args))
+            report.save(args, {"complete": False, "rows": rows})  # kept should the run be cut short
     for row in rows:
         dense = next(r for r in rows if r["size"] == row["size"] and r["kind"] == "dense")
         if row.get("ms") and dense.get("ms"):
@@ -129,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     optimizer = "AdamW" + (" (fused)" if args.device.type == "cuda" else " (foreach)")
     settings = {"sizes": args.sizes, "batch": args.batch, "seq_len": args.seq_len, "precision": precision,
                 "optimizer": optimizer, "warmup": args.warmup, "iters": args.iters}  # fmt: skip
-    payload = {"settings": settings, "rows": rows}
+    payload = {"settings": settings, "rows": rows, "complete": True}
     report.finish(args, payload, report.format_table(rows, COLUMNS))
     return payload
 

@@ -1,18 +1,23 @@
-"""The GPU campaign: one resumable command that checks the kernels, measures the speed claims and compares quality.
+"""The GPU campaign: the kernels checked on the device, then the speed claims measured, planned for short device calls.
 
-GPU time comes in short slots (a command may run 10 minutes, a session holds the GPU about 30), so the campaign
-is a fixed list of steps, each with its own time limit, run in order under a total budget:
+A GPU is lent for about 15 minutes in all (its start and every idle wait included), one command at most 10. The
+campaign is a fixed list of steps, each with its own time limit, grouped into calls; every call is one device
+command (see benchmarks/README.md for the plan and the seconds per step):
 
-    python benchmarks/gpu_campaign.py                # on the GPU machine; run it again until it says "complete"
-    python benchmarks/gpu_campaign.py --smoke        # the same driver on CPU at tiny sizes (tested in CI)
+    python benchmarks/gpu_kit.py          # here, once: the wheels the GPU image lacks, into .whl/ (it prints the line)
+    python -m pip install --no-index --no-deps --target /tmp/ultramem-kit .whl/*.whl \
+        && PYTHONPATH=/tmp/ultramem-kit:$PWD python benchmarks/gpu_campaign.py --call 1   # on the GPU: 540 s
+    PYTHONPATH=/tmp/ultramem-kit:$PWD python benchmarks/gpu_campaign.py --call 2          # the next call: 240 s
+    python benchmarks/gpu_campaign.py --smoke      # the same driver on CPU at tiny sizes, kernels interpreted (CI)
 
-Everything lands in `benchmarks/results/<device>/` (`nvidia-h100-80gb-hbm3/`, ...): each step's JSON/PNG,
-its log in `logs/`, and `campaign.json` with the device, the package versions and every step's exact command,
-exit status and duration. A step that ran is not run again (`--redo NAME` forces it), except the quality step,
-which resumes its own runs when it was stopped by its time limit. Before a step starts, the driver checks that
-at least half its limit is left of `--budget-s` (a step cut short by the budget runs again); if not it stops
-cleanly, and the next invocation resumes there.
-Nothing is installed at run time: bring wheels for missing packages (see benchmarks/SPEED.md).
+Call 1: correctness (never skipped), kernel bandwidth, decoding at 680M. Call 2: the 151M training step and decode
+latency as the memory grows 16x. Calls 3-5: quality at "small", decoding at 1.6B, offloading at 1.6B.
+Everything lands in `benchmarks/results/<device>/`: each step's JSON/PNG the moment it exists, its log in `logs/`,
+`campaign.json` (device, versions, every step's exact command, exit status and duration) and README.md, the targets
+read as met or missed from what has been measured so far. A step that ran is not run again (`--redo NAME` forces
+it); a step cut short by the budget runs again, and the quality step resumes its own runs. Before a step starts the
+driver checks that at least half its limit is left of the call's budget; if not it stops, and the next invocation
+goes on there. Nothing is installed at run time.
 """
 
 from __future__ import annotations
@@ -21,8 +26,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
-import re
 import signal
 import subprocess
 import sys
@@ -30,9 +33,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parent
-REPO = BENCHMARKS.parent
+from lib import env, targets
+
 TIMED_OUT = 124
+# Seconds of the call's device limit the driver may spend (the rest: the kit's install, interpreter start-up, copying
+# the results back).
+CALL_BUDGETS = {1: 500, 2: 220, 3: 540, 4: 540, 5: 540}
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,7 @@ class Step:
     """One command of the campaign: `script` (a file in benchmarks/) with `args`, stopped after `seconds`."""
 
     name: str
+    call: int
     seconds: int
     script: str
     args: list[str]
@@ -47,47 +54,60 @@ class Step:
     resumable: bool = False  # a step stopped by its limit runs again next time (it skips what it recorded)
 
     def command(self, results: Path) -> list[str]:
-        return [sys.executable, str(BENCHMARKS / self.script), *[arg.format(results=results) for arg in self.args]]
+        return [sys.executable, str(env.BENCHMARKS / self.script), *[arg.format(results=results) for arg in self.args]]
 
 
 def gpu_steps() -> list[Step]:
-    """The campaign on a CUDA device, in order: correctness first, then speed, then quality."""
-    decode = ["--device", "cuda", "--moe-impl", "grouped_mm", "--results-dir", "{results}"]
+    """The campaign on a CUDA device, in call order. Estimated seconds (before any GPU run) in benchmarks/README.md."""
+    out = ["--results-dir", "{results}"]
+    decode = ["--device", "cuda", "--mode", "eager", "--moe-impl", "grouped_mm", "--warmup", "3", "--iters", "10", *out]
     return [
-        Step("check_gpu", 240, "check_gpu.py", ["--results-dir", "{results}"]),
-        Step("bench_kernels", 200, "bench_kernels.py", ["--device", "cuda", "--out-dir", "{results}"]),
-        Step("decode_680m", 280, "bench_decode.py",
-             [*decode, "--sizes", "680m", "--batch-sizes", "1,4,16,64", "--name", "decode_680m"]),  # fmt: skip
-        Step("scaling", 200, "bench_scaling.py", [*decode, "--size", "680m", "--batch", "16"]),
-        Step("train_151m", 200, "bench_train.py",
-             ["--device", "cuda", "--sizes", "151m", "--batch", "16", "--seq-len", "2048", "--results-dir", "{results}"]),  # fmt: skip
-        Step("quality_small", 540, "bench_quality.py",
+        # call 1 (540 s): correctness, kernel bandwidth, decoding at 680M
+        Step("check_gpu", 1, 200, "check_gpu.py", out),
+        Step("bench_kernels", 1, 120, "bench_kernels.py",
+             ["--device", "cuda", "--configs", "680m", "--dtypes", "bfloat16", "--tokens", "4096", "16384", "65536",
+              "--own-shape-only", "--no-candidates", "--repeats", "10", "--out-dir", "{results}"]),  # fmt: skip
+        Step("decode_680m", 1, 180, "bench_decode.py",
+             [*decode, "--sizes", "680m", "--batch-sizes", "1,16,64", "--analytic-sizes", "680m", "--name", "decode_680m"]),  # fmt: skip
+        # call 2 (240 s): the 151M training step, decode latency as slots grow 16x
+        Step("train_151m", 2, 110, "bench_train.py",
+             ["--device", "cuda", "--sizes", "151m", "--batch", "16", "--seq-len", "2048", "--moe-impl", "grouped_mm",
+              "--warmup", "2", "--iters", "5", "--name", "train_151m", *out]),  # fmt: skip
+        Step("scaling_680m", 2, 110, "bench_scaling.py",
+             [*decode, "--size", "680m", "--batch", "16", "--slots", "1048576,4194304,16777216", "--name", "scaling_680m"]),  # fmt: skip
+        # later calls, each a further slot
+        Step("quality_small", 3, 540, "bench_quality.py",
              ["--scale", "small", "--rows", "comparison", "--seeds", "2", "--seeded-rows", "all", "--bf16",
               "--max-steps", "300", "--batch-size", "32", "--block-size", "512", "--learning-rate", "1e-3",
               "--eval-points", "6", "--eval-blocks", "64", "--output-dir", "{results}",
               "--cache-dir", "{results}/quality_cache"],
              resumable=True),  # fmt: skip
-        Step("decode_1.6b", 280, "bench_decode.py",
-             [*decode, "--sizes", "1.6b", "--batch-sizes", "1,4,16", "--name", "decode_1.6b"]),  # fmt: skip
+        Step("decode_1.6b", 4, 280, "bench_decode.py",
+             [*decode, "--sizes", "1.6b", "--batch-sizes", "1,4,16", "--analytic-sizes", "1.6b", "--name", "decode_1.6b"]),  # fmt: skip
         # issue 11 on a GPU: ultramem-1.6b-x12 (a 44 GB checkpoint, built here, deleted after) with its tables in
         # pinned host memory against the same model fully on the GPU; a rerun reuses a checkpoint left by a cut one
-        Step("offload_1.6b", 540, "bench_offload.py",
+        Step("offload_1.6b", 5, 540, "bench_offload.py",
              ["--device", "cuda", "--checkpoints", "/tmp/ultramem_offload_checkpoints", "--build", "--cleanup",
-              "--runs", "gpu-resident,cpu-offload", "--batch-sizes", "1,8", "--results-dir", "{results}",
-              "--name", "offload"]),  # fmt: skip
+              "--runs", "gpu-resident,cpu-offload", "--batch-sizes", "1,8", "--name", "offload", *out]),  # fmt: skip
     ]
 
 
 def smoke_steps() -> list[Step]:
-    """The same steps on CPU at tiny sizes, the kernels in Triton's interpreter: the driver itself, in about two
-    minutes of one idle core (the limits leave room for a loaded machine)."""
+    """The same calls on CPU at tiny sizes, the kernels in Triton's interpreter: the driver itself, and every script
+    the GPU steps run, in a few minutes of one core (the limits leave room for a loaded machine)."""
     timing = ["--device", "cpu", "--warmup", "0", "--iters", "1", "--no-plot", "--results-dir", "{results}"]
     return [
-        Step("check_gpu", 600, "check_gpu.py", ["--smoke", "--results-dir", "{results}"], {"TRITON_INTERPRET": "1"}),
-        Step("decode_tiny", 300, "bench_decode.py",
-             [*timing, "--sizes", "tiny", "--batch-sizes", "1", "--context", "8", "--moe-impl", "eager"]),  # fmt: skip
-        Step("train_tiny", 300, "bench_train.py", [*timing, "--batch", "1", "--seq-len", "16", "--moe-impl", "eager"]),
-        Step("quality_tiny", 600, "bench_quality.py",
+        Step("check_gpu", 1, 600, "check_gpu.py", ["--smoke", "--results-dir", "{results}"], {"TRITON_INTERPRET": "1"}),
+        Step("bench_kernels", 1, 300, "bench_kernels.py", ["--device", "cpu", "--smoke", "--out-dir", "{results}"]),
+        Step("decode_tiny", 1, 300, "bench_decode.py",
+             [*timing, "--sizes", "tiny", "--batch-sizes", "1", "--context", "8", "--moe-impl", "eager",
+              "--analytic-sizes", "tiny", "--name", "decode_tiny"]),  # fmt: skip
+        Step("train_tiny", 2, 300, "bench_train.py",
+             [*timing, "--batch", "1", "--seq-len", "16", "--moe-impl", "eager", "--name", "train_tiny"]),  # fmt: skip
+        Step("scaling_tiny", 2, 300, "bench_scaling.py",
+             [*timing, "--slots", "16384,65536", "--batch", "1", "--context", "8", "--moe-impl", "eager",
+              "--name", "scaling_tiny"]),  # fmt: skip
+        Step("quality_tiny", 3, 600, "bench_quality.py",
              ["--scale", "tiny", "--rows", "Dense,UltraMem", "--seeds", "1", "--max-steps", "2", "--batch-size", "2",
               "--block-size", "32", "--eval-points", "1", "--eval-blocks", "2", "--output-dir", "{results}",
               "--cache-dir", "{results}/quality_cache"],
@@ -96,7 +116,7 @@ def smoke_steps() -> list[Step]:
 
 
 def device_name(smoke: bool) -> str:
-    """The GPU's name as `nvidia-smi` gives it (CPU in smoke mode)."""
+    """The GPU's name as torch gives it ('cpu-smoke' in smoke mode)."""
     if smoke:
         return "cpu-smoke"
     import torch
@@ -106,36 +126,10 @@ def device_name(smoke: bool) -> str:
     return torch.cuda.get_device_name(0)
 
 
-def folder_name(device: str) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
-    return re.sub(r"[^a-z0-9.]+", "-", device.lower()).strip("-")
-
-
-def environment() -> dict[str, str]:
-    """Versions and the GPU as nvidia-smi reports it, recorded once per campaign folder."""
-    import torch
-    import transformers
-
-    info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = "not installed"
-    try:
-        query = "name,memory.total,driver_version,clocks.max.sm"
-        smi = ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"]
-        info["nvidia_smi"] = subprocess.run(smi, capture_output=True, text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        info["nvidia_smi"] = "unavailable"
-    return info
-
-
 def load_state(path: Path, device: str) -> dict:
     if path.exists():
         return json.loads(path.read_text())
-    return {"device": device, "environment": environment(), "steps": {}}
+    return {"device": device, "environment": {**env.versions(), "nvidia_smi": env.nvidia_smi()}, "steps": {}}
 
 
 def pending(steps: list[Step], state: dict, redo: set[str]) -> list[Step]:
@@ -155,13 +149,13 @@ def run_step(step: Step, results: Path, seconds: float) -> dict:
     """Run one step for at most `seconds`; its output goes to logs/<name>.log, and its last lines are printed."""
     command = step.command(results)
     log = results / "logs" / f"{step.name}.log"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **step.env)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    environment = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **step.env)
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [environment.get("PYTHONPATH"), str(env.REPO)]))
     start = time.monotonic()
     with log.open("w") as handle:
         # its own process group, killed whole at the limit: a step's workers (bench_offload's run processes) must
         # not go on holding the GPU while the next step is timed
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT,
+        process = subprocess.Popen(command, cwd=env.REPO, env=environment, stdout=handle, stderr=subprocess.STDOUT,
                                    start_new_session=True)  # fmt: skip
         try:
             returncode = process.wait(timeout=seconds)
@@ -172,6 +166,7 @@ def run_step(step: Step, results: Path, seconds: float) -> dict:
     tail = log.read_text(errors="replace").splitlines()[-15:]
     print("\n".join(f"    {line}" for line in tail))
     return {
+        "call": step.call,
         "returncode": returncode,
         "seconds": round(time.monotonic() - start, 1),
         "limit_s": step.seconds,
@@ -185,10 +180,12 @@ def run_step(step: Step, results: Path, seconds: float) -> dict:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, Triton's interpreter")
-    parser.add_argument("--budget-s", type=int, default=560,
-                        help="stop before a step whose limit would overrun this many seconds (default 560: one "
-                        "10-minute command with room to copy the results back)")  # fmt: skip
-    parser.add_argument("--results-root", type=Path, default=BENCHMARKS / "results",
+    parser.add_argument("--call", type=int, choices=sorted(CALL_BUDGETS), default=None,
+                        help="run this call's steps only, within its budget (default: every pending step in order)")  # fmt: skip
+    parser.add_argument("--budget-s", type=int, default=None,
+                        help="stop before a step whose limit would overrun this many seconds (default: the call's "
+                        f"budget, {CALL_BUDGETS}; 560 without --call)")  # fmt: skip
+    parser.add_argument("--results-root", type=Path, default=env.RESULTS_DIR,
                         help="the campaign writes into <results-root>/<device>/")  # fmt: skip
     parser.add_argument("--redo", default="", help="comma-separated step names to run again")
     parser.add_argument("--only", default="", help="comma-separated step names to consider (default: all)")
@@ -199,10 +196,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         unknown = set(filter(None, getattr(args, flag).split(","))) - set(names)
         if unknown:
             parser.error(f"--{flag} {','.join(sorted(unknown))}: allowed step names are {', '.join(names)}")
+    args.budget_s = args.budget_s if args.budget_s is not None else CALL_BUDGETS.get(args.call, 560)
     if args.budget_s < 1:
         parser.error(f"--budget-s must be >= 1, got {args.budget_s}")
     only = set(filter(None, args.only.split(",")))
-    args.steps = [step for step in steps if not only or step.name in only]
+    args.steps = [s for s in steps if (not only or s.name in only) and (args.call is None or s.call == args.call)]
     return args
 
 
@@ -210,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run what is pending within the budget; exit status 1 if any step recorded so far failed."""
     args = parse_args(argv)
     device = device_name(args.smoke)
-    results = args.results_root / folder_name(device)
+    results = args.results_root / env.folder_name(device)
     (results / "logs").mkdir(parents=True, exist_ok=True)
     state_path = results / "campaign.json"
     state = load_state(state_path, device)
@@ -224,14 +222,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpu_campaign: stopping before {step.name} (limit {step.seconds} s, {left:.0f} s of the budget "
                   "left); run the same command again to go on")  # fmt: skip
             break
-        print(f"=== {step.name} (limit {min(step.seconds, int(left))} s)", flush=True)
+        print(f"=== {step.name} (call {step.call}, limit {min(step.seconds, int(left))} s)", flush=True)
         state["steps"][step.name] = run_step(step, results, min(step.seconds, left))
         state_path.write_text(json.dumps(state, indent=1))  # after every step: a killed campaign keeps the rest
+        targets.write_readme(results, state)
         outcome = state["steps"][step.name]
         print(f"=== {step.name}: exit {outcome['returncode']} in {outcome['seconds']} s", flush=True)
-    remaining = pending(args.steps, state, set())
+    remaining = pending(smoke_steps() if args.smoke else gpu_steps(), state, set())
     failed = sorted(name for name, outcome in state["steps"].items() if outcome["returncode"] != 0)
-    print(f"gpu_campaign: {'complete' if not remaining else f'{len(remaining)} step(s) left'}"
+    left_calls = sorted({s.call for s in remaining})
+    print(f"gpu_campaign: {'complete' if not remaining else f'{len(remaining)} step(s) left (calls {left_calls})'}"
           f"{'; failed: ' + ', '.join(failed) if failed else ''}")  # fmt: skip
     return 1 if failed else 0
 

@@ -177,9 +177,10 @@ def test_bench_offload_builds_loads_offloaded_and_cleans_up(bench, tmp_path):
     assert not any(checkpoints.iterdir())  # built by the run, deleted after it
 
 
-def test_gpu_campaign_smoke_runs_in_steps_resumes_and_stops_within_its_budget(tmp_path):
-    """`gpu_campaign.py --smoke`: the GPU campaign's driver on CPU (kernels in Triton's interpreter). Steps that ran
-    are recorded and not run again, a budget too small for the next step stops cleanly, bad step names are refused."""
+def test_gpu_campaign_smoke_runs_by_call_resumes_and_stops_within_its_budget(tmp_path):
+    """`gpu_campaign.py --smoke`: the GPU campaign's driver on CPU (kernels in Triton's interpreter). A call runs its
+    steps, writing every result and the targets' README; steps that ran are not run again, a budget too small for
+    the next step stops cleanly, bad step names are refused."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
 
@@ -188,24 +189,34 @@ def test_gpu_campaign_smoke_runs_in_steps_resumes_and_stops_within_its_budget(tm
         return subprocess.run([*command, *args], cwd=BENCHMARKS.parent, env=env, capture_output=True, text=True,
                               timeout=900)  # fmt: skip
 
-    first = campaign("--only", "check_gpu,decode_tiny")
+    first = campaign("--call", "1")
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
     results = tmp_path / "cpu-smoke"
     state = json.loads((results / "campaign.json").read_text())
     assert state["device"] == "cpu-smoke" and state["environment"]["torch"] == torch.__version__
-    assert set(state["steps"]) == {"check_gpu", "decode_tiny"}
-    assert all(step["returncode"] == 0 and not step["cut_by_budget"] for step in state["steps"].values())
+    assert list(state["steps"]) == ["check_gpu", "bench_kernels", "decode_tiny"]
+    assert all(step["returncode"] == 0 and not step["cut_by_budget"] and step["call"] == 1 for step in state["steps"].values())
     assert state["steps"]["check_gpu"]["env"] == {"TRITON_INTERPRET": "1"}
     checks = json.loads((results / "check_gpu_cpu.json").read_text())
-    assert checks["rows"] and all(row["passed"] for row in checks["rows"])
-    assert (results / "decode_cpu.json").exists() and (results / "logs" / "decode_tiny.log").stat().st_size > 0
+    assert checks["environment"]["device_type"] == "cpu" and len(checks["rows"]) >= 10
+    assert all(row["passed"] for row in checks["rows"])
+    assert {row["test"].split("[")[0] for row in checks["rows"]} >= {
+        "test_lookup_reduce_matches_the_reference", "test_model_forward_backward_triton_vs_torch",
+        "test_cached_greedy_generation_triton_vs_torch"}  # fmt: skip
+    assert (results / "decode_tiny.json").exists() and (results / "logs" / "decode_tiny.log").stat().st_size > 0
+    readme = (results / "README.md").read_text()
+    assert f"| {len(checks['rows'])}/{len(checks['rows'])} comparisons within tolerance | met |" in readme
+    assert "| Train step UltraMem / dense <= 1.3 (151M) | not measured yet | - |" in readme
 
     rest = campaign()
     assert rest.returncode == 0, rest.stdout[-4000:] + rest.stderr[-4000:]
-    assert "2 step(s) to run: train_tiny, quality_tiny" in rest.stdout and "gpu_campaign: complete" in rest.stdout
+    assert "3 step(s) to run: train_tiny, scaling_tiny, quality_tiny" in rest.stdout and "gpu_campaign: complete" in rest.stdout
     after = json.loads((results / "campaign.json").read_text())
     assert after["steps"]["decode_tiny"] == state["steps"]["decode_tiny"]  # not run again
-    assert (results / "quality_tiny.json").exists() and (results / "train_cpu.json").exists()
+    assert (results / "quality_tiny.json").exists() and (results / "train_tiny.json").exists()
+    readme = (results / "README.md").read_text()
+    for target in ("Train step UltraMem / dense", "Decode latency within 10%", "Decode UltraMem / dense"):
+        assert "not measured yet" not in next(line for line in readme.splitlines() if target in line)
 
     stopped = campaign("--redo", "decode_tiny", "--budget-s", "1")
     assert stopped.returncode == 0 and "stopping before decode_tiny" in stopped.stdout, stopped.stdout[-2000:]
@@ -213,6 +224,22 @@ def test_gpu_campaign_smoke_runs_in_steps_resumes_and_stops_within_its_budget(tm
 
     refused = campaign("--redo", "bench_everything")
     assert refused.returncode == 2 and "--redo bench_everything: allowed step names are check_gpu" in refused.stderr
+
+
+def test_the_first_two_calls_are_planned_inside_their_device_limits(bench):
+    """Issue 22: call 1 (540 s, the kit's install and compilation included) checks correctness first, then kernel
+    bandwidth, then decoding at 680M; call 2 (240 s) the 151M training step and the 16x slot scaling."""
+    campaign = bench("gpu_campaign")
+    steps = campaign.gpu_steps()
+    by_call = {call: [s for s in steps if s.call == call] for call in (1, 2)}
+    assert [s.name for s in by_call[1]] == ["check_gpu", "bench_kernels", "decode_680m"]
+    assert [s.name for s in by_call[2]] == ["train_151m", "scaling_680m"]
+    for call, limit in ((1, 540), (2, 240)):
+        assert campaign.CALL_BUDGETS[call] < limit and sum(s.seconds for s in by_call[call]) <= campaign.CALL_BUDGETS[call]
+    decode = by_call[1][2].args
+    assert decode[decode.index("--batch-sizes") + 1] == "1,16,64" and decode[decode.index("--mode") + 1] == "eager"
+    slots = [int(n) for n in by_call[2][1].args[by_call[2][1].args.index("--slots") + 1].split(",")]
+    assert slots[-1] == 16 * slots[0]
 
 
 def test_a_campaign_step_cut_at_its_limit_takes_its_workers_with_it(bench, tmp_path):

@@ -1,0 +1,176 @@
+"""The Triton kernels and the model's Triton path against the PyTorch reference, compiled on a CUDA device.
+
+The CPU suite runs the same comparisons in Triton's interpreter at small shapes; here they run compiled, at the
+paper's memory shapes (>= 1M value rows, >= 4,096 tokens), in float32 and bfloat16, with the issue's tolerances:
+relative error (max |error| / max |reference|) 1e-5 in float32 and 1e-2 in bfloat16, generation token for token.
+"""
+
+import os
+
+import pytest
+import torch
+
+from ultramem import kernels, memory_ops
+from ultramem.presets import get_config
+from ultramem.sizing import build_model
+
+pytestmark = pytest.mark.gpu
+SMOKE = os.environ.get("ULTRAMEM_GPU_SMOKE") == "1"  # see conftest.py
+ROWS, TOKENS = (256, 4) if SMOKE else (1 << 20, 4096)
+# smoke: tiny-ultramem made smaller still, every program of the interpreter runs in Python
+SMOKE_MODEL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, memory_num_keys=32, memory_value_dim=32,
+                   memory_key_dim=16, memory_topk=4, vocab_size=256, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+DTYPES = [torch.float32] if SMOKE else [torch.float32, torch.bfloat16]  # the interpreter's bfloat16 is numpy's float32
+MEMORY = "ultramem-151m-x12" if SMOKE else "ultramem-680m-x12"  # the decode benchmark's memory shape
+
+
+def use_memory_implementation(model, name: str):
+    """The model's lookup kernel: `set_memory_implementation` where it exists, the deprecated config field before."""
+    if hasattr(model, "set_memory_implementation"):
+        model.set_memory_implementation(name)
+    else:
+        model.config.memory_kernel = name
+    return model
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected| (both promoted to float64)."""
+    actual, expected = actual.double(), expected.double()
+    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_lookup_reduce_matches_the_reference(device, check, dtype, deterministic):
+    """Forward and both gradients against `memory_ops.lookup_reduce` in float32; rows drawn from a hot 1/64 of the
+    table, so many tokens add into the same rows (the atomics' hard case). Deterministic: identical bits twice."""
+    config = get_config(MEMORY)
+    slots, groups, cores, dim = config.memory_heads * config.memory_topk, config.ive_expansion, config.mcs_cores, config.memory_value_dim
+    generator = torch.Generator(device=device).manual_seed(0)
+    values = torch.randn(ROWS, dim, device=device, generator=generator).to(dtype)
+    rows = torch.randint(0, ROWS // 64, (TOKENS, slots), device=device, generator=generator)
+    group_index = torch.randint(0, groups, (TOKENS, slots), device=device, generator=generator)
+    scores = torch.randn(TOKENS, slots, cores, device=device, generator=generator).to(dtype)
+    grad_out = torch.randn(TOKENS, groups, dim, device=device, generator=generator).to(dtype)
+    values32, scores32 = values.float().requires_grad_(), scores.float().requires_grad_()
+    expected = memory_ops.lookup_reduce(values32, rows, group_index, scores32, groups)
+    expected_grads = torch.autograd.grad(expected, (values32, scores32), grad_out.float())
+
+    detail = dict(config=MEMORY, dtype=dtype_name(dtype), tokens=TOKENS, rows=ROWS, mode="deterministic" if deterministic else "atomic")
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        runs = []
+        for _ in range(2):
+            values_, scores_ = values.clone().requires_grad_(), scores.clone().requires_grad_()
+            out = kernels.lookup_reduce(values_, rows, group_index, scores_, groups)
+            runs.append((out, *torch.autograd.grad(out, (values_, scores_), grad_out)))
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    out, grad_values, grad_scores = runs[0]
+    tolerance = TOLERANCE[dtype]
+    check("lookup_reduce forward", relative_error(out, expected), tolerance, **detail)
+    check("lookup_reduce backward: values", relative_error(grad_values, expected_grads[0]), tolerance, **detail)
+    check("lookup_reduce backward: scores", relative_error(grad_scores, expected_grads[1]), tolerance, **detail)
+    if deterministic:
+        check("lookup_reduce deterministic backward: bits differing between two runs",
+              float(not torch.equal(runs[0][1], runs[1][1])), 0.0, **detail)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_tucker_candidate_topk_matches_the_reference(device, check, dtype):
+    """The fused m x m scoring picks the reference's winners (ties may reorder them), and the gradients through the
+    winners' per-core scores equal the reference's."""
+    config = get_config(MEMORY)
+    rank, topk, cores_ = config.tucker_rank, config.memory_topk, config.mcs_cores
+    generator = torch.Generator(device=device).manual_seed(1)
+    inputs = [torch.randn(TOKENS, rank, topk, device=device, generator=generator).to(dtype) for _ in range(2)]
+    inputs.append(torch.randn(cores_, rank, rank, device=device, generator=generator).to(dtype))
+    ours = [t.clone().requires_grad_() for t in inputs]
+    reference = [t.float().requires_grad_() for t in inputs]
+    index, core_scores = kernels.tucker_candidate_topk(*ours, topk)
+    ref_index, ref_scores = memory_ops.tucker_candidate_topk(*reference, topk)
+    detail = dict(config=MEMORY, dtype=dtype_name(dtype), tokens=TOKENS)
+    got = core_scores.float().sum(-1).sort(-1, descending=True).values
+    want = ref_scores.sum(-1).sort(-1, descending=True).values
+    check("tucker_candidate_topk forward: winners' scores", relative_error(got, want), TOLERANCE[dtype], **detail)
+    differing = 1.0 - (index.sort(-1).values == ref_index.sort(-1).values).float().mean().item()
+    check("tucker_candidate_topk forward: fraction of winners differing", differing,
+          0.0 if dtype == torch.float32 else 0.01, **detail)  # fmt: skip
+    if dtype == torch.float32:  # the same winners: their scores' gradients must agree
+        grads = torch.autograd.grad(core_scores.sum(), ours)
+        ref_grads = torch.autograd.grad(ref_scores.sum(), reference)
+        for name, grad, ref in zip(("row_scores", "col_scores", "cores"), grads, ref_grads, strict=True):
+            check(f"tucker_candidate_topk backward: {name}", relative_error(grad, ref), TOLERANCE[dtype], **detail)
+
+
+def model_on(device: torch.device, dtype: torch.dtype, preset: str, **overrides):
+    """A preset model built directly on `device` in `dtype`, dropout off (two training-mode forwards would draw
+    different masks and compare those instead of the kernels)."""
+    torch.manual_seed(0)
+    config = get_config(preset, hidden_dropout=0.0, attention_dropout=0.0, **{**(SMOKE_MODEL if SMOKE else {}), **overrides})
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return build_model(config)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_model_forward_backward_triton_vs_torch(device, check, dtype):
+    """One model, run with the reference and with the Triton kernels: logits, loss and every parameter's gradient.
+    A 151M-shaped UltraMem with two of its memory layers (1.2M value rows each) at 2 x 2048 tokens on the GPU."""
+    if SMOKE:
+        model, shape = model_on(device, dtype, "tiny-ultramem"), (1, 8)
+    else:
+        model, shape = model_on(device, dtype, "ultramem-151m-x12", num_hidden_layers=4, memory_layers=[[0, 2], [1, 3]]), (2, 2048)
+    input_ids = torch.randint(0, model.config.vocab_size, shape, device=device, generator=torch.Generator(device=device).manual_seed(2))
+    results = {}
+    for implementation in ("torch", "triton"):
+        use_memory_implementation(model, implementation).train()
+        out = model(input_ids=input_ids, labels=input_ids)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[implementation] = (out.logits.detach(), out.loss.detach(), grads)
+        model.zero_grad(set_to_none=True)
+    (logits, loss, grads), (ref_logits, ref_loss, ref_grads) = results["triton"], results["torch"]
+    tolerance = TOLERANCE[dtype]
+    detail = dict(config=model.config.model_type, dtype=dtype_name(dtype), tokens=shape[0] * shape[1])
+    check("model triton vs torch: logits", relative_error(logits, ref_logits), tolerance, **detail)
+    check("model triton vs torch: loss", relative_error(loss, ref_loss), tolerance, **detail)
+    worst = max(ref_grads, key=lambda n: relative_error(grads[n], ref_grads[n]))
+    check("model triton vs torch: worst parameter gradient", relative_error(grads[worst], ref_grads[worst]), 10 * tolerance,
+          parameter=worst, **detail)  # fmt: skip
+
+
+def test_cached_greedy_generation_triton_vs_torch(device, check):
+    """Greedy decoding with the KV / query-conv cache: the Triton path gives the reference path's tokens, and the
+    tokens of recomputing every step without a cache."""
+    model = model_on(device, torch.float32, "tiny-ultramem").eval()
+    (batch, length), new = ((1, 4), 3) if SMOKE else ((3, 12), 24)  # the interpreter takes seconds a token
+    prompt = torch.randint(0, model.config.vocab_size, (batch, length), device=device, generator=torch.Generator(device=device).manual_seed(3))
+    kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    with torch.no_grad():
+        reference = use_memory_implementation(model, "torch").generate(prompt, **kwargs)
+        cached = use_memory_implementation(model, "triton").generate(prompt, **kwargs)
+        recomputed = model.generate(prompt, use_cache=False, **kwargs)
+    detail = dict(config="tiny-ultramem", new_tokens=new)
+    check("generate triton vs torch (cached, greedy): tokens differing", (cached != reference).float().mean().item(), 0.0, **detail)
+    check("generate triton cached vs recomputed: tokens differing", (cached != recomputed).float().mean().item(), 0.0, **detail)
+
+
+@pytest.mark.skipif(SMOKE, reason="compiles the whole model: minutes in the interpreter")
+def test_compiled_fullgraph_forward_matches_eager(device, check):
+    model = use_memory_implementation(model_on(device, torch.float32, "tiny-ultramem"), "triton").eval()
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 64), device=device)
+    with torch.no_grad():
+        eager = model(input_ids=input_ids).logits
+        compiled = torch.compile(model.forward, fullgraph=True)(input_ids=input_ids).logits
+    check("torch.compile(fullgraph) vs eager logits", relative_error(compiled, eager), 1e-4, config="tiny-ultramem")
