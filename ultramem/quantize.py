@@ -20,8 +20,6 @@ import struct
 import sys
 from pathlib import Path
 
-import torch
-
 from .offload.safetensors_file import INDEX_FILE, SINGLE_FILE, read_header
 from .quantized.format import FORMATS, QuantizationError, quantize, quantized_width, resolve_group_size
 from .quantized.stores import METADATA_FORMAT, METADATA_GROUP, TABLE_KEY, QuantizedCheckpoint

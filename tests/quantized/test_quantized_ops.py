@@ -79,7 +79,9 @@ def slots(tokens=40, slots_=12, cores=2, num_groups=4, rows=50, seed=1):
 
 @pytest.mark.parametrize("format, group_size", CASES)
 @pytest.mark.parametrize("cores, num_groups", [(2, 4), (1, 1), (2, 1), (1, 4)])
-def test_op_equals_the_reference_on_the_dequantized_table_forward_and_score_gradients(format, group_size, cores, num_groups):
+def test_op_equals_the_reference_on_the_dequantized_table_forward_and_score_gradients(
+    format, group_size, cores, num_groups
+):
     quantized = quantize(table(), format, num_cores=cores, group_size=group_size)
     dequantized = dequantize(quantized, format, group_size)
     rows, groups, scores = slots(cores=cores, num_groups=num_groups)

@@ -45,7 +45,9 @@ def from_pretrained_quantized(
             "None); re-quantizing quantized tables would add the errors of both"
         )
     if memory_offload is not None and memory_offload not in MEMORY_OFFLOADS:
-        raise QuantizationError(f"memory_offload={memory_offload!r} is invalid: must be one of {(None, *MEMORY_OFFLOADS)}")
+        raise QuantizationError(
+            f"memory_offload={memory_offload!r} is invalid: must be one of {(None, *MEMORY_OFFLOADS)}"
+        )
     group_size = memory_quantization_group_size or (saved_group if saved_format == format else None)
     if saved_format is not None and saved_group is not None and group_size != saved_group:
         raise QuantizationError(
