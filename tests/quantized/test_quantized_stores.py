@@ -146,6 +146,7 @@ def test_set_value_store_quantizes_an_in_memory_model(saved):
     model = UltraMemForCausalLM(reference.config).eval()
     model.load_state_dict(reference.state_dict())
     model.set_value_store("cpu-int8", config=model.config)
+    assert model.config.memory_quantization == "int8" and model.config.memory_quantization_group_size == 8
     assert torch.equal(greedy(model), greedy(dequantized_model(reference, "int8", 8)))
     model = UltraMemForCausalLM(reference.config).eval()
     model.load_state_dict(reference.state_dict())

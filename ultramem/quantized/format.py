@@ -14,7 +14,8 @@ exactly what the quantized embedding-bag ops take (no copy).
 Groups never straddle an MCS chunk (g divides Dv/h), so each pooled group takes the score of its own core. Group
 size: int8 uses one group per chunk (g = Dv/h: its error is already ~0.7% of the values' rms); int4 uses
 `DEFAULT_INT4_GROUP_SIZE` = 64 columns where that divides the chunk (else the chunk): 64-column groups cut int4's
-error from ~12% to ~9% of the rms for 6% more bytes than 128 (see docs/quantized.md).
+error from ~12% to ~9% of the rms for 6% more bytes than 128-column groups (measured on Gaussian tables;
+`benchmarks/bench_quantized.py` measures the loss).
 """
 
 from __future__ import annotations

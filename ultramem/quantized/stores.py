@@ -132,6 +132,7 @@ class QuantizedStoreMixin:
     subclasses (`bound`); `from_table` takes the model's config (or `num_cores`) for the MCS chunk."""
 
     format: str | None = None
+    needs_config = True  # `set_value_store` passes the model's config (with the integration in value_stores)
     group_size: int
     value_dim: int
 
@@ -156,7 +157,10 @@ class QuantizedStoreMixin:
         num_cores = num_cores or config.mcs_cores
         if group_size is None and config is not None and getattr(config, "memory_quantization", None) == format:
             group_size = getattr(config, "memory_quantization_group_size", None)
-        return format, num_cores, resolve_group_size(format, table.embedding_dim, num_cores, group_size)
+        group_size = resolve_group_size(format, table.embedding_dim, num_cores, group_size)
+        if config is not None:  # the model now holds quantized tables: its config (and so save_pretrained) says so
+            config.memory_quantization, config.memory_quantization_group_size = format, group_size
+        return format, num_cores, group_size
 
     @staticmethod
     def find_checkpoint(path: Any, **from_pretrained_kwargs: Any) -> QuantizedCheckpoint:
