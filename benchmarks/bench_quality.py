@@ -26,8 +26,6 @@ import hashlib
 import json
 import lzma
 import math
-import os
-import platform
 import shutil
 import statistics
 import sys
@@ -40,14 +38,14 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, MixtralConfig, PreTrainedConfig, TrainerCallback
 
+from lib import env, report
 from ultramem import ablation, presets, sizing
 from ultramem.tokenization import load_tokenizer
-from ultramem.training.cli import run as train_run
+from ultramem.training import DataArguments, ModelArguments, UltraMemTrainingArguments, train
 from ultramem.training.data import embedded_corpus_files, pack_blocks
 
-ROOT = Path(__file__).resolve().parent
+ROOT = env.BENCHMARKS
 CONFIG_DIR = ROOT / "quality"
-RESULTS_DIR = ROOT / "results"
 CHARS_PER_TOKEN = 5.0  # generous for English BPE, so the text subset never runs out before the token budget
 GUTENBERG_PIECE_CHARS = 8000  # books are cut into pieces so the subset samples every book, not the first one
 
@@ -256,29 +254,21 @@ class QualityRecorder(TrainerCallback):
             self.train_logs.append({"step": state.global_step, **{k: float(v) for k, v in logs.items()}})
 
 
-def train_argv(row: Row, seed: int, settings: dict[str, Any], data: dict[str, Path], output_dir: Path) -> list[str]:
-    """The `ultramem-train` arguments of one run."""
-    argv = [
-        "--config_file", str(row.config_file),
-        "--train_file", str(data["train"]),
-        "--validation_file", str(data["valid"]),
-        "--block_size", str(settings["block_size"]),
-        "--per_device_train_batch_size", str(settings["batch_size"]),
-        "--per_device_eval_batch_size", str(settings["batch_size"]),
-        "--max_steps", str(settings["max_steps"]),
-        "--learning_rate", str(settings["learning_rate"]),
-        "--logging_steps", str(settings["logging_steps"]),
-        "--max_eval_samples", "2",  # the Trainer's own final evaluation; the curve uses the recorder's blocks
-        "--diagnostics_batch_size", "2",
-        "--seed", str(seed),
-        "--output_dir", str(output_dir),
-        "--save_strategy", "no",
-        "--report_to", "none",
-        "--disable_tqdm", "true",
-    ]
+def train_arguments(row: Row, seed: int, settings: dict[str, Any], data: dict[str, Path], output_dir: Path):
+    """The typed `ultramem.training.train` arguments of one run, and the same as an `ultramem-train` command line."""
+    model = {"config_file": str(row.config_file)}
+    # max_eval_samples: the Trainer's own final evaluation; the curve uses the recorder's blocks
+    data_ = {"train_file": str(data["train"]), "validation_file": str(data["valid"]), "block_size": settings["block_size"],
+             "max_eval_samples": 2}  # fmt: skip
+    training = {"per_device_train_batch_size": settings["batch_size"], "per_device_eval_batch_size": settings["batch_size"],
+                "max_steps": settings["max_steps"], "learning_rate": settings["learning_rate"],
+                "logging_steps": settings["logging_steps"], "diagnostics_batch_size": 2, "seed": seed,
+                "output_dir": str(output_dir), "save_strategy": "no", "report_to": "none", "disable_tqdm": True}  # fmt: skip
     if settings["bf16"]:  # the Trainer refuses bf16 without an accelerator unless told to use the CPU
-        argv += ["--bf16", "true"] + ([] if torch.cuda.is_available() else ["--use_cpu", "true"])
-    return argv
+        training.update(bf16=True, **({} if torch.cuda.is_available() else {"use_cpu": True}))
+    argv = [text for key, value in {**model, **data_, **training}.items()
+            for text in (f"--{key}", str(value).lower() if isinstance(value, bool) else str(value))]  # fmt: skip
+    return (ModelArguments(**model), DataArguments(**data_), UltraMemTrainingArguments(**training)), argv
 
 
 def counts(config: dict[str, Any]) -> dict[str, float]:
@@ -301,9 +291,9 @@ def train_one(row: Row, seed: int, settings: dict[str, Any], data: dict[str, Pat
     eval_steps = {max(1, round(steps * i / points)) for i in range(1, points + 1)}
     recorder = QualityRecorder(blocks, eval_steps, settings["batch_size"], settings["bf16"])
     output_dir = work / f"{config_key(row.config)}-seed{seed}"
-    argv = train_argv(row, seed, settings, data, output_dir)
+    arguments, argv = train_arguments(row, seed, settings, data, output_dir)
     start = time.perf_counter()
-    train_run(argv, callbacks=[recorder])
+    train(*arguments, callbacks=[recorder])
     wall = time.perf_counter() - start
     shutil.rmtree(output_dir)  # the benchmark keeps the curve, not the weights
     tokens_per_step = settings["batch_size"] * settings["block_size"]
@@ -327,24 +317,6 @@ def train_one(row: Row, seed: int, settings: dict[str, Any], data: dict[str, Pat
 
 
 # ---- reporting --------------------------------------------------------------------------------------------------
-def machine() -> dict[str, Any]:
-    """Where the numbers were measured; the load average says how contended the CPU was."""
-    cpuinfo = Path("/proc/cpuinfo")
-    models = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")] if cpuinfo.exists() else []
-    info = {
-        "platform": platform.platform(),
-        "cpu": models[0] if models else platform.processor(),
-        "cpu_count": os.cpu_count(),
-        "load_average_1min_at_start": os.getloadavg()[0],
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
-
-
 def summarize(rows: list[Row], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per row: mean and spread over its seeds, the difference to the reference row, parameter counts.
 
@@ -407,12 +379,13 @@ def pooled_seed_std(table: list[dict[str, Any]]) -> float | None:
 
 def markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     spread = pooled_seed_std(table)
+    machine = meta["machine"]
+    gpu = machine.get("gpu") or (machine["device"] if machine.get("device_type") == "cuda" else None)
     lines = [
         f"# Quality at fixed compute ({meta['scale']})",
         "",
         f"Command: `{meta['command']}`  ",
-        f"Machine: {meta['machine']['cpu']}, {meta['machine']['cpu_count']} cores, torch {meta['machine']['torch']}"
-        + (f", {meta['machine']['gpu']}" if "gpu" in meta["machine"] else "")
+        f"Machine: {machine['cpu']}, {machine['cpu_count']} cores, torch {machine['torch']}" + (f", {gpu}" if gpu else "")
         + "  ",
         f"Per run: {meta['settings']['max_steps']} steps x {meta['settings']['batch_size']} x {meta['settings']['block_size']} tokens "
         f"= {meta['tokens_per_run']:,} training tokens; validation: {meta['settings']['eval_blocks']} blocks "
@@ -466,43 +439,33 @@ def markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 def plot(table: list[dict[str, Any]], runs: list[dict[str, Any]], group: str, path: Path, title: str) -> None:
     """Left: validation loss against training tokens (seed mean; shaded: range over seeds). Right: the final
     validation loss of each row, every seed as a dot joined to the same seed of the neighbouring rows."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     entries = [e for e in table if e["group"] == group]
     if not entries:
         return
-    fig, (curves_ax, final_ax) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
-    colors = plt.cm.viridis([i / max(1, len(entries) - 1) for i in range(len(entries))])
-    for entry, color in zip(entries, colors):
-        curves = [run["curve"] for run in runs if run["config_key"] == entry["config_key"]]
-        length = min(map(len, curves))
-        tokens = [curves[0][i]["tokens"] for i in range(1, length)]
-        values = [[curve[i]["val_loss"] for curve in curves] for i in range(1, length)]
-        curves_ax.plot(tokens, [statistics.fmean(v) for v in values], marker="o", ms=3, color=color,
-                       label=f"{entry['name']} ({entry['val_loss']:.3f}, {len(curves)} seed{'s' if len(curves) > 1 else ''})")
-        if len(curves) > 1:
-            curves_ax.fill_between(tokens, [min(v) for v in values], [max(v) for v in values], color=color, alpha=0.1)
-    curves_ax.set_xlabel("training tokens")
-    curves_ax.set_ylabel("validation loss (LM cross entropy)")
-    curves_ax.set_title(title)
-    curves_ax.grid(alpha=0.3)
-    curves_ax.legend(fontsize=7)
-    seeds = sorted({run["seed"] for run in runs})
-    for seed in seeds:
-        finals = [next((run["val_loss"] for run in runs if run["config_key"] == e["config_key"] and run["seed"] == seed), math.nan) for e in entries]
-        final_ax.plot(range(len(entries)), finals, marker="o", ms=4, alpha=0.6, label=f"seed {seed}")
-    final_ax.plot(range(len(entries)), [e["val_loss"] for e in entries], color="black", lw=2, label="mean")
-    final_ax.set_xticks(range(len(entries)), [e["name"] for e in entries], rotation=60, ha="right", fontsize=8)
-    final_ax.set_ylabel("final validation loss")
-    final_ax.set_title("final loss per row and seed")
-    final_ax.grid(alpha=0.3)
-    final_ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    curves, bands = {}, []
+    for entry in entries:
+        mine = [run["curve"] for run in runs if run["config_key"] == entry["config_key"]]
+        length = min(map(len, mine))
+        tokens = [mine[0][i]["tokens"] for i in range(1, length)]
+        values = [[curve[i]["val_loss"] for curve in mine] for i in range(1, length)]
+        label = f"{entry['name']} ({entry['val_loss']:.3f}, {len(mine)} seed{'s' if len(mine) > 1 else ''})"
+        curves[label] = (tokens, [statistics.fmean(v) for v in values])
+        if len(mine) > 1:
+            bands.append((label, tokens, [min(v) for v in values], [max(v) for v in values]))
+
+    def shade(axis) -> None:  # the range over seeds, in its curve's colour
+        colors = {line.get_label(): line.get_color() for line in axis.get_lines()}
+        for label, tokens, low, high in bands:
+            axis.fill_between(tokens, low, high, color=colors[label], alpha=0.1)
+
+    key = lambda e, seed: next((r["val_loss"] for r in runs if r["config_key"] == e["config_key"] and r["seed"] == seed), math.nan)  # noqa: E731
+    finals = {f"seed {seed}": (range(len(entries)), [key(e, seed) for e in entries]) for seed in sorted({r["seed"] for r in runs})}
+    finals["mean"] = (range(len(entries)), [e["val_loss"] for e in entries])
+    ticks = lambda axis: axis.set_xticks(range(len(entries)), [e["name"] for e in entries], rotation=60, ha="right", fontsize=8)  # noqa: E731
+    report.plot(path, [
+        report.Panel(title, "validation loss (LM cross entropy)", curves, "training tokens", xlog=False, draw=shade),
+        report.Panel("final loss per row and seed", "final validation loss", finals, xlog=False, colors={"mean": "black"}, draw=ticks),
+    ])  # fmt: skip
 
 
 def write_results(output_dir: Path, rows: list[Row], runs: list[dict[str, Any]], meta: dict[str, Any]) -> None:
@@ -543,7 +506,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-points", type=int, default=8, help="validation evaluations along each run (plus step 0)")
     parser.add_argument("--eval-blocks", type=int, default=48, help="validation blocks of --block-size tokens")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast for training and validation")
-    parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--output-dir", type=Path, default=env.RESULTS_DIR)
     parser.add_argument(
         "--corpus-dir", type=Path, nargs="+", default=[Path(embedded_corpus_files()["train"]).parent],
         help="corpus folder(s) of train.jsonl.xz and valid.jsonl.xz, sampled in equal shares; default: the shipped Gutenberg slice",
@@ -602,7 +565,7 @@ def main(argv: list[str] | None = None) -> Path:
     meta = {
         "scale": args.scale,
         "command": "python benchmarks/bench_quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "machine": machine(),
+        "machine": env.environment("cuda" if torch.cuda.is_available() else "cpu"),
         "settings": settings,
         "tokens_per_run": tokens_per_run,
         "eval_tokens": blocks.numel(),

@@ -10,6 +10,8 @@ import pytest
 from ultramem import ablation
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_quality.py"
+if str(SCRIPT.parent) not in sys.path:  # the scripts import their library, benchmarks/lib
+    sys.path.insert(0, str(SCRIPT.parent))
 spec = importlib.util.spec_from_file_location("bench_quality", SCRIPT)
 bench_quality = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = bench_quality  # dataclasses look their module up there
