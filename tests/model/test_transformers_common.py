@@ -45,6 +45,13 @@ MISSING = (
     f"--fetch-only` (needs PyPI), or set {SKIP_VARIABLE}=1 to skip Transformers' common tests"
 )
 
+# The cache's name in model inputs and outputs: Transformers 5.24 renamed `past_key_values` to `cache`
+CACHE = (
+    "cache"
+    if "cache" in transformers.modeling_outputs.CausalLMOutputWithPast.__dataclass_fields__
+    else "past_key_values"
+)
+
 # A value other than PreTrainedConfig's default for each of its fields (Transformers 5.24): ConfigTester's
 # check_config_arguments_init builds the config with them and checks every one is kept.
 CONFIG_COMMON_KWARGS = {
@@ -134,12 +141,12 @@ class GenerationTesterMixin:
         for model, inputs in self._models():
             config = model.config
             with torch.no_grad():
-                cache = model(**inputs, use_cache=True).cache
+                cache = model(**inputs, use_cache=True)[CACHE]
             batch_size, length = inputs["input_ids"].shape
             self.assertEqual(cache.get_seq_length(), length)
             expected = self._get_conv_state_shape(batch_size, config)
             for layer_idx, state_idx in config.memory_conv_state_slots:
-                self.assertEqual(tuple(cache.get_conv_state(layer_idx, state_idx).shape), expected)
+                self.assertEqual(tuple(cache.layers[layer_idx].conv_states[state_idx].shape), expected)
 
     def test_left_padding_compatibility(self):
         """Left-padded rows generate the tokens, with the logits, of the same rows unpadded."""
@@ -165,7 +172,8 @@ class GenerationTesterMixin:
             whole = self._greedy(model, inputs, new_tokens=2 * n)
             first = self._greedy(model, inputs)
             ids = first.sequences
-            second = self._greedy(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, cache=first.cache)
+            next_inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), CACHE: first[CACHE]}
+            second = self._greedy(model, next_inputs)
             self.assert_same_steps(second.sequences, first.logits + second.logits, whole.sequences, whole.logits)
 
     def test_generate_with_static_cache(self):
