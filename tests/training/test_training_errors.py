@@ -81,6 +81,7 @@ def test_unknown_override_field(tmp_path, capsys):
 
 def test_deepspeed_batch_size_that_contradicts_the_trainer(tmp_path, files):
     """In a child process: `--deepspeed` sets process-wide Accelerate/DeepSpeed state."""
+    pytest.importorskip("deepspeed")  # an optional dependency (ultramem[deepspeed])
     ds_config = tmp_path / "ds.json"
     ds_config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 2}}))
     argv = base_args(*files, tmp_path / "out", deepspeed=ds_config, per_device_train_batch_size=2)
@@ -139,6 +140,7 @@ def test_a_presets_own_saved_config_is_no_contradiction(tmp_path):
 
 def test_deepspeed_without_a_launcher_is_one_line(tmp_path, files):
     """In a child process: one process without a launcher would fall back to MPI discovery (mpi4py) in train()."""
+    pytest.importorskip("deepspeed")  # an optional dependency (ultramem[deepspeed])
     argv = base_args(*files, tmp_path / "out", deepspeed="zero2")
     result = subprocess.run(
         python_module("ultramem.training", *argv), cwd=REPO, env=child_env(DS_ACCELERATOR="cpu"),
