@@ -16,8 +16,9 @@ The sdist leaves out test_modeling_common's subpackages; what stands in for each
   the default for each field every Transformers config has.
 - `causal_lm_tester.py` (`CausalLMModelTester`): `UltraMemModelTester` in transformers_common_cases.py.
 
-Without the sources this module fails (one test says how to fetch them) rather than skip, so CI cannot pass without
-running it; set ULTRAMEM_SKIP_TRANSFORMERS_COMMON=1 to skip it where the sources are not wanted.
+Without the sources this module fetches them first (with the script); where that fails (no PyPI) it fails with one
+test that says how to fetch them, rather than skip, so CI cannot pass without running it; set
+ULTRAMEM_SKIP_TRANSFORMERS_COMMON=1 to skip it where the sources are not wanted.
 """
 
 import os
@@ -40,6 +41,13 @@ SOURCES = Path(
     or Path(__file__).resolve().parents[2] / ".transformers-src" / transformers.__version__
 )
 FOUND = (SOURCES / "transformers_tests" / "test_modeling_common.py").is_file()
+if not FOUND and not os.environ.get(SKIP_VARIABLE) and "ULTRAMEM_TRANSFORMERS_SOURCES" not in os.environ:
+    # First run in a clone: fetch them (pip, from PyPI), so README's test command runs them with nothing else to do
+    import subprocess
+
+    fetch = Path(__file__).resolve().parents[2] / ".ci" / "transformers_tests.sh"
+    subprocess.run(["bash", str(fetch), "--fetch-only"], capture_output=True, text=True, timeout=600)
+    FOUND = (SOURCES / "transformers_tests" / "test_modeling_common.py").is_file()
 MISSING = (
     f"Transformers {transformers.__version__}'s test sources are not in {SOURCES}: run `.ci/transformers_tests.sh "
     f"--fetch-only` (needs PyPI), or set {SKIP_VARIABLE}=1 to skip Transformers' common tests"
