@@ -12,10 +12,10 @@ from conftest import small_config
 from transformers.testing_utils import CaptureLogger
 
 import ultramem.quantized  # noqa: F401 (registers the quantized stores)
-from ultramem import UltraMemForCausalLM
+from ultramem import UltraMemConfig, UltraMemForCausalLM
 from ultramem.quantize import convert, main
 from ultramem.quantized import QuantizationError, dequantize, from_pretrained_quantized, quantize
-from ultramem.quantized.stores import QuantizedCheckpoint, QuantizedValueTable
+from ultramem.quantized.stores import QUANTIZED_STORES, QuantizedCheckpoint, QuantizedValueTable
 from ultramem.quantized.stores import logger as stores_logger
 
 LOCATIONS = (None, "cpu", "disk")
@@ -183,7 +183,7 @@ def test_loading_mismatches_are_one_line_before_loading(saved, converted):
     with pytest.raises(QuantizationError, match="needs memory_quantization='int8' or 'int4'"):
         from_pretrained_quantized(UltraMemForCausalLM, folder)
     with pytest.raises(QuantizationError, match="needs the MCS core count"):
-        UltraMemForCausalLM(small_config()).set_value_store("int8")
+        QUANTIZED_STORES["int8"].from_table(UltraMemForCausalLM(small_config()).model.memory_layers[0].values, "v")
 
 
 def test_converter_refuses_bad_input_with_one_line_before_any_work(saved, converted, tmp_path, monkeypatch, capsys):
@@ -200,3 +200,23 @@ def test_converter_refuses_bad_input_with_one_line_before_any_work(saved, conver
     with pytest.raises(SystemExit, match=r"not enough disk space .* needs 0\.\d+ GB, 0\.00 GB free"):
         main([str(folder), str(tmp_path / "c"), "--format", "int8"])
     assert not any((tmp_path / name).exists() for name in "abc")
+
+
+INTEGRATED = "memory_quantization" in UltraMemConfig.__dataclass_fields__
+
+
+@pytest.mark.skipif(not INTEGRATED, reason="needs the memory_quantization config field and loader (issue 24)")
+@pytest.mark.parametrize("location", LOCATIONS)
+def test_a_converted_checkpoint_loads_through_auto_classes_with_and_without_the_setting(saved, converted, location):
+    from transformers import AutoModelForCausalLM
+
+    _, reference = saved
+    expected = greedy(dequantized_model(reference, "int8", 8))
+    for setting in ({}, {"memory_quantization": "int8"}):
+        model = AutoModelForCausalLM.from_pretrained(converted["int8"], memory_offload=location, **setting).eval()
+        assert model.config.memory_quantization == "int8"
+        assert torch.equal(greedy(model), expected)
+    at_load = AutoModelForCausalLM.from_pretrained(saved[0], memory_quantization="int8").eval()
+    assert torch.equal(greedy(at_load), expected)
+    float_model = AutoModelForCausalLM.from_pretrained(saved[0]).eval()
+    assert float_model.config.memory_quantization is None and torch.equal(greedy(float_model), greedy(reference))

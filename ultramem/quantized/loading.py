@@ -48,20 +48,21 @@ def from_pretrained_quantized(
         raise QuantizationError(
             f"memory_offload={memory_offload!r} is invalid: must be one of {(None, *MEMORY_OFFLOADS)}"
         )
-    group_size = memory_quantization_group_size or (saved_group if saved_format == format else None)
-    if saved_format is not None and saved_group is not None and group_size != saved_group:
-        raise QuantizationError(
-            f"the checkpoint's {format} tables have group size {saved_group}, not {group_size}: leave "
-            "memory_quantization_group_size unset"
-        )
-    name = store_name(memory_offload, format)
-    checkpoint = QUANTIZED_STORES[name].find_checkpoint(pretrained_model_name_or_path, **kwargs)
     if config is None:
         from transformers import AutoConfig
 
         hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "subfolder", "local_files_only") if k in kwargs}
         config = AutoConfig.from_pretrained(pretrained_model_name_or_path, trust_remote_code=True, **hub)
+    configured = getattr(config, "memory_quantization_group_size", None)  # an Auto class hands the keyword over
+    group_size = memory_quantization_group_size or configured or (saved_group if saved_format == format else None)
+    if saved_format is not None and saved_group is not None and group_size != saved_group:
+        raise QuantizationError(
+            f"the checkpoint's {format} tables have group size {saved_group}, not {group_size}: leave "
+            "memory_quantization_group_size unset"
+        )
     group_size = resolve_group_size(format, config.memory_value_dim, config.mcs_cores, group_size)
+    name = store_name(memory_offload, format)
+    checkpoint = QUANTIZED_STORES[name].find_checkpoint(pretrained_model_name_or_path, **kwargs)
     checkpoint.check_tables(format, group_size, config.memory_value_dim, memory_offload)
     with deferred_value_tables():  # the tables are left out of the load: the store reads them
         loaded = super(ValueStoreMixin, model_class).from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
