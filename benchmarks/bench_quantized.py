@@ -38,15 +38,6 @@ def validation_blocks(tokenizer, data: Path, blocks: int, block_size: int) -> to
     return torch.stack([ids[s : s + block_size] for s in starts.tolist()])
 
 
-@torch.no_grad()
-def log_probs(model, blocks: torch.Tensor, batch_size: int) -> torch.Tensor:
-    """(blocks, block_size - 1, vocab) next-token log-probabilities, float32."""
-    out = []
-    for batch in blocks.split(batch_size):
-        out.append(F.log_softmax(model(input_ids=batch).logits[:, :-1].float(), dim=-1))
-    return torch.cat(out)
-
-
 def table_error(model, reference) -> tuple[int, float]:
     """Bytes of the value tables and their rms error relative to the reference's float tables."""
     from ultramem.quantized import dequantize
@@ -61,23 +52,25 @@ def table_error(model, reference) -> tuple[int, float]:
     return nbytes, (error / norm) ** 0.5
 
 
+@torch.no_grad()
 def measure(
     checkpoint: str | Path,
     blocks: torch.Tensor,
     variants: list[tuple[str, str | None, int | None]],
     batch_size: int = 8,
 ) -> list[dict]:
-    """One row per (name, format, group size) variant; the first must be the float model (format None)."""
+    """One row per (name, format, group size) variant; the first must be the float model (format None).
+
+    Every model is loaded first, then each batch of blocks runs through all of them: the fp32 log-probabilities of a
+    batch are compared with each variant's at once (the vocabulary-wide log-probs of every block never coexist).
+    """
     from ultramem import UltraMemForCausalLM
     from ultramem.quantized import from_pretrained_quantized
 
-    reference = UltraMemForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    targets = blocks[:, 1:]
-    reference_lp = None
-    rows = []
-    for name, format, group_size in variants:
+    models = []
+    for _, format, group_size in variants:
         if format is None:
-            model = reference
+            model = UltraMemForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
         else:
             model = from_pretrained_quantized(
                 UltraMemForCausalLM,
@@ -85,13 +78,23 @@ def measure(
                 memory_quantization=format,
                 memory_quantization_group_size=group_size,
                 dtype=torch.float32,
-            ).eval()
-        lp = log_probs(model, blocks, batch_size)
-        loss = -lp.gather(-1, targets.unsqueeze(-1)).mean().item()
-        if reference_lp is None:
-            reference_lp, reference_loss = lp, loss
-        kl = (reference_lp.exp() * (reference_lp - lp)).sum(-1).mean().item()
-        nbytes, rms = table_error(model, reference)
+            )
+        models.append(model.eval())
+    losses, kls = [0.0] * len(models), [0.0] * len(models)
+    for batch in blocks.split(batch_size):
+        targets = batch[:, 1:].unsqueeze(-1)
+        reference = None
+        for i, model in enumerate(models):
+            lp = F.log_softmax(model(input_ids=batch).logits[:, :-1].float(), dim=-1)
+            reference = lp if reference is None else reference
+            losses[i] -= lp.gather(-1, targets).sum().item()
+            kls[i] += (reference.exp() * (reference - lp)).sum().item()
+    tokens = blocks[:, 1:].numel()
+    reference_loss = losses[0] / tokens
+    rows = []
+    for (name, format, _), model, loss_sum, kl_sum in zip(variants, models, losses, kls, strict=True):
+        loss = loss_sum / tokens
+        nbytes, rms = table_error(model, models[0])
         rows.append(
             dict(
                 variant=name,
@@ -100,7 +103,7 @@ def measure(
                 loss=loss,
                 loss_change=loss - reference_loss,
                 loss_change_relative=(loss - reference_loss) / reference_loss,
-                kl_per_token=kl,
+                kl_per_token=kl_sum / tokens,
                 table_bytes=nbytes,
                 table_rms_error=rms,
             )
