@@ -49,10 +49,8 @@ def from_pretrained_quantized(
             f"memory_offload={memory_offload!r} is invalid: must be one of {(None, *MEMORY_OFFLOADS)}"
         )
     if config is None:
-        from transformers import AutoConfig
-
         hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "subfolder", "local_files_only") if k in kwargs}
-        config = AutoConfig.from_pretrained(pretrained_model_name_or_path, trust_remote_code=True, **hub)
+        config = model_class.config_class.from_pretrained(pretrained_model_name_or_path, **hub)
     configured = getattr(config, "memory_quantization_group_size", None)  # an Auto class hands the keyword over
     group_size = memory_quantization_group_size or configured or (saved_group if saved_format == format else None)
     if saved_format is not None and saved_group is not None and group_size != saved_group:
