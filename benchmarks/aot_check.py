@@ -30,14 +30,16 @@ TRITON_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 def resource_usage(fn, arguments: dict[str, str], constants: dict[str, int], arch: int, num_warps: int) -> dict:
     """Compile `fn` for sm_<arch> and read its registers, stack and local memory from the cubin."""
     signature = {**arguments, **{name: "constexpr" for name in constants}}
-    kernel = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", arch, 32),
-                            options={"num_warps": num_warps})
+    kernel = triton.compile(
+        ASTSource(fn, signature, constants), target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps}
+    )
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
         cubin.flush()
-        listing = subprocess.run([str(cuobjdump), "--dump-resource-usage", cubin.name], capture_output=True,
-                                 text=True, check=True).stdout
+        listing = subprocess.run(
+            [str(cuobjdump), "--dump-resource-usage", cubin.name], capture_output=True, text=True, check=True
+        ).stdout
     return {key: int(value) for key, value in re.findall(r"(REG|STACK|LOCAL):(\d+)", listing)}
 
 
@@ -61,25 +63,46 @@ def kernel_launches(config_name: str, dtype: str) -> dict[str, tuple]:
         )
     }
     block_k, block_d, warps = lookup.backward_tile(slots, chunk)
-    backward_arguments = dict(grad_out_ptr=f"*{t}", values_ptr=f"*{t}", rows_ptr="*i64", groups_ptr="*i64",
-                              scores_ptr=f"*{t}", grad_scores_ptr=f"*{t}", grad_values_ptr="*fp32", **sizes)
+    backward_arguments = dict(
+        grad_out_ptr=f"*{t}",
+        values_ptr=f"*{t}",
+        rows_ptr="*i64",
+        groups_ptr="*i64",
+        scores_ptr=f"*{t}",
+        grad_scores_ptr=f"*{t}",
+        grad_values_ptr="*fp32",
+        **sizes,
+    )
     for mode, atomic in (("atomic", True), ("scores", False)):
         launches[f"lookup_reduce.backward_{mode}"] = (
-            lookup._backward_kernel, backward_arguments,
-            dict(NUM_GROUPS=groups, ACCUMULATE_VALUES=atomic, BLOCK_K=block_k, BLOCK_D=block_d), warps,
+            lookup._backward_kernel,
+            backward_arguments,
+            dict(NUM_GROUPS=groups, ACCUMULATE_VALUES=atomic, BLOCK_K=block_k, BLOCK_D=block_d),
+            warps,
         )
     block_p, block_d, warps = lookup.segment_tile(2**20, chunk)
     launches["lookup_reduce.value_grad_segments"] = (
         lookup._value_grad_segment_kernel,
-        dict(grad_out_ptr=f"*{t}", sorted_rows_ptr="*i32", order_ptr="*i64", segment_end_ptr="*i64",
-             groups_ptr="*i64", scores_ptr=f"*{t}", grad_values_ptr=f"*{t}", num_entries="i32", **sizes),
-        dict(NUM_GROUPS=groups, BLOCK_P=block_p, BLOCK_D=block_d), warps,
+        dict(
+            grad_out_ptr=f"*{t}",
+            sorted_rows_ptr="*i32",
+            order_ptr="*i64",
+            segment_end_ptr="*i64",
+            groups_ptr="*i64",
+            scores_ptr=f"*{t}",
+            grad_values_ptr=f"*{t}",
+            num_entries="i32",
+            **sizes,
+        ),
+        dict(NUM_GROUPS=groups, BLOCK_P=block_p, BLOCK_D=block_d),
+        warps,
     )
     padded, topk_padded, warps = candidates.candidate_tile(config.memory_topk, config.memory_topk)
     launches["tucker_candidate_topk"] = (
         candidates._candidate_index_kernel,
         dict(row_ptr=f"*{t}", col_ptr=f"*{t}", core_ptr=f"*{t}", out_ptr="*i64", num_candidates="i32", topk="i32"),
-        dict(RANK=config.tucker_rank, M_PAD=padded, K_PAD=topk_padded), warps,
+        dict(RANK=config.tucker_rank, M_PAD=padded, K_PAD=topk_padded),
+        warps,
     )
     return launches
 
@@ -95,8 +118,17 @@ def main(argv: list[str] | None = None) -> None:
         for name, (fn, arguments, constants, warps) in kernel_launches(config_name, args.dtype).items():
             for arch in args.arch:
                 usage = resource_usage(fn, arguments, constants, arch, warps)
-                report.append(dict(kernel=name, config=config_name, arch=f"sm_{arch}", dtype=args.dtype,
-                                   constants=constants, num_warps=warps, **usage))
+                report.append(
+                    dict(
+                        kernel=name,
+                        config=config_name,
+                        arch=f"sm_{arch}",
+                        dtype=args.dtype,
+                        constants=constants,
+                        num_warps=warps,
+                        **usage,
+                    )
+                )
                 print(f"{name:36s} {config_name:5s} sm_{arch} warps={warps} {usage}", flush=True)
     print(json.dumps(report))
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 from lib import cli, models, report, timing
+
 from ultramem.sizing import decode_memory_access
 
 DEFAULT_NAME = "decode"
@@ -105,7 +105,9 @@ def bench_size_interleaved(size: str, args) -> tuple[list[dict[str, Any]], list[
             steps = {kind: models.decode_step(model, batch, args) for kind, (model, _) in peers.items()}
             times = timing.measure_interleaved(steps, args.device, args.warmup, args.iters, args.statistic)
             for kind, (model, info) in peers.items():
-                rows.append(row_of(info, model, batch, args, {**times[kind], **timing.count_launches(steps[kind], args.device)}))
+                rows.append(
+                    row_of(info, model, batch, args, {**times[kind], **timing.count_launches(steps[kind], args.device)})
+                )
     infos = [info for _, info in peers.values()]
     del peers, steps
     timing.release(args.device)
@@ -118,7 +120,10 @@ def analytic_rows(args) -> list[dict[str, Any]]:
     for size in args.analytic_sizes:
         metas = {kind: models.build(preset, "meta", args.dtype) for kind, preset in models.PEERS[size].items()}
         for batch in args.batch_sizes:
-            access = {k: decode_memory_access(m, batch, args.context, torch.finfo(args.dtype).bits // 8) for k, m in metas.items()}
+            access = {
+                k: decode_memory_access(m, batch, args.context, torch.finfo(args.dtype).bits // 8)
+                for k, m in metas.items()
+            }
             gb = {kind: a.total / 1e9 for kind, a in access.items()}
             weights = {kind: a.total - a.kv_cache for kind, a in access.items()}
             rows.append({"size": size, "batch": batch, "kv_gb": access["dense"].kv_cache / 1e9, "dense_gb": gb["dense"],
@@ -136,11 +141,18 @@ def ratio_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (size, batch): the three times, the issue's ratios, and the analytic-access ratios."""
     by_key = {(r["size"], r["batch"], r["kind"]): r for r in rows}
     table = []
-    for size, batch in sorted({(r["size"], r["batch"]) for r in rows}, key=lambda k: (list(models.PEERS).index(k[0]), k[1])):
+    for size, batch in sorted(
+        {(r["size"], r["batch"]) for r in rows}, key=lambda k: (list(models.PEERS).index(k[0]), k[1])
+    ):
         get = {kind: by_key.get((size, batch, kind), {}) for kind in KINDS}
         row = {"size": size, "batch": batch}
         row.update({f"{kind}_ms": get[kind].get("ms") for kind in KINDS})
-        row.update({"ultramem/dense": ratio(row["ultramem_ms"], row["dense_ms"]), "moe/ultramem": ratio(row["moe_ms"], row["ultramem_ms"])})
+        row.update(
+            {
+                "ultramem/dense": ratio(row["ultramem_ms"], row["dense_ms"]),
+                "moe/ultramem": ratio(row["moe_ms"], row["ultramem_ms"]),
+            }
+        )
         row.update({f"{kind}_gb": get[kind].get("access_gb") for kind in KINDS})
         row["analytic moe/ultramem"] = ratio(row["moe_gb"], row["ultramem_gb"])
         row.update({f"{kind}_ops": get[kind].get("aten_ops") for kind in KINDS})
@@ -162,7 +174,10 @@ def plot(args, rows: list[dict[str, Any]]) -> None:
     for size in args.sizes:
         for title, key, ylabel in (("decode time", "ms", "ms / step"), ("memory access", "access_gb", "GB / step")):
             ok = [r for r in rows if r["size"] == size and r["status"] == "ok"]
-            series = {kind: ([r["batch"] for r in ok if r["kind"] == kind], [r[key] for r in ok if r["kind"] == kind]) for kind in KINDS}
+            series = {
+                kind: ([r["batch"] for r in ok if r["kind"] == kind], [r[key] for r in ok if r["kind"] == kind])
+                for kind in KINDS
+            }
             panels.append(report.Panel(f"{size}: {title}", ylabel, series, xlabel="batch size"))
     report.plot(args.results_dir / f"{args.name}.png", panels, f"decode step, KV cache {args.context}, {args.mode}")
 

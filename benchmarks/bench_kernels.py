@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-
 from lib import env, report, timing
+
 from ultramem import kernels, memory_ops
 from ultramem.presets import get_config
 
@@ -116,23 +116,37 @@ def time_lookup(fn, args: tuple, grad_out: torch.Tensor, device: torch.device, r
     with torch.no_grad():
         forward = timing.median_ms(lambda: fn(*args), device, repeats)
     out = fn(*args)
-    backward = timing.median_ms(lambda: torch.autograd.grad(out, (values, scores), grad_out, retain_graph=True), device, repeats)
+    backward = timing.median_ms(
+        lambda: torch.autograd.grad(out, (values, scores), grad_out, retain_graph=True), device, repeats
+    )
     out = None  # free the graph before the next measurement
     both = timing.median_ms(lambda: torch.autograd.grad(fn(*args), (values, scores), grad_out), device, repeats)
     return forward, backward, both
 
 
-def time_candidates(fn, row: torch.Tensor, col: torch.Tensor, cores: torch.Tensor, topk: int,
-                    device: torch.device, repeats: int) -> tuple[float, float]:
+def time_candidates(
+    fn, row: torch.Tensor, col: torch.Tensor, cores: torch.Tensor, topk: int, device: torch.device, repeats: int
+) -> tuple[float, float]:
     """(forward, forward+backward) ms; the backward flows from the winners' per-core scores."""
     with torch.no_grad():
         forward = timing.median_ms(lambda: fn(row, col, cores, topk), device, repeats)
-    both = timing.median_ms(lambda: torch.autograd.grad(fn(row, col, cores, topk)[1].sum(), (row, col, cores)), device, repeats)
+    both = timing.median_ms(
+        lambda: torch.autograd.grad(fn(row, col, cores, topk)[1].sum(), (row, col, cores)), device, repeats
+    )
     return forward, both
 
 
-def bench_lookup(shape: MemoryShape, groups: int, cores: int, dtype: torch.dtype, tokens_list: list[int],
-                 device: torch.device, copy_gbps: float, repeats: int, interpreted: bool) -> list[Result]:
+def bench_lookup(
+    shape: MemoryShape,
+    groups: int,
+    cores: int,
+    dtype: torch.dtype,
+    tokens_list: list[int],
+    device: torch.device,
+    copy_gbps: float,
+    repeats: int,
+    interpreted: bool,
+) -> list[Result]:
     values = torch.randn(shape.num_rows, shape.value_dim, device=device, dtype=dtype).requires_grad_()
     results = []
     for tokens in tokens_list:
@@ -161,8 +175,14 @@ def bench_lookup(shape: MemoryShape, groups: int, cores: int, dtype: torch.dtype
     return results
 
 
-def bench_candidates(shape: MemoryShape, dtype: torch.dtype, tokens_list: list[int], device: torch.device,
-                     repeats: int, interpreted: bool) -> list[Result]:
+def bench_candidates(
+    shape: MemoryShape,
+    dtype: torch.dtype,
+    tokens_list: list[int],
+    device: torch.device,
+    repeats: int,
+    interpreted: bool,
+) -> list[Result]:
     impls = {"torch": memory_ops.tucker_candidate_topk}
     if kernels.triton_available() and not interpreted:
         impls["triton"] = kernels.tucker_candidate_topk
@@ -174,8 +194,15 @@ def bench_candidates(shape: MemoryShape, dtype: torch.dtype, tokens_list: list[i
         row = torch.randn(grid, device=device, dtype=dtype).requires_grad_()
         col = torch.randn(grid, device=device, dtype=dtype).requires_grad_()
         for impl, fn in impls.items():
-            result = Result("tucker_candidate_topk", shape.name, shape.groups, shape.cores,
-                            str(dtype).removeprefix("torch."), tokens, impl)
+            result = Result(
+                "tucker_candidate_topk",
+                shape.name,
+                shape.groups,
+                shape.cores,
+                str(dtype).removeprefix("torch."),
+                tokens,
+                impl,
+            )
             try:
                 result.forward_ms, result.fwd_bwd_ms = time_candidates(fn, row, col, cores, shape.topk, device, repeats)
             except torch.OutOfMemoryError:
@@ -187,7 +214,11 @@ def bench_candidates(shape: MemoryShape, dtype: torch.dtype, tokens_list: list[i
 def summary(results: list[Result]) -> list[dict]:
     """The issue's targets per (config, E, h, dtype, tokens >= 4096): Triton's forward as % of the copy bandwidth,
     and its forward+backward speed-up over the PyTorch path and embedding_bag."""
-    ok = {(r.config, r.groups, r.cores, r.dtype, r.tokens, r.impl): r for r in results if r.op == "lookup_reduce" and r.status == "ok"}
+    ok = {
+        (r.config, r.groups, r.cores, r.dtype, r.tokens, r.impl): r
+        for r in results
+        if r.op == "lookup_reduce" and r.status == "ok"
+    }
     rows = []
     for (config, groups, cores, dtype, tokens, impl), triton in ok.items():
         if impl != "triton" or tokens < 4096:
@@ -210,8 +241,12 @@ def plot(results: list[Result], path: Path, title: str) -> None:
         series = lambda field: {impl: ([r.tokens for r in rows if r.impl == impl], [getattr(r, field) for r in rows if r.impl == impl])
                                 for impl in COLORS if any(r.impl == impl for r in rows)}  # noqa: E731 # fmt: skip
         title_ = "{} E={} h={} {}".format(*key)
-        top.append(report.Panel(title_, "forward, % of copy bandwidth", series("forward_pct_of_copy"), "tokens", colors=COLORS))
-        bottom.append(report.Panel(title_, "forward+backward ms", series("fwd_bwd_ms"), "tokens", ylog=True, colors=COLORS))
+        top.append(
+            report.Panel(title_, "forward, % of copy bandwidth", series("forward_pct_of_copy"), "tokens", colors=COLORS)
+        )
+        bottom.append(
+            report.Panel(title_, "forward+backward ms", series("fwd_bwd_ms"), "tokens", ylog=True, colors=COLORS)
+        )
     report.plot(path, top + bottom, title, columns=max(1, len(keys)))
 
 
@@ -224,7 +259,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokens", nargs="+", type=int, help="token counts (overrides the mode's list)")
     parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16", "float16"],
                         help="value dtypes (default: bfloat16 float32 on CUDA, float32 on CPU)")  # fmt: skip
-    parser.add_argument("--own-shape-only", action="store_true", help="time each config at its own (E, h) only, not also at E = h = 1")
+    parser.add_argument(
+        "--own-shape-only", action="store_true", help="time each config at its own (E, h) only, not also at E = h = 1"
+    )
     parser.add_argument("--no-candidates", action="store_true", help="skip tucker_candidate_topk")
     parser.add_argument("--repeats", type=int, help="timed calls per measurement (median reported)")
     parser.add_argument("--out-dir", type=Path, default=env.RESULTS_DIR)
@@ -261,9 +298,15 @@ def main(argv: list[str] | None = None) -> None:
         shape = memory_shape(name, num_rows)
         for dtype_name in dtypes:
             dtype = getattr(torch, dtype_name)
-            variants = [(shape.groups, shape.cores)] if args.own_shape_only else sorted({(shape.groups, shape.cores), (1, 1)}, reverse=True)
+            variants = (
+                [(shape.groups, shape.cores)]
+                if args.own_shape_only
+                else sorted({(shape.groups, shape.cores), (1, 1)}, reverse=True)
+            )
             for groups, cores in variants:
-                results += bench_lookup(shape, groups, cores, dtype, tokens_list, device, copy_gbps, repeats, interpreted)
+                results += bench_lookup(
+                    shape, groups, cores, dtype, tokens_list, device, copy_gbps, repeats, interpreted
+                )
                 report_.update(results=[asdict(r) for r in results], summary=summary(results))
                 report.write_json(path, report_)
             if not args.no_candidates:
@@ -273,7 +316,11 @@ def main(argv: list[str] | None = None) -> None:
 
     report_["complete"] = True
     report.write_json(path, report_)
-    plot(results, path.with_suffix(".png"), f"{report_['environment']['device']} ({report_['mode']}), copy {copy_gbps:.0f} GB/s")
+    plot(
+        results,
+        path.with_suffix(".png"),
+        f"{report_['environment']['device']} ({report_['mode']}), copy {copy_gbps:.0f} GB/s",
+    )
     print(f"device: {report_['environment']['device']}  copy bandwidth: {copy_gbps:.1f} GB/s  wrote {path} and .png")
     if report_["summary"]:
         print(report.format_table(report_["summary"], list(report_["summary"][0])) + "\n")

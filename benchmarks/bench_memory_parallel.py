@@ -23,9 +23,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from lib import report, timing
-from lib.env import RESULTS_DIR as RESULTS, environment
+from lib.env import RESULTS_DIR as RESULTS
+from lib.env import environment
+
 from ultramem.modeling_ultramem import TORCH_MEMORY_OPS, VALUE_STORES
 from ultramem.parallel import count_bytes
 from ultramem.parallel.setup import memory_parallel_mesh
@@ -118,7 +119,9 @@ def plot(rows: list[dict], args: argparse.Namespace, path: Path) -> None:
     """Like the paper's figure: number / dimension volume over P and value dim (ratio 1 marked), plus the
     measured bytes against the predicted ones."""
     sizes, dims = list(range(2, 65)), [2**k for k in range(4, 12)]
-    volume = lambda key, d, p: sum(VOLUMES[key](LookupShape(args.tokens, args.slots, d, args.cores, args.groups), p).values())  # noqa: E731
+    volume = lambda key, d, p: sum(
+        VOLUMES[key](LookupShape(args.tokens, args.slots, d, args.cores, args.groups), p).values()
+    )  # noqa: E731
     ratio = [[volume("number", d, p) / volume("dimension", d, p) for p in sizes] for d in dims]
 
     def contours(axis) -> None:
@@ -159,8 +162,20 @@ def main() -> None:
     plot(rows, args, RESULTS / "memory_parallel_cpu.png")
     for row in rows:
         row["ms_per_step"] = 1000 * row["step_seconds"]
-    print(report.format_table(rows, {"P": "P", "value_dim": "Dv", "partitioning": "partitioning", "forward_bytes": "fwd bytes",
-                                     "predicted_forward_bytes": "predicted", "step_bytes": "step bytes", "ms_per_step": "ms/step"}))
+    print(
+        report.format_table(
+            rows,
+            {
+                "P": "P",
+                "value_dim": "Dv",
+                "partitioning": "partitioning",
+                "forward_bytes": "fwd bytes",
+                "predicted_forward_bytes": "predicted",
+                "step_bytes": "step bytes",
+                "ms_per_step": "ms/step",
+            },
+        )
+    )
     for rank, entry in enumerate(result.get("large", [])):
         print(f"large rank {rank}: {entry}")
 

@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from lib import cli, report, timing
 
 DEFAULT_NAME = "offload"
@@ -236,13 +235,18 @@ def plot(args, rows: list[dict[str, Any]]) -> None:
     runs = list(dict.fromkeys(r["run"] for r in rows))
     panels = []
     for key, what in (("median_ms", "wall clock"), ("cpu_ms", "process CPU time")):
-        series = {run: ([r["batch"] for r in rows if r["run"] == run], [r[key] for r in rows if r["run"] == run]) for run in runs}
+        series = {
+            run: ([r["batch"] for r in rows if r["run"] == run], [r[key] for r in rows if r["run"] == run])
+            for run in runs
+        }
         panels.append(report.Panel(f"decode step, {what}", "ms / step", series, xlabel="batch size"))
     scaling = {}
     for series, series_runs in SCALING_SERIES.items():
         for batch in args.batch_sizes:
             for key, what in (("median_ms", "wall"), ("cpu_ms", "CPU")):
-                points = sorted((r["table_gb"], r[key]) for r in rows if r["run"] in series_runs and r["batch"] == batch)
+                points = sorted(
+                    (r["table_gb"], r[key]) for r in rows if r["run"] in series_runs and r["batch"] == batch
+                )
                 if points:
                     scaling[f"{series}, batch {batch}, {what}"] = ([p[0] for p in points], [p[1] for p in points])
     panels.append(report.Panel("tables on disk growing 16x", "ms / step", scaling, xlabel="value-table GB"))
@@ -258,7 +262,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row = run_isolated(label, folder, batch, args)
             print(report.format_table([row], COLUMNS))
             rows.append(row)
-        if built and args.cleanup and not any(RUNS[r].checkpoint == RUNS[label].checkpoint for r in args.runs[args.runs.index(label) + 1 :]):
+        if (
+            built
+            and args.cleanup
+            and not any(RUNS[r].checkpoint == RUNS[label].checkpoint for r in args.runs[args.runs.index(label) + 1 :])
+        ):
             shutil.rmtree(folder)
     payload = {
         "settings": {

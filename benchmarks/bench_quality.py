@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from lib import env, report
 from transformers import AutoConfig, MixtralConfig, PreTrainedConfig, TrainerCallback
 
-from lib import env, report
 from ultramem import ablation, presets, sizing
 from ultramem.tokenization import load_tokenizer
 from ultramem.training import DataArguments, ModelArguments, UltraMemTrainingArguments, train
@@ -81,7 +81,9 @@ def row_configs(scale: str) -> list[tuple[str, str, PreTrainedConfig]]:
         return rows
     # the ladder shares the presets' position limit, so its first and last rows are the PKM and UltraMem rows
     positions = rows[-1][2].max_position_embeddings
-    rows += [("ladder", name, config) for name, config in ablation.ablation_ladder(scale, max_position_embeddings=positions)]
+    rows += [
+        ("ladder", name, config) for name, config in ablation.ablation_ladder(scale, max_position_embeddings=positions)
+    ]
     return rows
 
 
@@ -122,7 +124,9 @@ def load_rows(scale: str, selection: str) -> list[Row]:
     rows = []
     for group, name, _, path in row_files(scale):
         if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: run `python {Path(__file__).name} --write-configs --scale {scale}`")
+            raise FileNotFoundError(
+                f"{path} is missing: run `python {Path(__file__).name} --write-configs --scale {scale}`"
+            )
         rows.append(Row(group, name, path, json.loads(path.read_text())))
     if selection == "all":
         return rows
@@ -131,7 +135,9 @@ def load_rows(scale: str, selection: str) -> list[Row]:
     wanted = [name.strip() for name in selection.split(",")]
     unknown = [name for name in wanted if name not in {row.name for row in rows}]
     if unknown:
-        raise ValueError(f"--rows: unknown row(s) {unknown}; allowed: all, comparison, ladder or {[r.name for r in rows]}")
+        raise ValueError(
+            f"--rows: unknown row(s) {unknown}; allowed: all, comparison, ladder or {[r.name for r in rows]}"
+        )
     return [row for row in rows if row.name in wanted]
 
 
@@ -146,7 +152,9 @@ def check_corpus_dirs(corpus_dirs: list[Path]) -> None:
     for folder in corpus_dirs:
         missing = [name for name in ("train.jsonl.xz", "valid.jsonl.xz") if not (folder / name).is_file()]
         if missing:
-            raise ValueError(f"--corpus-dir {folder}: no {' or '.join(missing)} (expected the layout of ultramem/data/corpus)")
+            raise ValueError(
+                f"--corpus-dir {folder}: no {' or '.join(missing)} (expected the layout of ultramem/data/corpus)"
+            )
 
 
 def _documents(folder: Path, split: str) -> list[str]:
@@ -157,7 +165,10 @@ def _documents(folder: Path, split: str) -> list[str]:
         piece
         for record in records
         for piece in (
-            [record["text"][i : i + GUTENBERG_PIECE_CHARS] for i in range(0, len(record["text"]), GUTENBERG_PIECE_CHARS)]
+            [
+                record["text"][i : i + GUTENBERG_PIECE_CHARS]
+                for i in range(0, len(record["text"]), GUTENBERG_PIECE_CHARS)
+            ]
             if "pg_id" in record
             else [record["text"]]
         )
@@ -187,7 +198,10 @@ def prepare_text(cache_dir: Path, corpus_dirs: list[Path], split: str, tokens: i
         chars_per_corpus = int(tokens * CHARS_PER_TOKEN / len(sources))
         records = []
         for source in sources:
-            records += [{"text": text, "source": source} for text in _spread_sample(_documents(Path(source), split), chars_per_corpus)]
+            records += [
+                {"text": text, "source": source}
+                for text in _spread_sample(_documents(Path(source), split), chars_per_corpus)
+            ]
         staging = path.with_suffix(".tmp")
         staging.write_text("".join(json.dumps(record) + "\n" for record in records))
         staging.replace(path)
@@ -202,12 +216,16 @@ def validation_blocks(path: Path, block_size: int, count: int) -> torch.Tensor:
     ids = [doc + [tokenizer.eos_token_id] for doc in encoded]
     # interleave the corpora's blocks so any prefix of `count` blocks takes an equal share from each
     per_corpus = [
-        pack_blocks({"input_ids": [doc for doc, record in zip(ids, records) if record["source"] == corpus]}, block_size)["input_ids"]
+        pack_blocks(
+            {"input_ids": [doc for doc, record in zip(ids, records) if record["source"] == corpus]}, block_size
+        )["input_ids"]
         for corpus in dict.fromkeys(record["source"] for record in records)
     ]
     interleaved = [block for pair in zip(*per_corpus) for block in pair][:count]
     if len(interleaved) < count:
-        raise ValueError(f"--eval-blocks {count}: the validation text gives only {len(interleaved)} blocks of {block_size}")
+        raise ValueError(
+            f"--eval-blocks {count}: the validation text gives only {len(interleaved)} blocks of {block_size}"
+        )
     return torch.tensor(interleaved)
 
 
@@ -284,7 +302,9 @@ def counts(config: dict[str, Any]) -> dict[str, float]:
     return result
 
 
-def train_one(row: Row, seed: int, settings: dict[str, Any], data: dict[str, Path], blocks: torch.Tensor, work: Path) -> dict[str, Any]:
+def train_one(
+    row: Row, seed: int, settings: dict[str, Any], data: dict[str, Path], blocks: torch.Tensor, work: Path
+) -> dict[str, Any]:
     """Train one row with one seed; returns its record (curve, final losses, wall time, diagnostics)."""
     steps = settings["max_steps"]
     points = settings["eval_points"]
@@ -385,7 +405,8 @@ def markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"# Quality at fixed compute ({meta['scale']})",
         "",
         f"Command: `{meta['command']}`  ",
-        f"Machine: {machine['cpu']}, {machine['cpu_count']} cores, torch {machine['torch']}" + (f", {gpu}" if gpu else "")
+        f"Machine: {machine['cpu']}, {machine['cpu_count']} cores, torch {machine['torch']}"
+        + (f", {gpu}" if gpu else "")
         + "  ",
         f"Per run: {meta['settings']['max_steps']} steps x {meta['settings']['batch_size']} x {meta['settings']['block_size']} tokens "
         f"= {meta['tokens_per_run']:,} training tokens; validation: {meta['settings']['eval_blocks']} blocks "
@@ -424,7 +445,9 @@ def markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             if e["diff_to_reference_se"] is not None:
                 diff += f" ± {e['diff_to_reference_se']:.4f}"
             train = f"{e['train_loss']:.4f}" + ("*" if e["train_loss_includes_router_loss"] else "")
-            usage, output_std = (e["final_diagnostics"].get(f"memory/{name}") for name in ("slot_usage", "memory_output_std"))
+            usage, output_std = (
+                e["final_diagnostics"].get(f"memory/{name}") for name in ("slot_usage", "memory_output_std")
+            )
             lines.append(
                 f"| {e['name']} | {len(e['seeds'])} | {train} | {e['val_loss']:.4f} | {std} | {diff} | {e['perplexity']:.1f} | "
                 f"{c['dense'] / 1e6:.2f} | {c['sparse'] / 1e6:.2f} | {c['activated'] / 1e6:.2f} | {c['flops_per_token'] / 1e6:.2f} | "
@@ -432,7 +455,9 @@ def markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             )
         lines.append("")
     if any(e["train_loss_includes_router_loss"] for e in table):
-        lines.append("\\* Mixtral's logged training loss includes its router load-balancing term (0.01 x ~2); its validation loss does not.")
+        lines.append(
+            "\\* Mixtral's logged training loss includes its router load-balancing term (0.01 x ~2); its validation loss does not."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -458,10 +483,17 @@ def plot(table: list[dict[str, Any]], runs: list[dict[str, Any]], group: str, pa
         for label, tokens, low, high in bands:
             axis.fill_between(tokens, low, high, color=colors[label], alpha=0.1)
 
-    key = lambda e, seed: next((r["val_loss"] for r in runs if r["config_key"] == e["config_key"] and r["seed"] == seed), math.nan)  # noqa: E731
-    finals = {f"seed {seed}": (range(len(entries)), [key(e, seed) for e in entries]) for seed in sorted({r["seed"] for r in runs})}
+    key = lambda e, seed: next(
+        (r["val_loss"] for r in runs if r["config_key"] == e["config_key"] and r["seed"] == seed), math.nan
+    )  # noqa: E731
+    finals = {
+        f"seed {seed}": (range(len(entries)), [key(e, seed) for e in entries])
+        for seed in sorted({r["seed"] for r in runs})
+    }
     finals["mean"] = (range(len(entries)), [e["val_loss"] for e in entries])
-    ticks = lambda axis: axis.set_xticks(range(len(entries)), [e["name"] for e in entries], rotation=60, ha="right", fontsize=8)  # noqa: E731
+    ticks = lambda axis: axis.set_xticks(
+        range(len(entries)), [e["name"] for e in entries], rotation=60, ha="right", fontsize=8
+    )  # noqa: E731
     report.plot(path, [
         report.Panel(title, "validation loss (LM cross entropy)", curves, "training tokens", xlog=False, draw=shade),
         report.Panel("final loss per row and seed", "final validation loss", finals, xlog=False, colors={"mean": "black"}, draw=ticks),
@@ -498,22 +530,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--scale", default="tiny", choices=sorted(COMPARISON))
     parser.add_argument("--rows", default="all", help="all, comparison, ladder, or comma-separated row names")
     parser.add_argument("--seeds", type=int, default=2, help="seeds of the --seeded-rows (others get seed 0 only)")
-    parser.add_argument("--seeded-rows", default=",".join(SEEDED_ROWS), help="comma-separated row names given --seeds seeds, or all")
+    parser.add_argument(
+        "--seeded-rows", default=",".join(SEEDED_ROWS), help="comma-separated row names given --seeds seeds, or all"
+    )
     parser.add_argument("--max-steps", type=int, default=160)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
-    parser.add_argument("--eval-points", type=int, default=8, help="validation evaluations along each run (plus step 0)")
+    parser.add_argument(
+        "--eval-points", type=int, default=8, help="validation evaluations along each run (plus step 0)"
+    )
     parser.add_argument("--eval-blocks", type=int, default=48, help="validation blocks of --block-size tokens")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast for training and validation")
     parser.add_argument("--output-dir", type=Path, default=env.RESULTS_DIR)
     parser.add_argument(
-        "--corpus-dir", type=Path, nargs="+", default=[Path(embedded_corpus_files()["train"]).parent],
+        "--corpus-dir",
+        type=Path,
+        nargs="+",
+        default=[Path(embedded_corpus_files()["train"]).parent],
         help="corpus folder(s) of train.jsonl.xz and valid.jsonl.xz, sampled in equal shares; default: the shipped Gutenberg slice",
     )
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "ultramem" / "bench_quality")
     parser.add_argument("--write-configs", action="store_true", help="write the per-row config JSONs and exit")
-    parser.add_argument("--report-only", action="store_true", help="rewrite table and plots from the results JSON, train nothing")
+    parser.add_argument(
+        "--report-only", action="store_true", help="rewrite table and plots from the results JSON, train nothing"
+    )
     args = parser.parse_args(argv)
     for flag in ("seeds", "max_steps", "batch_size", "block_size", "eval_points", "eval_blocks"):
         if getattr(args, flag) < 1:
@@ -542,7 +583,11 @@ def main(argv: list[str] | None = None) -> Path:
         recorded = json.loads(json_path.read_text())
         write_results(args.output_dir, rows, recorded["runs"], recorded["meta"])
         return json_path
-    seeded = {row.name for row in rows} if args.seeded_rows == "all" else {name.strip() for name in args.seeded_rows.split(",")}
+    seeded = (
+        {row.name for row in rows}
+        if args.seeded_rows == "all"
+        else {name.strip() for name in args.seeded_rows.split(",")}
+    )
     known = [name for _, name, _ in row_configs(args.scale)]
     if seeded - set(known):
         raise ValueError(f"--seeded-rows: unknown row(s) {sorted(seeded - set(known))}; allowed: all or {known}")

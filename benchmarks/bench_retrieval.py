@@ -25,8 +25,8 @@ import statistics
 from types import MethodType
 
 import torch
-
 from lib import timing
+
 from ultramem import UltraMemForCausalLM
 from ultramem.diagnostics import retrieval_diagnostics
 from ultramem.modeling_ultramem import core_svd
@@ -135,7 +135,10 @@ def main() -> None:
     print(f"valid loss, byte-level, {args.steps} steps x {args.batch_size} x 128 tokens, seeds 0..{args.seeds - 1}")
     for rule in RULES:
         losses = [train_loss(rule, seed, train, valid, args.steps, args.batch_size) for seed in range(args.seeds)]
-        print(f"{rule:<16}{' '.join(f'{loss:.4f}' for loss in losses)} (mean {statistics.fmean(losses):.4f})", flush=True)
+        print(
+            f"{rule:<16}{' '.join(f'{loss:.4f}' for loss in losses)} (mean {statistics.fmean(losses):.4f})", flush=True
+        )
+
 
 if __name__ == "__main__":
     main()

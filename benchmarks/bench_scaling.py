@@ -24,8 +24,8 @@ import math
 from typing import Any
 
 import torch
-
 from lib import cli, models, report, timing
+
 from ultramem.presets import get_config
 from ultramem.sizing import count_parameters, decode_memory_access
 
@@ -34,7 +34,9 @@ DEFAULT_NAME = "scaling"
 
 def parse_args(argv: list[str] | None = None):
     parser = cli.make_parser(__doc__, DEFAULT_NAME, decode=True)
-    parser.add_argument("--size", choices=sorted(models.PEERS), default=None, help="backbone: 1.6b on CUDA, tiny on CPU")
+    parser.add_argument(
+        "--size", choices=sorted(models.PEERS), default=None, help="backbone: 1.6b on CUDA, tiny on CPU"
+    )
     parser.add_argument("--batch", type=int, default=None, help="decoding batch size (64 on CUDA, 4 on CPU)")
     parser.add_argument("--slots", type=cli.int_list, default=None,
                         help="total physical memory slots, summed over memory layers (1M..32M doubling on CUDA, "
@@ -72,7 +74,8 @@ def bench_point(kind: str, overrides: dict[str, Any], args) -> dict[str, Any]:
     with torch.no_grad():
         if kind == "moe":
             row["moe_implementation"], row["moe_probe_ms"] = models.choose_moe_implementation(
-                model, args.moe_impl, lambda m: models.time_decode(m, args.batch, args))
+                model, args.moe_impl, lambda m: models.time_decode(m, args.batch, args)
+            )
         row.update(models.time_decode(model, args.batch, args))
     del model
     timing.release(args.device)
@@ -122,7 +125,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     spread = max(r["ultramem_ms"] for r in table) / min(r["ultramem_ms"] for r in table) - 1 if table else None
     settings = {"size": args.size, "batch": args.batch, "context": args.context, "mode": args.mode, "slots": args.slots,
                 "range": done[-1]["slots"] / done[0]["slots"] if done else None}  # fmt: skip
-    payload = {"settings": settings, "ultramem_latency_spread": spread, "complete": True, "points": points, "table": table}
+    payload = {
+        "settings": settings,
+        "ultramem_latency_spread": spread,
+        "complete": True,
+        "points": points,
+        "table": table,
+    }
     if not args.no_plot and done:
         xs = [p["slots"] for p in done]
         series = {"ultramem": (xs, [p["ultramem"]["ms"] for p in done]),
@@ -131,7 +140,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              xlabel="UltraMem physical slots (MoE: same sparse params)")  # fmt: skip
         report.plot(args.results_dir / f"{args.name}.png", [panel],
                     f"{args.size} backbone, batch {args.batch}, KV cache {args.context}, {args.mode}")  # fmt: skip
-    summary = "" if spread is None else f"\nUltraMem latency spread over {settings['range']:.0f}x slots: {100 * spread:.1f}%"
+    summary = (
+        "" if spread is None else f"\nUltraMem latency spread over {settings['range']:.0f}x slots: {100 * spread:.1f}%"
+    )
     report.finish(args, payload, report.format_table(table, COLUMNS) + summary)
     return payload
 

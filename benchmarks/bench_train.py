@@ -23,7 +23,6 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
-
 from lib import cli, models, report, timing
 
 DEFAULT_NAME = "train"
@@ -89,7 +88,8 @@ def bench_model(size: str, kind: str, args) -> dict[str, Any]:
     measure = lambda fn, **kw: timing.measure(fn, **{**cli.timing_of(args), **kw})  # noqa: E731
     if kind == "moe":
         row["moe_implementation"], row["moe_probe_ms"] = models.choose_moe_implementation(
-            model, args.moe_impl, lambda m: measure(training_callables(m, args)["forward_backward"], warmup=1, iters=2))
+            model, args.moe_impl, lambda m: measure(training_callables(m, args)["forward_backward"], warmup=1, iters=2)
+        )
     try:
         for phase in ("forward", "forward_backward"):
             row[f"{phase}_ms"] = measure(calls[phase])["ms"]

@@ -6,7 +6,7 @@ D/2, causal query conv of kernel 5, query/key LayerNorm. Differences that remain
 setting): `ultra-mem` keeps one value table per core ("head") and runs one top-m per core, so its table
 is twice ours for the same rows read per token (2 x m each); it pools with `scatter` and reads
 `self.keys` without the key LayerNorm it computes. The ratio is `ultra-mem` time / ours, in training
-mode (their forward also counts its value-LR gradient scaling), float32. Ours runs `--memory-kernel` (default
+mode (their forward also counts its value-LR gradient scaling), float32. Ours runs `--memory-implementation` (default
 "auto": the `embedding_bag` lookup on CPU; "torch" times the reference).
 
 CPU (the only comparison this script makes; `pip install ultra-mem`, it pulls einx and einops):
@@ -22,13 +22,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from lib import cli, report, timing
 from torch import nn
 
 from ultramem import UltraMemConfig
-from ultramem.configuration_ultramem import MEMORY_KERNELS
+from ultramem.configuration_ultramem import MEMORY_IMPLEMENTATIONS
 from ultramem.modeling_ultramem import UltraMemMemoryLayer
-
-from lib import cli, report, timing
 
 DEFAULT_NAME = "vs_ultra_mem"
 
@@ -54,7 +53,8 @@ SHAPES = {
 def parse_args(argv: list[str] | None = None):
     parser = cli.make_parser(__doc__, DEFAULT_NAME)
     parser.add_argument("--shapes", default="tiny,small", help=f"comma-separated, from {', '.join(SHAPES)}")
-    parser.add_argument("--memory-kernel", default="auto", choices=MEMORY_KERNELS, help="config.memory_kernel of ours")
+    parser.add_argument("--memory-implementation", "--memory-kernel", default="auto", choices=MEMORY_IMPLEMENTATIONS,
+                        help="how ours computes its lookups ('auto': the device's default)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.device != "cpu":
         raise SystemExit("--device: this comparison runs on CPU only (ultra-mem's CUDA path is not compared)")
@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None):
     return args
 
 
-def ours(shape: LayerShape, memory_kernel: str) -> nn.Module:
+def ours(shape: LayerShape, memory_implementation: str) -> nn.Module:
     config = UltraMemConfig(
         vocab_size=8,
         hidden_size=shape.hidden,
@@ -80,7 +80,7 @@ def ours(shape: LayerShape, memory_kernel: str) -> nn.Module:
         tucker_rank=2,
         mcs_cores=2,
         query_conv_kernel_size=5,
-        memory_kernel=memory_kernel,
+        memory_implementation=None if memory_implementation == "auto" else memory_implementation,
     )
     layer = UltraMemMemoryLayer(config, 0)
     for module in layer.modules():
@@ -110,7 +110,7 @@ def theirs(shape: LayerShape) -> nn.Module:
 def losses(layer: nn.Module, x: torch.Tensor, is_ours: bool) -> torch.Tensor:
     """Output summed plus the layer's aux loss, for both APIs."""
     if is_ours:
-        return layer(x).sum() + layer.aux_loss()
+        return layer(x).sum() + layer.retrieval.aux_loss()
     out, _, aux = layer(x)
     return out.sum() + aux
 
@@ -135,7 +135,10 @@ def bench_shape(shape: LayerShape, args) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     x = torch.randn(shape.batch, shape.seq_len, shape.hidden)
     rows = []
-    builders = (("ultramem (this project)", lambda s: ours(s, args.memory_kernel), True), ("ultra-mem (PyPI)", theirs, False))
+    builders = (
+        ("ultramem (this project)", lambda s: ours(s, args.memory_implementation), True),
+        ("ultra-mem (PyPI)", theirs, False),
+    )
     for label, build, is_ours in builders:
         layer = build(shape).train()
         row = {"shape": shape.name, "impl": label, "params_m": sum(p.numel() for p in layer.parameters()) / 1e6}
@@ -158,15 +161,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload = {
         "settings": {
             "shapes": [asdict(SHAPES[s]) for s in args.shapes],
-            "memory_kernel": args.memory_kernel,
+            "memory_implementation": args.memory_implementation,
             "warmup": args.warmup,
             "iters": args.iters,
         },
         "ultra_mem_version": importlib.metadata.version("ultra-mem"),
         "rows": rows,
     }
-    columns = {"shape": "shape", "impl": "implementation", "params_m": "params(M)", "forward_ms": "fwd ms",
-               "forward_backward_ms": "fwd+bwd ms", "forward_vs_ours": "fwd / ours", "forward_backward_vs_ours": "fwd+bwd / ours"}
+    columns = {
+        "shape": "shape",
+        "impl": "implementation",
+        "params_m": "params(M)",
+        "forward_ms": "fwd ms",
+        "forward_backward_ms": "fwd+bwd ms",
+        "forward_vs_ours": "fwd / ours",
+        "forward_backward_vs_ours": "fwd+bwd / ours",
+    }
     report.finish(args, payload, report.format_table(rows, columns))
     return payload
 

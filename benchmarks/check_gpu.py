@@ -15,7 +15,6 @@ import sys
 
 import pytest
 import torch
-
 from lib import env, report
 
 

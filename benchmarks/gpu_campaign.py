@@ -43,76 +43,75 @@ CALL_BUDGETS = {1: 500, 2: 220, 3: 540, 4: 540, 5: 540}
 
 @dataclass(frozen=True)
 class Step:
-    """One command of the campaign: `script` (a file in benchmarks/) with `args`, stopped after `seconds`."""
+    """One command of the campaign: `line` (a script in benchmarks/ and its flags; "{results}" is the results folder),
+    stopped after `seconds`."""
 
     name: str
     call: int
     seconds: int
-    script: str
-    args: list[str]
+    line: str
     env: dict[str, str] = field(default_factory=dict)
     resumable: bool = False  # a step stopped by its limit runs again next time (it skips what it recorded)
 
+    @property
+    def script(self) -> str:
+        return self.line.split()[0]
+
+    @property
+    def args(self) -> list[str]:
+        return self.line.split()[1:]
+
     def command(self, results: Path) -> list[str]:
-        return [sys.executable, str(env.BENCHMARKS / self.script), *[arg.format(results=results) for arg in self.args]]
+        return [sys.executable, str(env.BENCHMARKS / self.script), *[a.format(results=results) for a in self.args]]
+
+
+OUT = "--results-dir {results}"
+DECODE = f"--device cuda --mode eager --moe-impl grouped_mm --warmup 3 --iters 10 {OUT}"
+QUALITY = "--output-dir {results} --cache-dir {results}/quality_cache"
 
 
 def gpu_steps() -> list[Step]:
     """The campaign on a CUDA device, in call order. Estimated seconds (before any GPU run) in benchmarks/README.md."""
-    out = ["--results-dir", "{results}"]
-    decode = ["--device", "cuda", "--mode", "eager", "--moe-impl", "grouped_mm", "--warmup", "3", "--iters", "10", *out]
     return [
         # call 1 (540 s): correctness, kernel bandwidth, decoding at 680M
-        Step("check_gpu", 1, 200, "check_gpu.py", out),
-        Step("bench_kernels", 1, 120, "bench_kernels.py",
-             ["--device", "cuda", "--configs", "680m", "--dtypes", "bfloat16", "--tokens", "4096", "16384", "65536",
-              "--own-shape-only", "--no-candidates", "--repeats", "10", "--out-dir", "{results}"]),  # fmt: skip
-        Step("decode_680m", 1, 180, "bench_decode.py",
-             [*decode, "--sizes", "680m", "--batch-sizes", "1,16,64", "--analytic-sizes", "680m", "--name", "decode_680m"]),  # fmt: skip
+        Step("check_gpu", 1, 200, f"check_gpu.py {OUT}"),
+        Step("bench_kernels", 1, 120, "bench_kernels.py --device cuda --configs 680m --dtypes bfloat16 --tokens 4096 "
+             "16384 65536 --own-shape-only --no-candidates --repeats 10 --out-dir {results}"),
+        Step("decode_680m", 1, 180, f"bench_decode.py {DECODE} --sizes 680m --batch-sizes 1,16,64 --analytic-sizes 680m "
+             "--name decode_680m"),
         # call 2 (240 s): the 151M training step, decode latency as slots grow 16x
-        Step("train_151m", 2, 110, "bench_train.py",
-             ["--device", "cuda", "--sizes", "151m", "--batch", "16", "--seq-len", "2048", "--moe-impl", "grouped_mm",
-              "--warmup", "2", "--iters", "5", "--name", "train_151m", *out]),  # fmt: skip
-        Step("scaling_680m", 2, 110, "bench_scaling.py",
-             [*decode, "--size", "680m", "--batch", "16", "--slots", "1048576,4194304,16777216", "--name", "scaling_680m"]),  # fmt: skip
+        Step("train_151m", 2, 110, f"bench_train.py --device cuda --sizes 151m --batch 16 --seq-len 2048 --moe-impl "
+             f"grouped_mm --warmup 2 --iters 5 --name train_151m {OUT}"),
+        Step("scaling_680m", 2, 110, f"bench_scaling.py {DECODE} --size 680m --batch 16 --slots 1048576,4194304,16777216 "
+             "--name scaling_680m"),
         # later calls, each a further slot
-        Step("quality_small", 3, 540, "bench_quality.py",
-             ["--scale", "small", "--rows", "comparison", "--seeds", "2", "--seeded-rows", "all", "--bf16",
-              "--max-steps", "300", "--batch-size", "32", "--block-size", "512", "--learning-rate", "1e-3",
-              "--eval-points", "6", "--eval-blocks", "64", "--output-dir", "{results}",
-              "--cache-dir", "{results}/quality_cache"],
-             resumable=True),  # fmt: skip
-        Step("decode_1.6b", 4, 280, "bench_decode.py",
-             [*decode, "--sizes", "1.6b", "--batch-sizes", "1,4,16", "--analytic-sizes", "1.6b", "--name", "decode_1.6b"]),  # fmt: skip
+        Step("quality_small", 3, 540, "bench_quality.py --scale small --rows comparison --seeds 2 --seeded-rows all "
+             "--bf16 --max-steps 300 --batch-size 32 --block-size 512 --learning-rate 1e-3 --eval-points 6 "
+             f"--eval-blocks 64 {QUALITY}", resumable=True),
+        Step("decode_1.6b", 4, 280, f"bench_decode.py {DECODE} --sizes 1.6b --batch-sizes 1,4,16 --analytic-sizes 1.6b "
+             "--name decode_1.6b"),
         # issue 11 on a GPU: ultramem-1.6b-x12 (a 44 GB checkpoint, built here, deleted after) with its tables in
         # pinned host memory against the same model fully on the GPU; a rerun reuses a checkpoint left by a cut one
-        Step("offload_1.6b", 5, 540, "bench_offload.py",
-             ["--device", "cuda", "--checkpoints", "/tmp/ultramem_offload_checkpoints", "--build", "--cleanup",
-              "--runs", "gpu-resident,cpu-offload", "--batch-sizes", "1,8", "--name", "offload", *out]),  # fmt: skip
-    ]
+        Step("offload_1.6b", 5, 540, "bench_offload.py --device cuda --checkpoints /tmp/ultramem_offload_checkpoints "
+             f"--build --cleanup --runs gpu-resident,cpu-offload --batch-sizes 1,8 --name offload {OUT}"),
+    ]  # fmt: skip
 
 
 def smoke_steps() -> list[Step]:
     """The same calls on CPU at tiny sizes, the kernels in Triton's interpreter: the driver itself, and every script
     the GPU steps run, in a few minutes of one core (the limits leave room for a loaded machine)."""
-    timing = ["--device", "cpu", "--warmup", "0", "--iters", "1", "--no-plot", "--results-dir", "{results}"]
+    timing = f"--device cpu --warmup 0 --iters 1 --no-plot {OUT} --moe-impl eager"
     return [
-        Step("check_gpu", 1, 600, "check_gpu.py", ["--smoke", "--results-dir", "{results}"], {"TRITON_INTERPRET": "1"}),
-        Step("bench_kernels", 1, 300, "bench_kernels.py", ["--device", "cpu", "--smoke", "--out-dir", "{results}"]),
-        Step("decode_tiny", 1, 300, "bench_decode.py",
-             [*timing, "--sizes", "tiny", "--batch-sizes", "1", "--context", "8", "--moe-impl", "eager",
-              "--analytic-sizes", "tiny", "--name", "decode_tiny"]),  # fmt: skip
-        Step("train_tiny", 2, 300, "bench_train.py",
-             [*timing, "--batch", "1", "--seq-len", "16", "--moe-impl", "eager", "--name", "train_tiny"]),  # fmt: skip
-        Step("scaling_tiny", 2, 300, "bench_scaling.py",
-             [*timing, "--slots", "16384,65536", "--batch", "1", "--context", "8", "--moe-impl", "eager",
-              "--name", "scaling_tiny"]),  # fmt: skip
-        Step("quality_tiny", 3, 600, "bench_quality.py",
-             ["--scale", "tiny", "--rows", "Dense,UltraMem", "--seeds", "1", "--max-steps", "2", "--batch-size", "2",
-              "--block-size", "32", "--eval-points", "1", "--eval-blocks", "2", "--output-dir", "{results}",
-              "--cache-dir", "{results}/quality_cache"],
-             resumable=True),  # fmt: skip
-    ]
+        Step("check_gpu", 1, 600, f"check_gpu.py --smoke {OUT}", {"TRITON_INTERPRET": "1"}),
+        Step("bench_kernels", 1, 300, "bench_kernels.py --device cpu --smoke --out-dir {results}"),
+        Step("decode_tiny", 1, 300, f"bench_decode.py {timing} --sizes tiny --batch-sizes 1 --context 8 "
+             "--analytic-sizes tiny --name decode_tiny"),
+        Step("train_tiny", 2, 300, f"bench_train.py {timing} --batch 1 --seq-len 16 --name train_tiny"),
+        Step("scaling_tiny", 2, 300, f"bench_scaling.py {timing} --slots 16384,65536 --batch 1 --context 8 "
+             "--name scaling_tiny"),
+        Step("quality_tiny", 3, 600, "bench_quality.py --scale tiny --rows Dense,UltraMem --seeds 1 --max-steps 2 "
+             f"--batch-size 2 --block-size 32 --eval-points 1 --eval-blocks 2 {QUALITY}", resumable=True),
+    ]  # fmt: skip
 
 
 def device_name(smoke: bool) -> str:
@@ -215,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     state_path.write_text(json.dumps(state, indent=1))  # the device and versions, even if no step runs
     start = time.monotonic()
     todo = pending(args.steps, state, set(filter(None, args.redo.split(","))))
-    print(f"gpu_campaign: {device}, results in {results}; {len(todo)} step(s) to run: {', '.join(s.name for s in todo)}")
+    print(
+        f"gpu_campaign: {device}, results in {results}; {len(todo)} step(s) to run: {', '.join(s.name for s in todo)}"
+    )
     for step in todo:
         left = args.budget_s - (time.monotonic() - start)
         if left < step.seconds / 2:  # most steps end well inside their limit; one cut short runs again next time

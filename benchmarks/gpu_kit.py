@@ -22,10 +22,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import tomllib
 import zipfile
 from pathlib import Path
 
+import tomllib
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -50,8 +50,28 @@ IMAGE: dict[str, str | None] = {
     # required by the packages above (torch: filelock, fsspec, jinja2, networkx, sympy, typing-extensions;
     # transformers / huggingface-hub / accelerate: packaging, pyyaml, regex, tqdm, typer, httpx, hf-xet, psutil;
     # matplotlib / typer: pillow, pygments, rich, click)
-    **dict.fromkeys(["filelock", "fsspec", "jinja2", "networkx", "sympy", "typing-extensions", "packaging", "pyyaml",
-                     "regex", "tqdm", "typer", "httpx", "hf-xet", "psutil", "pillow", "pygments", "rich", "click"]),  # fmt: skip
+    **dict.fromkeys(
+        [
+            "filelock",
+            "fsspec",
+            "jinja2",
+            "networkx",
+            "sympy",
+            "typing-extensions",
+            "packaging",
+            "pyyaml",
+            "regex",
+            "tqdm",
+            "typer",
+            "httpx",
+            "hf-xet",
+            "psutil",
+            "pillow",
+            "pygments",
+            "rich",
+            "click",
+        ]
+    ),  # fmt: skip
 }
 # What the campaign imports beyond the package's own dependencies: its correctness step is a pytest suite (tests/gpu).
 CAMPAIGN_REQUIREMENTS = ["pytest>=8"]
@@ -99,7 +119,11 @@ def wheel_metadata(wheel: Path) -> tuple[str, Version, list[Requirement]]:
         metadata = archive.read(next(n for n in archive.namelist() if re.fullmatch(r"[^/]+\.dist-info/METADATA", n)))
     fields = [line.split(": ", 1) for line in metadata.decode().split("\n\n", 1)[0].splitlines() if ": " in line]
     value = lambda key: [v for k, v in fields if k == key]  # noqa: E731
-    return canonicalize_name(value("Name")[0]), Version(value("Version")[0]), [Requirement(r) for r in value("Requires-Dist")]
+    return (
+        canonicalize_name(value("Name")[0]),
+        Version(value("Version")[0]),
+        [Requirement(r) for r in value("Requires-Dist")],
+    )
 
 
 def build(python_version: str, kit: Path = KIT) -> dict:
@@ -118,7 +142,9 @@ def build(python_version: str, kit: Path = KIT) -> dict:
                 name = canonicalize_name(requirement.name)
                 if name in carried:
                     if not requirement.specifier.contains(carried[name]["version"], prereleases=True):
-                        raise SystemExit(f"gpu_kit: {why} needs {requirement}, but the kit carries {name} {carried[name]['version']}")
+                        raise SystemExit(
+                            f"gpu_kit: {why} needs {requirement}, but the kit carries {name} {carried[name]['version']}"
+                        )
                     continue
                 fits = image_satisfies(requirement)
                 if fits is None:
@@ -132,8 +158,14 @@ def build(python_version: str, kit: Path = KIT) -> dict:
                 for wheel in download([r for r, _ in wave.values()], staging, python_version):
                     name, version, requires = wheel_metadata(wheel)
                     image = (IMAGE[name] or "present") if name in IMAGE else "absent"
-                    carried[name] = {"version": version, "wheel": wheel.name, "why": f"{'; '.join(wave[name][1])} (image: {image})"}
-                    pending += [(r, f"{name} {version}") for r in requires if not r.marker or "extra" not in str(r.marker)]
+                    carried[name] = {
+                        "version": version,
+                        "wheel": wheel.name,
+                        "why": f"{'; '.join(wave[name][1])} (image: {image})",
+                    }
+                    pending += [
+                        (r, f"{name} {version}") for r in requires if not r.marker or "extra" not in str(r.marker)
+                    ]
         if kit.exists():
             shutil.rmtree(kit)
         kit.mkdir(parents=True)
@@ -155,18 +187,21 @@ def build(python_version: str, kit: Path = KIT) -> dict:
     return record
 
 
-def install_command(kit: Path = KIT, target: str = "/tmp/ultramem-kit") -> str:
-    """The one line to run on the GPU machine from the repository root: unpack the kit, run the campaign's call 1."""
+def install_command(kit: Path = KIT, call: int = 1, target: str = "/tmp/ultramem-kit") -> str:
+    """The one line to run on the GPU machine from the repository root: unpack the kit (again, harmlessly, on a warm
+    machine), run one call of the campaign."""
     wheels = f"{kit.relative_to(REPO)}/*.whl" if kit.is_relative_to(REPO) else f"{kit}/*.whl"
     return (f"python -m pip install --quiet --no-index --no-deps --target {target} {wheels} && "
-            f"PYTHONPATH={target}:$PWD python benchmarks/gpu_campaign.py --call 1")  # fmt: skip
+            f"PYTHONPATH={target}:$PWD python benchmarks/gpu_campaign.py --call {call}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--python-version", default=IMAGE["python"],
                         help=f"CPython version of the target (default {IMAGE['python']}, the GPU image's)")  # fmt: skip
-    parser.add_argument("--kit", type=Path, default=KIT, help=f"the folder to (re)build (default {KIT.relative_to(REPO)}/)")
+    parser.add_argument(
+        "--kit", type=Path, default=KIT, help=f"the folder to (re)build (default {KIT.relative_to(REPO)}/)"
+    )
     args = parser.parse_args(argv)
     if not re.fullmatch(r"3\.\d+", args.python_version):
         parser.error(f"--python-version {args.python_version}: expected 3.N (e.g. 3.12)")
@@ -175,6 +210,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  {name} {entry['version']:<10} {entry['why']}")
     print(f"gpu_kit: {len(record['carried'])} wheels, {record['size_mib']} MiB in {args.kit}; assumed present in the "
           f"image at an unrecorded version: {', '.join(record['assumed_present']) or 'none'}")  # fmt: skip
+    print(
+        f"on the GPU machine, from the repository root, with {args.kit.name}/ carried (call 2: the same with --call 2):"
+    )
     print(record["install"])
     return record
 

@@ -51,7 +51,9 @@ def resolve(args: argparse.Namespace, default_name: str) -> argparse.Namespace:
     cuda = args.device.type == "cuda"
     if cuda and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is visible; use --device cpu")
-    args.dtype = DTYPES[args.dtype] if isinstance(args.dtype, str) else args.dtype or (torch.bfloat16 if cuda else torch.float32)
+    args.dtype = (
+        DTYPES[args.dtype] if isinstance(args.dtype, str) else args.dtype or (torch.bfloat16 if cuda else torch.float32)
+    )
     args.statistic = args.statistic or ("median" if cuda else "cpu")
     if args.statistic == "cpu" and cuda:
         raise SystemExit("--statistic cpu measures host CPU time and is meaningless on CUDA; use median or min")

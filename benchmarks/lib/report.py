@@ -43,7 +43,9 @@ def write_json(path: Path, payload: dict[str, Any]) -> Path:
 def save(args: Any, payload: dict[str, Any]) -> Path:
     """`<results-dir>/<name>.json` of a speed script (its shared flags in `args`), its environment first."""
     settings = {"dtype": args.dtype, "statistic": args.statistic}
-    return write_json(args.results_dir / f"{args.name}.json", {"environment": environment(args.device, **settings), **payload})
+    return write_json(
+        args.results_dir / f"{args.name}.json", {"environment": environment(args.device, **settings), **payload}
+    )
 
 
 def finish(args: Any, payload: dict[str, Any], table: str) -> Path:
@@ -97,7 +99,7 @@ def plot(path: Path, panels: Sequence[Panel], suptitle: str = "", columns: int |
         axis.grid(True, alpha=0.3)
         if axis.get_legend_handles_labels()[0]:
             axis.legend(fontsize=7)
-    for axis in list(axes.flat)[len(panels):]:
+    for axis in list(axes.flat)[len(panels) :]:
         axis.set_visible(False)
     if suptitle:
         figure.suptitle(suptitle, fontsize=10)

@@ -112,7 +112,9 @@ def count_launches(fn: Callable[[], Any], device: torch.device) -> dict[str, int
         synchronize(device)
     events = prof.events()
     top_level = (e for e in events if e.name.startswith("aten::"))
-    counts = {"aten_ops": sum(1 for e in top_level if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))}
+    counts = {
+        "aten_ops": sum(1 for e in top_level if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+    }
     if device.type == "cuda":
         counts["cuda_kernels"] = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
         counts["cuda_graph_launches"] = sum(1 for e in events if e.name == "cudaGraphLaunch")

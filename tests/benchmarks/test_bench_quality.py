@@ -17,8 +17,24 @@ bench_quality = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = bench_quality  # dataclasses look their module up there
 spec.loader.exec_module(bench_quality)
 
-SMOKE = ["--rows", "Dense,UltraMem", "--seeds", "1", "--max-steps", "3", "--batch-size", "2", "--block-size", "32",
-         "--eval-points", "1", "--eval-blocks", "4", "--learning-rate", "3e-3"]
+SMOKE = [
+    "--rows",
+    "Dense,UltraMem",
+    "--seeds",
+    "1",
+    "--max-steps",
+    "3",
+    "--batch-size",
+    "2",
+    "--block-size",
+    "32",
+    "--eval-points",
+    "1",
+    "--eval-blocks",
+    "4",
+    "--learning-rate",
+    "3e-3",
+]
 
 
 @pytest.mark.parametrize("scale", sorted(bench_quality.COMPARISON))
@@ -46,14 +62,22 @@ def test_two_rows_train_and_report(tmp_path):
     assert set(table) == {"Dense", "UltraMem"}
     assert table["Dense"]["counts"]["sparse"] == 0
     ultramem = table["UltraMem"]["counts"]
-    assert ultramem["sparse"] == ultramem["physical_values"] * 128 and ultramem["dense"] == ultramem["total"] - ultramem["sparse"]
-    assert table["UltraMem"]["diff_to_reference"] == pytest.approx(table["UltraMem"]["val_loss"] - table["Dense"]["val_loss"])
+    assert (
+        ultramem["sparse"] == ultramem["physical_values"] * 128
+        and ultramem["dense"] == ultramem["total"] - ultramem["sparse"]
+    )
+    assert table["UltraMem"]["diff_to_reference"] == pytest.approx(
+        table["UltraMem"]["val_loss"] - table["Dense"]["val_loss"]
+    )
     for run in result["runs"]:
         first, last = run["curve"][0], run["curve"][-1]
         assert (first["step"], last["step"], last["tokens"]) == (0, 3, 3 * 2 * 32)
         assert last["val_loss"] < first["val_loss"] - 0.01, run["curve"]  # three steps at 3e-3 must lower the loss
     files = {name: str(path) for _, name, _, path in bench_quality.row_files("tiny")}
-    assert [run["argv"][run["argv"].index("--config_file") + 1] for run in result["runs"]] == [files["Dense"], files["UltraMem"]]
+    assert [run["argv"][run["argv"].index("--config_file") + 1] for run in result["runs"]] == [
+        files["Dense"],
+        files["UltraMem"],
+    ]
     assert result["runs"][1]["final_diagnostics"]["memory/slot_usage"] > 0
 
     markdown = (out / "quality_tiny.md").read_text()

@@ -62,12 +62,39 @@ def test_bench_decode_interleave_times_the_peers_in_turn(bench, tmp_path, monkey
         return time_calls(fn, device, warmup, iters, **hooks)
 
     monkeypatch.setattr(timing, "time_calls", recording)
-    args = ["--device", "cpu", "--warmup", "1", "--iters", "3", "--sizes", "tiny", "--batch-sizes", "1", "--context", "8"]
-    payload = bench("bench_decode").main([*args, "--moe-impl", "eager", "--interleave", "--no-plot",
-                                          "--results-dir", str(tmp_path), "--name", "decode_interleaved"])
+    args = [
+        "--device",
+        "cpu",
+        "--warmup",
+        "1",
+        "--iters",
+        "3",
+        "--sizes",
+        "tiny",
+        "--batch-sizes",
+        "1",
+        "--context",
+        "8",
+    ]
+    payload = bench("bench_decode").main(
+        [
+            *args,
+            "--moe-impl",
+            "eager",
+            "--interleave",
+            "--no-plot",
+            "--results-dir",
+            str(tmp_path),
+            "--name",
+            "decode_interleaved",
+        ]
+    )
     assert read(tmp_path, "decode_interleaved")["settings"]["interleave"] is True
     assert [(r["kind"], r["batch"], r["status"]) for r in payload["rows"]] == [
-        ("dense", 1, "ok"), ("ultramem", 1, "ok"), ("moe", 1, "ok")]
+        ("dense", 1, "ok"),
+        ("ultramem", 1, "ok"),
+        ("moe", 1, "ok"),
+    ]
     steps = [fn for fn, warmup, iters in calls if (warmup, iters) == (0, 1)]
     assert len(steps) == 9 and len(set(steps)) == 3
     assert steps[3:6] == steps[:3] and steps[6:] == steps[:3]  # one step of each model per round, same order
@@ -139,9 +166,20 @@ def test_benchmark_script_writes_results(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
     result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_kernels.py"), "--device", "cpu", "--smoke",
-         "--out-dir", str(tmp_path)],
-        cwd=BENCHMARKS.parent, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(BENCHMARKS / "bench_kernels.py"),
+            "--device",
+            "cpu",
+            "--smoke",
+            "--out-dir",
+            str(tmp_path),
+        ],
+        cwd=BENCHMARKS.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     report = json.loads((tmp_path / "bench_kernels_cpu.json").read_text())
@@ -169,7 +207,17 @@ def test_bench_offload_builds_loads_offloaded_and_cleans_up(bench, tmp_path):
     args = ["--device", "cpu", "--runs", "tiny-dense,tiny-disk", "--batch-sizes", "1", "--new-tokens", "2", "--no-plot"]
     checkpoints = tmp_path / "checkpoints"
     payload = bench("bench_offload").main(
-        [*args, "--checkpoints", str(checkpoints), "--build", "--cleanup", "--results-dir", str(tmp_path), "--name", "o"]
+        [
+            *args,
+            "--checkpoints",
+            str(checkpoints),
+            "--build",
+            "--cleanup",
+            "--results-dir",
+            str(tmp_path),
+            "--name",
+            "o",
+        ]
     )
     rows = {r["run"]: r for r in read(tmp_path, "o")["rows"]}
     assert rows["tiny-disk"]["offload"] == "disk" and rows["tiny-disk"]["rows_read_per_step"] > 0
@@ -195,7 +243,9 @@ def test_gpu_campaign_smoke_runs_by_call_resumes_and_stops_within_its_budget(tmp
     state = json.loads((results / "campaign.json").read_text())
     assert state["device"] == "cpu-smoke" and state["environment"]["torch"] == torch.__version__
     assert list(state["steps"]) == ["check_gpu", "bench_kernels", "decode_tiny"]
-    assert all(step["returncode"] == 0 and not step["cut_by_budget"] and step["call"] == 1 for step in state["steps"].values())
+    assert all(
+        step["returncode"] == 0 and not step["cut_by_budget"] and step["call"] == 1 for step in state["steps"].values()
+    )
     assert state["steps"]["check_gpu"]["env"] == {"TRITON_INTERPRET": "1"}
     checks = json.loads((results / "check_gpu_cpu.json").read_text())
     assert checks["environment"]["device_type"] == "cpu" and len(checks["rows"]) >= 10
@@ -210,7 +260,10 @@ def test_gpu_campaign_smoke_runs_by_call_resumes_and_stops_within_its_budget(tmp
 
     rest = campaign()
     assert rest.returncode == 0, rest.stdout[-4000:] + rest.stderr[-4000:]
-    assert "3 step(s) to run: train_tiny, scaling_tiny, quality_tiny" in rest.stdout and "gpu_campaign: complete" in rest.stdout
+    assert (
+        "3 step(s) to run: train_tiny, scaling_tiny, quality_tiny" in rest.stdout
+        and "gpu_campaign: complete" in rest.stdout
+    )
     after = json.loads((results / "campaign.json").read_text())
     assert after["steps"]["decode_tiny"] == state["steps"]["decode_tiny"]  # not run again
     assert (results / "quality_tiny.json").exists() and (results / "train_tiny.json").exists()
@@ -235,7 +288,9 @@ def test_the_first_two_calls_are_planned_inside_their_device_limits(bench):
     assert [s.name for s in by_call[1]] == ["check_gpu", "bench_kernels", "decode_680m"]
     assert [s.name for s in by_call[2]] == ["train_151m", "scaling_680m"]
     for call, limit in ((1, 540), (2, 240)):
-        assert campaign.CALL_BUDGETS[call] < limit and sum(s.seconds for s in by_call[call]) <= campaign.CALL_BUDGETS[call]
+        assert (
+            campaign.CALL_BUDGETS[call] < limit and sum(s.seconds for s in by_call[call]) <= campaign.CALL_BUDGETS[call]
+        )
     decode = by_call[1][2].args
     assert decode[decode.index("--batch-sizes") + 1] == "1,16,64" and decode[decode.index("--mode") + 1] == "eager"
     slots = [int(n) for n in by_call[2][1].args[by_call[2][1].args.index("--slots") + 1].split(",")]
@@ -251,7 +306,7 @@ def test_a_campaign_step_cut_at_its_limit_takes_its_workers_with_it(bench, tmp_p
                       "print(worker.pid, flush=True)\n"
                       "time.sleep(120)\n")  # fmt: skip
     (tmp_path / "logs").mkdir()
-    record = campaign.run_step(campaign.Step("spawns", 5, str(script), []), tmp_path, 5)
+    record = campaign.run_step(campaign.Step("spawns", 1, 5, str(script)), tmp_path, 5)
     assert record["returncode"] == campaign.TIMED_OUT and record["seconds"] < 60
     worker = int((tmp_path / "logs" / "spawns.log").read_text().split()[0])
     try:

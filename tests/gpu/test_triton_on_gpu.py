@@ -18,8 +18,19 @@ pytestmark = pytest.mark.gpu
 SMOKE = os.environ.get("ULTRAMEM_GPU_SMOKE") == "1"  # see conftest.py
 ROWS, TOKENS = (256, 4) if SMOKE else (1 << 20, 4096)
 # smoke: tiny-ultramem made smaller still, every program of the interpreter runs in Python
-SMOKE_MODEL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, memory_num_keys=32, memory_value_dim=32,
-                   memory_key_dim=16, memory_topk=4, vocab_size=256, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+SMOKE_MODEL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=2,
+    memory_num_keys=32,
+    memory_value_dim=32,
+    memory_key_dim=16,
+    memory_topk=4,
+    vocab_size=256,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=0,
+)
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 DTYPES = [torch.float32] if SMOKE else [torch.float32, torch.bfloat16]  # the interpreter's bfloat16 is numpy's float32
 MEMORY = "ultramem-151m-x12" if SMOKE else "ultramem-680m-x12"  # the decode benchmark's memory shape
@@ -50,7 +61,12 @@ def test_lookup_reduce_matches_the_reference(device, check, dtype, deterministic
     """Forward and both gradients against `memory_ops.lookup_reduce` in float32; rows drawn from a hot 1/64 of the
     table, so many tokens add into the same rows (the atomics' hard case). Deterministic: identical bits twice."""
     config = get_config(MEMORY)
-    slots, groups, cores, dim = config.memory_heads * config.memory_topk, config.ive_expansion, config.mcs_cores, config.memory_value_dim
+    slots, groups, cores, dim = (
+        config.memory_heads * config.memory_topk,
+        config.ive_expansion,
+        config.mcs_cores,
+        config.memory_value_dim,
+    )
     generator = torch.Generator(device=device).manual_seed(0)
     values = torch.randn(ROWS, dim, device=device, generator=generator).to(dtype)
     rows = torch.randint(0, ROWS // 64, (TOKENS, slots), device=device, generator=generator)
@@ -61,7 +77,13 @@ def test_lookup_reduce_matches_the_reference(device, check, dtype, deterministic
     expected = memory_ops.lookup_reduce(values32, rows, group_index, scores32, groups)
     expected_grads = torch.autograd.grad(expected, (values32, scores32), grad_out.float())
 
-    detail = dict(config=MEMORY, dtype=dtype_name(dtype), tokens=TOKENS, rows=ROWS, mode="deterministic" if deterministic else "atomic")
+    detail = dict(
+        config=MEMORY,
+        dtype=dtype_name(dtype),
+        tokens=TOKENS,
+        rows=ROWS,
+        mode="deterministic" if deterministic else "atomic",
+    )
     previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(deterministic)
     try:
@@ -113,7 +135,9 @@ def model_on(device: torch.device, dtype: torch.dtype, preset: str, **overrides)
     """A preset model built directly on `device` in `dtype`, dropout off (two training-mode forwards would draw
     different masks and compare those instead of the kernels)."""
     torch.manual_seed(0)
-    config = get_config(preset, hidden_dropout=0.0, attention_dropout=0.0, **{**(SMOKE_MODEL if SMOKE else {}), **overrides})
+    config = get_config(
+        preset, hidden_dropout=0.0, attention_dropout=0.0, **{**(SMOKE_MODEL if SMOKE else {}), **overrides}
+    )
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -130,8 +154,13 @@ def test_model_forward_backward_triton_vs_torch(device, check, dtype):
     if SMOKE:
         model, shape = model_on(device, dtype, "tiny-ultramem"), (1, 8)
     else:
-        model, shape = model_on(device, dtype, "ultramem-151m-x12", num_hidden_layers=4, memory_layers=[[0, 2], [1, 3]]), (2, 2048)
-    input_ids = torch.randint(0, model.config.vocab_size, shape, device=device, generator=torch.Generator(device=device).manual_seed(2))
+        model, shape = (
+            model_on(device, dtype, "ultramem-151m-x12", num_hidden_layers=4, memory_layers=[[0, 2], [1, 3]]),
+            (2, 2048),
+        )
+    input_ids = torch.randint(
+        0, model.config.vocab_size, shape, device=device, generator=torch.Generator(device=device).manual_seed(2)
+    )
     results = {}
     for implementation in ("torch", "triton"):
         use_memory_implementation(model, implementation).train()
@@ -155,15 +184,31 @@ def test_cached_greedy_generation_triton_vs_torch(device, check):
     tokens of recomputing every step without a cache."""
     model = model_on(device, torch.float32, "tiny-ultramem").eval()
     (batch, length), new = ((1, 4), 3) if SMOKE else ((3, 12), 24)  # the interpreter takes seconds a token
-    prompt = torch.randint(0, model.config.vocab_size, (batch, length), device=device, generator=torch.Generator(device=device).manual_seed(3))
+    prompt = torch.randint(
+        0,
+        model.config.vocab_size,
+        (batch, length),
+        device=device,
+        generator=torch.Generator(device=device).manual_seed(3),
+    )
     kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new, do_sample=False)
     with torch.no_grad():
         reference = use_memory_implementation(model, "torch").generate(prompt, **kwargs)
         cached = use_memory_implementation(model, "triton").generate(prompt, **kwargs)
         recomputed = model.generate(prompt, use_cache=False, **kwargs)
     detail = dict(config="tiny-ultramem", new_tokens=new)
-    check("generate triton vs torch (cached, greedy): tokens differing", (cached != reference).float().mean().item(), 0.0, **detail)
-    check("generate triton cached vs recomputed: tokens differing", (cached != recomputed).float().mean().item(), 0.0, **detail)
+    check(
+        "generate triton vs torch (cached, greedy): tokens differing",
+        (cached != reference).float().mean().item(),
+        0.0,
+        **detail,
+    )
+    check(
+        "generate triton cached vs recomputed: tokens differing",
+        (cached != recomputed).float().mean().item(),
+        0.0,
+        **detail,
+    )
 
 
 @pytest.mark.skipif(SMOKE, reason="compiles the whole model: minutes in the interpreter")
