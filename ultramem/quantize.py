@@ -20,9 +20,11 @@ import struct
 import sys
 from pathlib import Path
 
-from .offload.safetensors_file import INDEX_FILE, SINGLE_FILE, read_header
+import torch
+
+from .offload.safetensors_file import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, read_header
 from .quantized.format import FORMATS, QuantizationError, quantize, quantized_width, resolve_group_size
-from .quantized.stores import METADATA_FORMAT, METADATA_GROUP, TABLE_KEY, QuantizedCheckpoint
+from .quantized.stores import METADATA_FORMAT, METADATA_GROUP, TABLE_KEY
 
 COPY_BYTES = 64 << 20
 
@@ -59,16 +61,19 @@ def _plan(checkpoint: Path, format: str, group_size: int | None) -> tuple[dict, 
         ):
             shape, (begin, end) = list(entry["shape"]), entry["data_offsets"]
             is_table = bool(TABLE_KEY.search(name))
+            source = (SAFETENSORS_DTYPES.get(entry["dtype"]), tuple(shape))
             if is_table and entry["dtype"] == "U8":
                 raise QuantizationError(f"{checkpoint} is already quantized ({name} is uint8)")
             if is_table:
-                if len(shape) != 2 or shape[1] != value_dim:
-                    raise QuantizationError(f"{name} is {shape}, the config's memory_value_dim is {value_dim}")
+                if source[0] is None or len(shape) != 2 or shape[1] != value_dim:
+                    raise QuantizationError(
+                        f"{name} is {entry['dtype']} {shape}: a float table of memory_value_dim {value_dim} is expected"
+                    )
                 dtype, shape = "U8", [shape[0], quantized_width(format, value_dim, group_size)]
                 nbytes = shape[0] * shape[1]
             else:
                 dtype, nbytes = entry["dtype"], end - begin
-            entries.append((name, is_table, data_start + begin, dtype, shape, nbytes, offset))
+            entries.append((name, source if is_table else None, data_start + begin, dtype, shape, nbytes, offset))
             offset += nbytes
         metadata = {**(header.get("__metadata__") or {"format": "pt"}), METADATA_FORMAT: format}
         metadata[METADATA_GROUP] = str(group_size)
@@ -101,20 +106,21 @@ def convert(checkpoint: str | Path, output: str | Path, format: str, group_size:
             f"{free / 1e9:.2f} GB free"
         )
     output.mkdir(parents=True, exist_ok=True)
-    source = QuantizedCheckpoint([checkpoint / file for file, *_ in files])
     num_cores = config.get("mcs_cores", 2)
     for file, encoded, entries, _ in files:
         partial = output / (file + ".partial")
         with open(partial, "wb") as handle, open(checkpoint / file, "rb") as reader:
             handle.write(struct.pack("<Q", len(encoded)) + encoded)
-            for name, is_table, begin, _, _, nbytes, _ in entries:
-                if is_table:  # row block by row block from the mapped float table (`quantize` streams)
-                    table = source.map(name)
-                    block_rows = max(1, COPY_BYTES // (table.shape[1] * table.element_size()))
-                    for start in range(0, table.shape[0], block_rows):
-                        handle.write(quantize(table[start : start + block_rows], format, num_cores, group_size).numpy())
-                    continue
+            for _, table, begin, _, _, nbytes, _ in entries:
                 reader.seek(begin)
+                if table is not None:  # row block by row block, read sequentially (one block in memory)
+                    dtype, (rows, cols) = table
+                    block_rows = max(1, COPY_BYTES // (cols * dtype.itemsize))
+                    for start in range(0, rows, block_rows):
+                        block = torch.empty(min(block_rows, rows - start), cols, dtype=dtype)
+                        reader.readinto(block.view(-1).view(torch.uint8).numpy())
+                        handle.write(quantize(block, format, num_cores, group_size).numpy())
+                    continue
                 while nbytes > 0:
                     chunk = reader.read(min(COPY_BYTES, nbytes))
                     handle.write(chunk)

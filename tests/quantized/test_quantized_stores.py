@@ -220,3 +220,15 @@ def test_a_converted_checkpoint_loads_through_auto_classes_with_and_without_the_
     assert torch.equal(greedy(at_load), expected)
     float_model = AutoModelForCausalLM.from_pretrained(saved[0]).eval()
     assert float_model.config.memory_quantization is None and torch.equal(greedy(float_model), greedy(reference))
+
+
+def test_converter_streams_row_blocks_byte_identically(saved, converted, tmp_path, monkeypatch):
+    """Blocks of a few rows (instead of 64 MB) give the same files: the streaming does not depend on the block."""
+    import ultramem.quantize
+
+    monkeypatch.setattr(ultramem.quantize, "COPY_BYTES", 200)
+    out = convert(saved[0], tmp_path / "q", "int4", 4)
+    files = sorted(p.name for p in converted["int4"].iterdir())
+    assert files == sorted(p.name for p in out.iterdir())
+    for name in files:
+        assert (out / name).read_bytes() == (converted["int4"] / name).read_bytes(), name
