@@ -36,7 +36,7 @@ TINY_ULTRAMEM = {
     "tucker_rank": 2,
     "mcs_cores": 2,
     "ive_expansion": 4,
-    "memory_kernel": "torch",
+    "memory_implementation": "torch",  # the reference kernel (a private, unsaved setting)
 }
 
 
@@ -128,7 +128,9 @@ def run_command(command: list[str], timeout: int = 240, check: bool = True, **en
     except subprocess.TimeoutExpired:
         kill_process_tree(process.pid)
         stdout, stderr = process.communicate(timeout=60)
-        raise AssertionError(f"{' '.join(command[:4])} timed out after {timeout} s:\n{stdout[-3000:]}\n{stderr[-6000:]}")
+        raise AssertionError(
+            f"{' '.join(command[:4])} timed out after {timeout} s:\n{stdout[-3000:]}\n{stderr[-6000:]}"
+        )
     except BaseException:  # pytest-timeout's alarm or Ctrl-C: no worker outlives its test
         kill_process_tree(process.pid)
         raise

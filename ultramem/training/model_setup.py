@@ -14,10 +14,10 @@ from typing import Any
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from ultramem.modeling_ultramem import deferred_value_tables
 from ultramem.training.arguments import ModelArguments, UltraMemTrainingArguments
 from ultramem.training.errors import UsageError
 from ultramem.training.fsdp import FSDP2_CONFIG, requested_fsdp_version
+from ultramem.value_stores import deferred_value_tables
 
 
 def _split_top_level(text: str) -> list[str]:
