@@ -27,10 +27,11 @@ from lib import report, timing
 from lib.env import RESULTS_DIR as RESULTS
 from lib.env import environment
 
-from ultramem.modeling_ultramem import TORCH_MEMORY_OPS, VALUE_STORES
+from ultramem.memory_implementations import TORCH_MEMORY_OPS
 from ultramem.parallel import count_bytes
 from ultramem.parallel.setup import memory_parallel_mesh
 from ultramem.parallel.volume import VOLUMES, LookupShape
+from ultramem.value_stores import VALUE_STORES
 
 STORES = {"number": ("number", {"pool_at": "source"}), "number_owner": ("number", {"pool_at": "owner"}),
           "dimension": ("dimension", {})}  # fmt: skip
