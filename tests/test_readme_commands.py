@@ -46,7 +46,7 @@ class Block:
         return self.source
 
 
-def tested_blocks(root: Path = DOCS_ROOT) -> list[Block]:
+def marked_blocks(root: Path = DOCS_ROOT) -> list[Block]:
     """The marked bash blocks of root/README.md and root/docs/*.md, in file order."""
     blocks = []
     for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
@@ -115,12 +115,12 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_docs_mark_commands_for_this_test() -> None:
     """The convention cannot be dropped silently: the evaluation commands at least are marked."""
-    commands = [command for block in tested_blocks() for command in block.commands]
+    commands = [command for block in marked_blocks() for command in block.commands]
     assert any(command.startswith("lm_eval ") for command in commands), "no marked lm_eval command in the docs"
     assert any(command.startswith("ultramem-eval ") for command in commands), "no marked ultramem-eval command"
 
 
-@pytest.mark.parametrize("block", tested_blocks(), ids=str)
+@pytest.mark.parametrize("block", marked_blocks(), ids=str)
 def test_documented_commands_run_as_written(block: Block, workdir: Path) -> None:
     env = {**os.environ, **ENV, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     for command in block.commands:
