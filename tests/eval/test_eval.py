@@ -209,6 +209,34 @@ def test_lm_eval_cli_scores_the_offline_group_on_the_benchmarks_present(tiny_che
         assert sample["f1"] == process_results(sample["doc"], [sample["filtered_resps"][0]])["f1"]
 
 
+def test_lm_eval_cli_refuses_a_generation_budget_the_context_cannot_hold(
+    short_checkpoint: Path, tmp_path: Path
+) -> None:
+    """`lm_eval ... --tasks ultramem_paper_offline` on a 512-position model: one line naming the task and the
+    --gen_kwargs that fits, before any request runs (lm-eval asserted at BBH's first generation, after the other
+    benchmarks ran for minutes, and every result was lost)."""
+    data = tmp_path / "eval"
+    for key in ("arc", "bbh"):
+        shutil.copytree(FIXTURES / key, data / key)
+    command = [
+        sys.executable, "-m", "lm_eval", "--model", "hf",
+        "--model_args", f"pretrained={short_checkpoint},trust_remote_code=True,dtype=float32",
+        "--include_path", tasks_path(), "--tasks", "ultramem_paper_offline",
+        "--metadata", json.dumps({"data_dir": str(data)}), "--limit", "1", "--device", "cpu",
+        "--output_path", str(tmp_path / "out"),
+    ]  # fmt: skip
+    done = subprocess.run(command, env={**os.environ, **OFFLINE_ENV}, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"lm_eval: error: bbh_cot_fewshot_\w+ may generate 1024 tokens and the model's context is 512 "
+        r"\(max_position_embeddings\): lm-eval would stop there after the other tasks ran; pass "
+        r"--gen_kwargs max_gen_toks=N with N < 512 .*",
+        last,
+    ), last
+    assert "arc_challenge" not in done.stdout and not (tmp_path / "out").exists()  # nothing was scored
+
+
 # --- ultramem-eval ----------------------------------------------------------------------------------------------
 
 
