@@ -1,8 +1,8 @@
 """UltraMem: Ultra-Sparse Memory Network (ICLR 2025) as a Hugging Face Transformers model.
 
 Importing the package registers the config and models with the Auto classes, every value store (`value_stores`:
-"local", "cpu", "disk", "number", "dimension") and every memory implementation (`memory_implementations`: "torch",
-"embedding_bag", "triton").
+"local", "cpu", "disk", "number", "dimension"; `quantized`: "int8", "int4", "cpu-int8", "cpu-int4", "disk-int8",
+"disk-int4") and every memory implementation (`memory_implementations`: "torch", "embedding_bag", "triton").
 """
 
 import transformers
@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokeni
 
 from .configuration_ultramem import UltraMemConfig, UltraMemConfigError
 from .missing_tokenizer import MissingTokenizer
-from . import kernels, modeling_ultramem, offload, parallel  # kernels, offload and parallel register themselves
+from . import kernels, modeling_ultramem, offload, parallel, quantized  # these register themselves
 from .modeling_ultramem import (
     TASK_HEADS,
     UltraMemCausalLMOutputWithPast,

@@ -220,6 +220,12 @@ class UltraMemConfig(PreTrainedConfig):
     # "disk" = memory-mapped from the checkpoint's safetensors (ultramem.offload). A loading setting: never saved.
     memory_offload: str | None = one_of(MEMORY_OFFLOADS)(default=None)
 
+    # Storage format of the value tables (ultramem.quantized): None = float, "int8" / "int4" = rowwise quantized with a
+    # scale and bias per group of `memory_quantization_group_size` columns (None: the format's default), the group
+    # dividing memory_value_dim / mcs_cores. Saved: it says what the checkpoint's table tensors are.
+    memory_quantization: str | None = one_of((None, "int8", "int4"))(default=None)
+    memory_quantization_group_size: int | None = positive(default=None)
+
     # Derived from `memory_layers`, for the generation cache: blocks whose cache layer also holds query-conv states
     layer_types: list[str] | None = None
     number_of_conv_states: int = 1
@@ -259,6 +265,11 @@ class UltraMemConfig(PreTrainedConfig):
         for field in ("tucker_rank", "mcs_cores") if self.retrieval_mode == PRODUCT_KEY else ():
             value = getattr(self, field)
             _require(value == 1, field, value, "must be 1 with retrieval_mode='product_key'")
+        group = self.memory_quantization_group_size
+        if self.memory_quantization and group is not None:
+            chunk = self.memory_value_dim // self.mcs_cores
+            divides = f"must divide memory_value_dim / mcs_cores = {chunk} (a group never straddles two cores' chunks)"
+            _require(chunk % group == 0, "memory_quantization_group_size", group, divides)
         if not self.value_projection:
             one = "must be 1 when value_projection=False (IVE needs one projector per virtual block)"
             _require(expansion == 1, "ive_expansion", expansion, one)

@@ -92,6 +92,27 @@ def _package_registry() -> ValueStores | None:
     return None if value_stores.ValueStores is ValueStores else value_stores.VALUE_STORES
 
 
+class TableFormats(GeneralInterface):
+    """Storage format of the value tables (e.g. "int8", registered by `ultramem.quantized`) -> the loader that
+    `from_pretrained` hands over to when a format is set: `loader(model_class, path, *args, **kwargs)`."""
+
+    _global_mapping = {}
+
+
+def table_format_loader(name: str):
+    """The registered loader of table format `name` (the package's registry for a remote-code copy)."""
+    formats = TableFormats()
+    if name in formats:
+        return formats[name]
+    try:
+        from ultramem import value_stores
+    except ImportError as error:
+        raise ImportError(f"memory_quantization={name!r} needs the `ultramem` package installed (pip install ultramem)") from error
+    if name not in value_stores.TableFormats():
+        raise ValueError(f"memory_quantization={name!r} is not a registered table format: {sorted(value_stores.TableFormats())}")
+    return value_stores.TableFormats()[name]
+
+
 def value_store(name: str) -> type[ValueStore]:
     """The registered store class `name`, or one line naming the registered ones."""
     if name in VALUE_STORES:
@@ -168,6 +189,19 @@ def _weights_loaded(modules: list[nn.Module]) -> Iterator[None]:
 MEMORY_OFFLOADS = ("cpu", "disk")
 
 
+def _saved_quantization(path, kwargs: dict) -> str | None:
+    """`memory_quantization` in the checkpoint's config.json (a model class's `from_pretrained` called without a
+    config reads the format there: a quantized checkpoint loads as what it is)."""
+    from transformers import PretrainedConfig
+
+    hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "subfolder", "local_files_only") if k in kwargs}
+    try:
+        saved, _ = PretrainedConfig.get_config_dict(str(path), **hub)
+    except OSError:
+        return None  # no config.json: Transformers' own loading says so
+    return saved.get("memory_quantization")
+
+
 class ValueStoreMixin:
     """The `PreTrainedModel` side of value stores: `set_value_store`, and `memory_offload=` in `from_pretrained`."""
 
@@ -178,6 +212,8 @@ class ValueStoreMixin:
         stores take the model's train/eval mode.
         """
         store_class = value_store(store)
+        if getattr(store_class, "needs_config", False):  # e.g. the quantized stores' MCS chunk and group size
+            options.setdefault("config", self.config)
         for name, layer in self.named_memory_layers():
             if not isinstance(layer.values, (MemoryValueTable, DeferredValueTable)):
                 raise ValueError(f"{name}.values is already a {type(layer.values).__name__} store")
@@ -199,6 +235,23 @@ class ValueStoreMixin:
         config = kwargs.get("config")
         offload = kwargs.pop("memory_offload", None) or getattr(config, "memory_offload", None)
         implementation = kwargs.pop("memory_implementation", None)
+        quantization = kwargs.pop("memory_quantization", None) or getattr(config, "memory_quantization", None)
+        group_size = kwargs.pop("memory_quantization_group_size", None)
+        if quantization is None and config is None:
+            quantization = _saved_quantization(pretrained_model_name_or_path, kwargs)
+        if quantization is not None:  # quantized tables: `ultramem.quantized` loads them (checked there first)
+            loaded = table_format_loader(quantization)(
+                cls,
+                pretrained_model_name_or_path,
+                *args,
+                memory_quantization=quantization,
+                memory_quantization_group_size=group_size,
+                memory_offload=offload,
+                **kwargs,
+            )
+            if implementation is not None:
+                (loaded[0] if isinstance(loaded, tuple) else loaded).set_memory_implementation(implementation)
+            return loaded
         if offload is not None and offload not in MEMORY_OFFLOADS:
             raise UltraMemConfigError(
                 f"UltraMemConfig.memory_offload={offload!r} is invalid: must be one of {(None, *MEMORY_OFFLOADS)}."

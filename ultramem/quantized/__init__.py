@@ -9,7 +9,7 @@
 - `python -m ultramem.quantize CKPT OUT --format int8|int4`: convert a checkpoint, streaming its tables.
 """
 
-from ..value_stores import ValueStores
+from ..value_stores import TableFormats, ValueStores
 from .format import DEFAULT_INT4_GROUP_SIZE, FORMATS, QuantizationError, dequantize, quantize
 from .loading import from_pretrained_quantized
 from .ops import lookup_reduce_quantized, lookup_reduce_quantized_reference
@@ -24,6 +24,8 @@ from .stores import (
 
 for _name, _store in QUANTIZED_STORES.items():
     ValueStores.register(_name, _store)
+for _format in FORMATS:
+    TableFormats.register(_format, from_pretrained_quantized)
 
 __all__ = [
     "DEFAULT_INT4_GROUP_SIZE",
