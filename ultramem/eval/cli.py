@@ -122,9 +122,12 @@ def check_checkpoint(path: Path) -> Path:
     return folder
 
 
-def _available(task_manager: Any, groups: dict[str, str], offline: bool) -> tuple[dict[str, dict], dict[str, str]]:
-    """Split benchmarks into those whose data loads (key -> its tasks by name) and those missing (key -> reason)."""
-    ready, missing = {}, {}
+def _available(
+    task_manager: Any, groups: dict[str, str], offline: bool
+) -> tuple[dict[str, dict], dict[str, str], dict[str, Any]]:
+    """Split benchmarks into those whose data loads (key -> its tasks by name) and those missing (key -> reason);
+    also the built group of each benchmark that loads (key -> lm-eval Group), which every checkpoint reuses."""
+    ready, missing, built = {}, {}, {}
     for key, group in tqdm(groups.items(), desc="loading benchmark data", unit="benchmark"):
         try:
             loaded = task_manager.load([group])
@@ -136,7 +139,8 @@ def _available(task_manager: Any, groups: dict[str, str], offline: bool) -> tupl
             missing[key] = f"could not load the Hub dataset: {type(err).__name__}: {err}"
         else:
             ready[key] = loaded["tasks"]
-    return ready, missing
+            built[key] = loaded["groups"][groups[key]]
+    return ready, missing, built
 
 
 def _check_generation_fits(checkpoints: list[Path], ready: dict[str, dict], max_gen_toks: int | None) -> None:
@@ -184,7 +188,7 @@ def evaluate(
     groups = {bench.key: task_name(bench, offline) for bench in benchmarks}  # each can fail alone
     metadata = {"data_dir": str(args.data_dir.resolve())} if offline else None
     task_manager = TaskManager(include_path=tasks_path(), metadata=metadata)
-    ready, missing = _available(task_manager, groups, offline)
+    ready, missing, built = _available(task_manager, groups, offline)
     for key, reason in missing.items():
         print(f"ultramem-eval: benchmark {key} not scored: {reason}", file=sys.stderr)
     if not ready:
@@ -200,7 +204,7 @@ def evaluate(
                 "dtype": args.dtype,
                 **({"memory_offload": args.memory_offload} if args.memory_offload else {}),
             },
-            tasks=[groups[key] for key in ready],
+            tasks=[built[key] for key in ready],  # built once: lm-eval rebuilds each task's requests per run
             task_manager=task_manager,
             limit=args.limit,
             gen_kwargs={"max_gen_toks": args.max_gen_toks} if args.max_gen_toks else None,
