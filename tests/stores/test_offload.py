@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import small_config
-from transformers import AutoTokenizer, StaticCache
+from transformers import AutoModelForCausalLM, AutoTokenizer, StaticCache
 from transformers.testing_utils import CaptureLogger
 
 from ultramem import UltraMemConfig, UltraMemConfigError, UltraMemForCausalLM
@@ -284,3 +284,14 @@ def test_accelerate_device_map_disk_offload_matches_in_memory_model(saved, tmp_p
     torch.testing.assert_close(output.logits, reference(**PROMPT).logits, rtol=0, atol=0)
     torch.testing.assert_close(output.aux_loss, reference(**PROMPT).aux_loss, rtol=0, atol=0)
     assert torch.equal(greedy(model), greedy(reference))
+
+
+def test_a_truncated_checkpoint_is_one_line_naming_the_file(saved, tmp_path):
+    """A file cut by an interrupted copy: one line naming it, for both offloaded stores, before anything loads."""
+    folder, _ = saved
+    shutil.copytree(folder, tmp_path / "cut")
+    weights = tmp_path / "cut" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    for offload in ("disk", "cpu"):
+        with pytest.raises(OffloadCheckpointError, match=r"model\.safetensors: not a complete safetensors file .*truncated"):
+            AutoModelForCausalLM.from_pretrained(tmp_path / "cut", memory_offload=offload)

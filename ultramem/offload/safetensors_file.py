@@ -40,10 +40,27 @@ class TensorLocation:
 
 
 def read_header(path: Path) -> tuple[dict[str, Any], int]:
-    """The safetensors JSON header of `path` and the file offset where its data begin."""
+    """The safetensors JSON header of `path` and the file offset where its data begin. A file that is not whole (cut
+    by an interrupted copy or download: its header describes more bytes than it holds) is one error naming it."""
+    if not path.is_file():
+        raise OffloadCheckpointError(f"{path}: missing; copy or save the checkpoint again")
+    size = path.stat().st_size
     with open(path, "rb") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        return json.loads(handle.read(length)), 8 + length
+        prefix = handle.read(8)
+        length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else size
+        try:
+            header = json.loads(handle.read(length)) if 8 + length <= size else None
+        except ValueError:  # not JSON, not UTF-8
+            header = None
+    tensors = (entry for name, entry in (header or {}).items() if name != "__metadata__")
+    described = 8 + length + max((entry["data_offsets"][1] for entry in tensors), default=0)
+    if not isinstance(header, dict) or described != size:
+        extent = f", its header describes {described:,}" if isinstance(header, dict) else ""
+        raise OffloadCheckpointError(
+            f"{path}: not a complete safetensors file ({size:,} bytes{extent}): it was truncated or damaged; "
+            "copy or save the checkpoint again"
+        )
+    return header, 8 + length
 
 
 class SafetensorsCheckpoint:
