@@ -3,7 +3,7 @@
 One decoding step (sequence length 1) with a KV cache of 2048 tokens, random weights, for each batch size up
 to the largest that fits. The three models at a size are this project's dense backbone (`dense-*`), UltraMem
 (`ultramem-*-x12`) and Transformers' `MixtralForCausalLM` (`moe-*-2inN`, parameters and FLOPs matched, see
-docs/DECISIONS.md) on its fastest expert path. All three use the same StaticCache, SDPA attention and execution mode
+docs/design.md) on its fastest expert path. All three use the same StaticCache, SDPA attention and execution mode
 (`--mode compile`: torch.compile(mode="reduce-overhead"), i.e. CUDA graphs; or `--mode eager`). Beside each
 time the paper's analytic memory access is printed (`ultramem.sizing.decode_memory_access`).
 

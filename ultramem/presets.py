@@ -1,6 +1,6 @@
 """Named configs: the paper's Table "Model parameter setting", tiny CPU models and small single-GPU models.
 
-Conventions (see docs/DECISIONS.md): memory placement pairs are 0-based (paper "3:5" -> (2, 4)); the paper's
+Conventions (see docs/design.md): memory placement pairs are 0-based (paper "3:5" -> (2, 4)); the paper's
 "Top-m" column "16x2" is m=16 values per head times H=2 heads; its "Knum" is sqrt(N physical values),
 so the keys per axis are sqrt(E) * Knum. MoE rows are Transformers' Mixtral with SwiGLU experts of
 2/3 the paper's GeLU expert width, which matches the paper's parameters and FLOPs per token.
