@@ -8,9 +8,9 @@ Importing the package registers the config and models with the Auto classes, eve
 import transformers
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
+from . import kernels, offload, parallel, quantized  # noqa: F401  (they register their kernels and value stores)
 from .configuration_ultramem import UltraMemConfig, UltraMemConfigError
 from .missing_tokenizer import MissingTokenizer
-from . import kernels, modeling_ultramem, offload, parallel, quantized  # these register themselves
 from .modeling_ultramem import (
     TASK_HEADS,
     UltraMemCausalLMOutputWithPast,
@@ -33,4 +33,14 @@ for auto_class, head in TASK_HEADS.items():
     getattr(transformers, auto_class).register(UltraMemConfig, head, exist_ok=True)
     head.register_for_auto_class(auto_class)
 
-__all__ = ["UltraMemCausalLMOutputWithPast", "UltraMemConfig", "UltraMemConfigError", *modeling_ultramem.__all__]
+__all__ = [
+    "UltraMemCausalLMOutputWithPast",
+    "UltraMemConfig",
+    "UltraMemConfigError",
+    "UltraMemForCausalLM",
+    "UltraMemForQuestionAnswering",
+    "UltraMemForSequenceClassification",
+    "UltraMemForTokenClassification",
+    "UltraMemModel",
+    "UltraMemPreTrainedModel",
+]

@@ -8,7 +8,6 @@ from typing import Any
 from .configuration_ultramem import TUCKER, UltraMemConfig
 from .presets import BACKBONES, PKM_SWITCHES, VOCAB_SIZE
 
-
 # The paper's ablation ladder (Table "Ablation study of model improvements"): each row changes exactly
 # one improvement of the previous row. Sizes that an improvement changes are derived from the row above.
 LADDER_ROWS: tuple[str, ...] = (

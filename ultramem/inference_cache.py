@@ -50,7 +50,7 @@ class InferenceCache(nn.Module):
         alias parameters under another type, which `torch.save` refuses."""
         return {**self.__dict__, "entries": {}}
 
-    def train(self, mode: bool = True) -> "InferenceCache":
+    def train(self, mode: bool = True) -> InferenceCache:
         if mode:
             self.clear()
         return super().train(mode)

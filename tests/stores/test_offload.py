@@ -17,11 +17,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, StaticCache
 from transformers.testing_utils import CaptureLogger
 
 from ultramem import UltraMemConfig, UltraMemConfigError, UltraMemForCausalLM
-from ultramem.value_stores import MemoryValueTable, offloaded_by_accelerate
-from ultramem.value_stores import logger as modeling_logger
 from ultramem.offload import DiskValueStore, HostValueStore, OffloadCheckpointError, SafetensorsCheckpoint
 from ultramem.offload.random_checkpoint import write_random_checkpoint
 from ultramem.offload.stores import logger as stores_logger
+from ultramem.value_stores import MemoryValueTable, offloaded_by_accelerate
+from ultramem.value_stores import logger as modeling_logger
 
 OFFLOADS = ("cpu", "disk")
 PROMPT = {

@@ -10,9 +10,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ultramem.value_stores import DeferredValueTable, MemoryValueTable
 from ultramem.offload.safetensors_file import SafetensorsCheckpoint
 from ultramem.parallel.comm import data_parallel_mean_grad
+from ultramem.value_stores import DeferredValueTable, MemoryValueTable
 
 
 class ShardedValueStore(nn.Module):
