@@ -474,8 +474,8 @@ class ImplicitValueExpansion(nn.Module):
         return physical_slots(virtual_index, self.virtual_to_physical, self.num_values)
 
     def forward(self, pooled: torch.Tensor) -> torch.Tensor:
-        """Pooled values (T, E, Dv) of the E groups -> output (T, D)."""
-        return self.projector(pooled.flatten(1))
+        """Pooled values (..., E, Dv) of the E groups -> output (..., D)."""
+        return self.projector(pooled.flatten(-2))
 
 
 class ValueProjector(nn.Linear):
@@ -583,7 +583,8 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
 
     def _output(self, pooled: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """The store's pooled values (B*T, E, Dv) -> the layer's output (B, T, D)."""
-        return self.dropout(self.value_expansion(pooled.to(hidden_states.dtype)).view(hidden_states.shape))
+        pooled = pooled.to(hidden_states.dtype).unflatten(0, hidden_states.shape[:-1])  # (B, T, E, Dv)
+        return self.dropout(self.value_expansion(pooled))  # not a view: FSDP2 warns about views leaving a module
 
 
 class UltraMemPreTrainedModel(ValueStoreMixin, PreTrainedModel):

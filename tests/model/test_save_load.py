@@ -186,6 +186,7 @@ def test_readme_snippet_saves_a_folder_that_pipeline_and_autotokenizer_load(tmp_
 
 
 def test_tools_name_the_fix_for_a_folder_without_tokenizer(tmp_path, capsys):
+    pytest.importorskip("lm_eval")
     from ultramem.eval.cli import main as eval_main
     from ultramem.tokenization import add_to_checkpoint
 
@@ -240,6 +241,7 @@ def test_autotokenizer_and_pipeline_name_the_fix_for_a_folder_without_tokenizer(
 
 
 def test_lm_eval_cli_names_the_fix_for_a_folder_without_tokenizer(tmp_path):
+    pytest.importorskip("lm_eval")
     from ultramem.eval import tasks_path
 
     folder = tmp_path / "no-tokenizer"

@@ -1,6 +1,6 @@
 """FSDP2 on any device: Accelerate enables FSDP only for accelerator-backed process groups, so on CPU (gloo) an
 FSDP launch (`accelerate launch --config_file ultramem/configs/accelerate/fsdp2.yaml`, or torchrun with `--fsdp`)
-silently trains as plain DDP. `FSDPTrainer` turns that case into real FSDP2 sharding (PyTorch's `fully_shard`
+silently trains as plain DDP. `ultramem.training.trainer.FSDPTrainer` turns that case into real FSDP2 sharding (PyTorch's `fully_shard`
 runs on gloo) and refuses FSDP1 there in one line; on GPUs Accelerate's own setup is left alone. Its private
 Trainer overrides are in `ultramem.training.trainer_overrides`.
 """
@@ -14,8 +14,6 @@ import torch
 from accelerate.utils import FullyShardedDataParallelPlugin
 from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback, TrainingArguments
-
-from ultramem.training.trainer_overrides import CPUFSDPOverrides
 
 FSDP2_CONFIG = "ultramem/configs/accelerate/fsdp2.yaml"
 
@@ -47,7 +45,7 @@ def _grads_placed_like_params(module: torch.nn.Module) -> None:
     module._ultramem_grad_placement_hooks = True
 
 
-def _plain_aux_loss(module: torch.nn.Module, args: Any, output: Any) -> Any:
+def plain_aux_loss(module: torch.nn.Module, args: Any, output: Any) -> Any:
     """Forward hook: the model computes its aux loss from the Tucker cores outside their layers' forward, where FSDP2
     leaves them sharded, so it comes out as a DTensor and would make the LM loss's backward mix tensor kinds."""
     aux = getattr(output, "aux_loss", None)
@@ -70,29 +68,6 @@ def leave_presharded_to_their_owners(model: torch.nn.Module, plugin: FullySharde
         return frozenset()
     plugin.ignored_modules = [*(plugin.ignored_modules or []), *owners]
     return frozenset(n for n, p in model.named_parameters() if isinstance(p, DTensor))
-
-
-class FSDPTrainer(CPUFSDPOverrides):
-    """A `Trainer` that shards with FSDP2 on CPU process groups too, instead of silently running DDP (its private
-    overrides: `ultramem.training.trainer_overrides.CPUFSDPOverrides`)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if self.is_fsdp_enabled and hasattr(self.model, "get_value_table_names"):
-            self.model.register_forward_hook(_plain_aux_loss)
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Gather what FSDP sharded (collective: every rank gathers, one tensor at a time to host memory) and `_save`
-        it; the presharded tables are left to `_save` (streamed shard by shard, `ultramem.parallel.checkpoint`)."""
-        if not self._saves_itself():
-            return super().save_model(output_dir, _internal_call)
-        full = {
-            name: (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).cpu()
-            for name, tensor in self.model.state_dict().items()
-            if name not in self._presharded
-        }
-        self._save(output_dir or self.args.output_dir, state_dict=full)
-        return None
 
 
 class ShardingReport(TrainerCallback):

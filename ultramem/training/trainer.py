@@ -12,12 +12,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 
 from ultramem.training.deepspeed_tables import TablesBesideEngine, hide_tables
-from ultramem.training.fsdp import FSDPTrainer
+from ultramem.training.fsdp import plain_aux_loss
 from ultramem.training.schedule import VALUE_GROUP, value_lr_multiplier, with_value_multiplier
-from ultramem.training.trainer_overrides import AtomicCheckpointTrainer, ShardedTableOverrides
+from ultramem.training.trainer_overrides import AtomicCheckpointTrainer, CPUFSDPOverrides, ShardedTableOverrides
 
 
 def value_table_names(model: nn.Module) -> set[str]:
@@ -51,6 +52,29 @@ class _RecipeEvents(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer._steps_since_log += 1
+
+
+class FSDPTrainer(CPUFSDPOverrides):
+    """A `Trainer` that shards with FSDP2 on CPU process groups too, instead of silently running DDP (its private
+    overrides: `ultramem.training.trainer_overrides.CPUFSDPOverrides`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.is_fsdp_enabled and hasattr(self.model, "get_value_table_names"):
+            self.model.register_forward_hook(plain_aux_loss)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Gather what FSDP sharded (collective: every rank gathers, one tensor at a time to host memory) and `_save`
+        it; the presharded tables are left to `_save` (streamed shard by shard, `ultramem.parallel.checkpoint`)."""
+        if not self._saves_itself():
+            return super().save_model(output_dir, _internal_call)
+        full = {
+            name: (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).cpu()
+            for name, tensor in self.model.state_dict().items()
+            if name not in self._presharded
+        }
+        self._save(output_dir or self.args.output_dir, state_dict=full)
+        return None
 
 
 class UltraMemTrainer(ShardedTableOverrides, AtomicCheckpointTrainer, FSDPTrainer):
