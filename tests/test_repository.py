@@ -17,14 +17,21 @@ OUTSIDE = re.compile(r"""\.\./shared|["'/]shared["'/]|shared/data""")
 
 
 def test_no_code_reads_a_folder_beside_the_clone():
-    hits = [f"{path.relative_to(ROOT)}: {line.strip()}" for path in CODE if path != Path(__file__).resolve()
-            for line in path.read_text(encoding="utf-8").splitlines() if OUTSIDE.search(line)]
+    hits = [
+        f"{path.relative_to(ROOT)}: {line.strip()}"
+        for path in CODE
+        if path != Path(__file__).resolve()
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if OUTSIDE.search(line)
+    ]
     assert not hits, hits
 
 
 def test_decisions_are_cited_from_the_repository():
     assert "## Memory layer placement" in (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
-    hits = [str(path.relative_to(ROOT)) for path in CODE + DOCS if re.search(r"\bSPEC\b", path.read_text(encoding="utf-8"))]
+    hits = [
+        str(path.relative_to(ROOT)) for path in CODE + DOCS if re.search(r"\bSPEC\b", path.read_text(encoding="utf-8"))
+    ]
     assert not hits, hits
 
 

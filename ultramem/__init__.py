@@ -25,7 +25,9 @@ from .modeling_ultramem import (
 AutoConfig.register(UltraMemConfig.model_type, UltraMemConfig, exist_ok=True)
 AutoModel.register(UltraMemConfig, UltraMemModel, exist_ok=True)
 AutoModelForCausalLM.register(UltraMemConfig, UltraMemForCausalLM, exist_ok=True)
-AutoTokenizer.register(UltraMemConfig, MissingTokenizer, exist_ok=True)  # a folder without tokenizer: one line naming the fix
+AutoTokenizer.register(
+    UltraMemConfig, MissingTokenizer, exist_ok=True
+)  # a folder without tokenizer: one line naming the fix
 UltraMemConfig.register_for_auto_class()
 UltraMemModel.register_for_auto_class("AutoModel")
 UltraMemForCausalLM.register_for_auto_class("AutoModelForCausalLM")

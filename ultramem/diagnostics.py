@@ -89,8 +89,12 @@ def _layer_statistics(
     hits = torch.zeros((), dtype=torch.long, device=virtual_index.device)
     for start in range(0, virtual_index.shape[0], chunk):  # memory O(chunk H rows_per_step n)
         part = slice(start, start + chunk)
-        exact = exact_top_m(row_factors[part].flatten(0, 1), col_factors[part].flatten(0, 1), scores.shape[-2], rows_per_step)
-        hits += (virtual_index[part].flatten(0, 1).unsqueeze(-1) == exact.unsqueeze(-2)).any(-1).sum()  # one sync, at the end
+        exact = exact_top_m(
+            row_factors[part].flatten(0, 1), col_factors[part].flatten(0, 1), scores.shape[-2], rows_per_step
+        )
+        hits += (
+            (virtual_index[part].flatten(0, 1).unsqueeze(-1) == exact.unsqueeze(-2)).any(-1).sum()
+        )  # one sync, at the end
 
     physical, _ = layer.value_expansion.physical_slots(virtual_index)
     return {

@@ -57,7 +57,11 @@ def _package_registry() -> MemoryImplementations | None:
         from ultramem import memory_implementations
     except ImportError:
         return None
-    return None if memory_implementations.MemoryImplementations is MemoryImplementations else memory_implementations.ALL_MEMORY_IMPLEMENTATIONS
+    return (
+        None
+        if memory_implementations.MemoryImplementations is MemoryImplementations
+        else memory_implementations.ALL_MEMORY_IMPLEMENTATIONS
+    )
 
 
 def registered_memory_implementations() -> list[str]:

@@ -148,7 +148,11 @@ def _run_starts(lengths: torch.Tensor) -> torch.Tensor:
 
 
 def _table_gradient(
-    grad_bags: torch.Tensor, table: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, bag_of_sample: torch.Tensor
+    grad_bags: torch.Tensor,
+    table: torch.Tensor,
+    index: torch.Tensor,
+    weights: torch.Tensor,
+    bag_of_sample: torch.Tensor,
 ) -> torch.Tensor:
     """The embedding_bag's table gradient: row i gets the weighted bag gradients of its samples, in fresh pages.
 
@@ -236,7 +240,9 @@ def tucker_candidate_topk(
     return flat_index, core_scores
 
 
-def product_key_topk(row_scores: torch.Tensor, col_scores: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def product_key_topk(
+    row_scores: torch.Tensor, col_scores: torch.Tensor, topk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """PKM's two-phase top-m over the n x n grid of additive scores s_row[x] + s_col[y].
 
     Args:

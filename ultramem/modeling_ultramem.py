@@ -78,7 +78,9 @@ require_version("transformers>=5.17", "UltraMem's model code needs Transformers 
 # on 5.17-5.23, whose `generate` passes and reads `past_key_values`, the old name is taken silently (there it is the
 # current name) and outputs carry the field those releases define.
 _CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
-_accepts_past_key_values = deprecate_kwarg("past_key_values", "5.40.0" if _CACHE_FIELD == "cache" else "5.0.0", new_name="cache")
+_accepts_past_key_values = deprecate_kwarg(
+    "past_key_values", "5.40.0" if _CACHE_FIELD == "cache" else "5.0.0", new_name="cache"
+)
 
 
 @dataclass(frozen=True)
@@ -247,9 +249,7 @@ class CausalDepthwiseConv(nn.Module):
             # (so the old state must not be read after this call); on prefill it returns x, unpadded. While
             # `generate` records the past to roll it back (assisted decoding) the state is longer or shorter than
             # k-1: the window is its last k-1+T inputs, zeros before the first token.
-            updated = cache.update_conv_state(
-                x, self.cache_layer_idx, self.state_idx, conv_kernel_size=context
-            )
+            updated = cache.update_conv_state(x, self.cache_layer_idx, self.state_idx, conv_kernel_size=context)
             if has_past:
                 width = context + x.shape[-1]
                 window = updated[..., -width:].to(x.dtype)
@@ -292,9 +292,7 @@ class MemoryQuery(nn.Module):
             if config.use_query_conv
             else None
         )
-        self.proj = nn.Linear(
-            config.hidden_size, self.num_heads * self.num_queries * config.memory_key_dim, bias=False
-        )
+        self.proj = nn.Linear(config.hidden_size, self.num_heads * self.num_queries * config.memory_key_dim, bias=False)
         self.norm = (
             ScaledLayerNorm(self.part_dim, config.layer_norm_eps, scales.query_gain)
             if config.qk_layernorm
@@ -680,7 +678,9 @@ class UltraMemModel(UltraMemPreTrainedModel):
         `device_map` spreads the memory layers), summed on the device of the first memory layer. It runs at
         every forward, decode steps included; cached at inference (see `InferenceCache`).
         """
-        retrievals = [layer.retrieval for layer in self.memory_layers if isinstance(layer.retrieval, TuckerQueryKeyRetrieval)]
+        retrievals = [
+            layer.retrieval for layer in self.memory_layers if isinstance(layer.retrieval, TuckerQueryKeyRetrieval)
+        ]
         with offloaded_weights_loaded(retrievals or [self.norm]):
             if not retrievals:
                 return self.norm.weight.new_zeros((), dtype=torch.float32)
@@ -696,7 +696,6 @@ class UltraMemModel(UltraMemPreTrainedModel):
             for group in cores_by_device.values()
         ]
         return sum(loss.to(losses[0].device) for loss in losses[1:]) + losses[0]
-
 
     @_accepts_past_key_values
     @merge_with_config_defaults

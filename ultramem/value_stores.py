@@ -57,7 +57,9 @@ class MemoryValueTable(nn.Embedding):
             raise TypeError(f"the local value store takes no options, got {sorted(options)}")
         return table
 
-    def forward(self, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor, num_groups: int, ops) -> torch.Tensor:
+    def forward(
+        self, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor, num_groups: int, ops
+    ) -> torch.Tensor:
         """rows, groups (T, K), scores (T, K, h) -> (T, E, Dv): see `memory_ops.lookup_reduce`."""
         return ops.lookup_reduce(self.weight, rows, groups, scores, num_groups)
 
@@ -107,9 +109,13 @@ def table_format_loader(name: str):
     try:
         from ultramem import value_stores
     except ImportError as error:
-        raise ImportError(f"memory_quantization={name!r} needs the `ultramem` package installed (pip install ultramem)") from error
+        raise ImportError(
+            f"memory_quantization={name!r} needs the `ultramem` package installed (pip install ultramem)"
+        ) from error
     if name not in value_stores.TableFormats():
-        raise ValueError(f"memory_quantization={name!r} is not a registered table format: {sorted(value_stores.TableFormats())}")
+        raise ValueError(
+            f"memory_quantization={name!r} is not a registered table format: {sorted(value_stores.TableFormats())}"
+        )
     return value_stores.TableFormats()[name]
 
 
@@ -122,7 +128,9 @@ def value_store(name: str) -> type[ValueStore]:
         return package[name]
     if package is None and ValueStores._global_mapping.keys() == {"local"}:
         raise ImportError(f"value store {name!r} needs the `ultramem` package installed (pip install ultramem)")
-    raise ValueError(f"value store {name!r} is not registered; choose one of {sorted({*VALUE_STORES, *(package or ())})}")
+    raise ValueError(
+        f"value store {name!r} is not registered; choose one of {sorted({*VALUE_STORES, *(package or ())})}"
+    )
 
 
 class DeferredValueTable(nn.Module):

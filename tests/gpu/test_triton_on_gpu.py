@@ -25,7 +25,8 @@ REPORT = os.environ.get("ULTRAMEM_GPU_REPORT")
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
-        not (torch.cuda.is_available() or SMOKE), reason="needs a CUDA device (ULTRAMEM_GPU_SMOKE=1: on CPU in Triton's interpreter)"
+        not (torch.cuda.is_available() or SMOKE),
+        reason="needs a CUDA device (ULTRAMEM_GPU_SMOKE=1: on CPU in Triton's interpreter)",
     ),
 ]
 ROWS, TOKENS = (256, 4) if SMOKE else (1 << 20, 4096)

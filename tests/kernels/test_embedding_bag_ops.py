@@ -47,7 +47,9 @@ def test_embedding_bag_lookup_matches_reference(num_tokens, dtype, num_groups, n
         assert got.dtype == dtype, name
         tolerance = TOLERANCE[dtype]
         scale = expected.abs().max().item()
-        torch.testing.assert_close(got.float(), expected, rtol=tolerance["rtol"], atol=tolerance["atol"] * scale, msg=name)
+        torch.testing.assert_close(
+            got.float(), expected, rtol=tolerance["rtol"], atol=tolerance["atol"] * scale, msg=name
+        )
 
 
 def test_the_default_on_cpu_is_embedding_bag():

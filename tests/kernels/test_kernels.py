@@ -158,8 +158,10 @@ def test_deterministic_mode_gives_identical_bits(dtype):
     first = _kernel_grads(*inputs[:4], 4, inputs[4], deterministic=True)
     second = _kernel_grads(*inputs[:4], 4, inputs[4], deterministic=True)
     for a, b in zip(first, second):
-        assert torch.equal(a.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                           b.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+        assert torch.equal(
+            a.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+            b.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+        )
 
 
 @in_process
@@ -168,8 +170,9 @@ def test_mixed_dtypes_and_int32_indices():
     values, rows, groups, scores, grad_out = _lookup_inputs(6, 10, 20, 9, 4, 2, torch.float32, seed=4)
     values, grad_out = values.to(torch.bfloat16), grad_out.to(torch.bfloat16)
     _, ref_grad_values, ref_grad_scores = _reference_grads(values, rows, groups, scores, 4, grad_out)
-    out, grad_values, grad_scores = _kernel_grads(values, rows.int(), groups.int(), scores, 4,
-                                                  grad_out, deterministic=True)
+    out, grad_values, grad_scores = _kernel_grads(
+        values, rows.int(), groups.int(), scores, 4, grad_out, deterministic=True
+    )
     assert (out.dtype, grad_values.dtype, grad_scores.dtype) == (torch.bfloat16, torch.bfloat16, torch.float32)
     torch.testing.assert_close(out, memory_ops.lookup_reduce(values, rows, groups, scores, 4), rtol=1e-2, atol=2e-2)
     torch.testing.assert_close(grad_values.float(), ref_grad_values, **TOLERANCE[torch.bfloat16])
@@ -258,8 +261,9 @@ def test_tucker_candidate_topk_half_precision(dtype):
 @in_process
 def test_tucker_candidate_topk_falls_back_above_128_candidates():
     row, col, cores = _candidate_inputs((1,), 1, 2, 2, 130, torch.float32, seed=1)
-    for got, ref in zip(kernels.tucker_candidate_topk(row, col, cores, 3),
-                        memory_ops.tucker_candidate_topk(row, col, cores, 3)):
+    for got, ref in zip(
+        kernels.tucker_candidate_topk(row, col, cores, 3), memory_ops.tucker_candidate_topk(row, col, cores, 3)
+    ):
         assert torch.equal(got, ref)
 
 
@@ -315,8 +319,17 @@ def test_triton_available_under_interpreter():
 @pytest.mark.skipif(not _TRITON_IMPORTED_FIRST, reason="the cases ran in this process (triton was not imported first)")
 def test_in_fresh_process():
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-               "-k", "not benchmark_script and not compile_for_ampere"]  # those two run in subprocesses anyway
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        __file__,
+        "-k",
+        "not benchmark_script and not compile_for_ampere",
+    ]  # those two run in subprocesses anyway
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
@@ -326,14 +339,25 @@ def test_kernels_compile_for_ampere_and_hopper():
     and sm_90 ahead of time (Triton ships ptxas; no GPU needed) and check that none spills registers."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_DEFAULT_FP_FUSION="1")
     env.pop("TRITON_INTERPRET", None)
-    result = subprocess.run([sys.executable, "benchmarks/aot_check.py", "--configs", "151m"],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "benchmarks/aot_check.py", "--configs", "151m"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert {(row["kernel"], row["arch"]) for row in report} == {
         (kernel, arch)
-        for kernel in ("lookup_reduce.forward", "lookup_reduce.backward_atomic", "lookup_reduce.backward_scores",
-                       "lookup_reduce.value_grad_segments", "tucker_candidate_topk")
+        for kernel in (
+            "lookup_reduce.forward",
+            "lookup_reduce.backward_atomic",
+            "lookup_reduce.backward_scores",
+            "lookup_reduce.value_grad_segments",
+            "tucker_candidate_topk",
+        )
         for arch in ("sm_80", "sm_90")
     }
     for row in report:
@@ -357,7 +381,9 @@ def test_model_compiles_without_graph_breaks_through_the_kernels():
     from ultramem import UltraMemForCausalLM
 
     torch.manual_seed(0)
-    model = UltraMemForCausalLM(small_config(memory_implementation="triton", num_hidden_layers=2, memory_layers=[[0, 1]]))
+    model = UltraMemForCausalLM(
+        small_config(memory_implementation="triton", num_hidden_layers=2, memory_layers=[[0, 1]])
+    )
     input_ids = torch.randint(0, 97, (2, 9))
     eager = model(input_ids=input_ids, labels=input_ids).loss
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(input_ids=input_ids, labels=input_ids).loss

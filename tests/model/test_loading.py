@@ -68,7 +68,10 @@ def test_an_unknown_implementation_is_one_line_naming_the_choices(v0_1):
     with pytest.raises(ValueError, match="memory_implementation='cuda' is not registered"):
         AutoModelForCausalLM.from_pretrained(v0_1, memory_implementation="cuda")
     model = UltraMemForCausalLM(small_config())
-    with pytest.raises(ValueError, match=r"memory_implementation='cuda' is not registered; choose one of \['embedding_bag', 'torch', 'triton'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"memory_implementation='cuda' is not registered; choose one of \['embedding_bag', 'torch', 'triton'\]",
+    ):
         model.set_memory_implementation("cuda")
 
 
@@ -107,8 +110,13 @@ def test_a_0_1_checkpoint_resaved_runs_the_same_through_remote_code_alone(v0_1, 
     model.save_pretrained(resaved)
     shutil.copy(v0_1 / "expected_v0_1.pt", resaved)
     done = subprocess.run(
-        [sys.executable, "-c", RESAVED_SCRIPT, str(resaved)], env=fresh_env(tmp_path), cwd=tmp_path,
-        capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300,
+        [sys.executable, "-c", RESAVED_SCRIPT, str(resaved)],
+        env=fresh_env(tmp_path),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=300,
     )
     assert done.returncode == 0 and "SAME" in done.stdout, done.stderr[-3000:]
 
@@ -143,8 +151,13 @@ def test_task_heads_load_through_the_checkpoint_code(mode, tmp_path):
     folder = tmp_path / "checkpoint"
     UltraMemForCausalLM(small_config()).save_pretrained(folder)
     done = subprocess.run(
-        [sys.executable, "-c", HEADS_SCRIPT, str(folder), mode], env=fresh_env(tmp_path), cwd=tmp_path,
-        capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300,
+        [sys.executable, "-c", HEADS_SCRIPT, str(folder), mode],
+        env=fresh_env(tmp_path),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=300,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     lines = done.stdout.splitlines()

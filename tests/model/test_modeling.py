@@ -77,7 +77,12 @@ def test_backbone_matches_gpt_neox(attn_implementation):
                 getattr(theirs, name).load_state_dict(getattr(mine, name).state_dict())
             attention = mine.self_attn
             per_head = [
-                torch.cat([proj.weight[h * head_dim : (h + 1) * head_dim] for proj in (attention.q_proj, attention.k_proj, attention.v_proj)])
+                torch.cat(
+                    [
+                        proj.weight[h * head_dim : (h + 1) * head_dim]
+                        for proj in (attention.q_proj, attention.k_proj, attention.v_proj)
+                    ]
+                )
                 for h in range(config.num_attention_heads)
             ]
             theirs.attention.query_key_value.weight.copy_(torch.cat(per_head))
@@ -315,7 +320,9 @@ def test_cached_generation_equals_uncached(num_beams):
     config = small_config(vocab_size=211)
     model = _model(config, seed=7)
     input_ids, attention_mask = _left_padded_batch(config.vocab_size, [12, 8, 3], seed=4)
-    kwargs = dict(attention_mask=attention_mask, max_new_tokens=32, do_sample=False, pad_token_id=0, num_beams=num_beams)
+    kwargs = dict(
+        attention_mask=attention_mask, max_new_tokens=32, do_sample=False, pad_token_id=0, num_beams=num_beams
+    )
     cached = model.generate(input_ids, use_cache=True, **kwargs)
     uncached = model.generate(input_ids, use_cache=False, **kwargs)
     assert cached.shape == (3, input_ids.shape[1] + 32)
@@ -355,7 +362,9 @@ def test_continuous_batching_equals_generate_without_query_convs_and_is_refused_
     prompts = [[1, 2, 3], [4, 5]]
     generation = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
     # a few kB, not a share of RAM; the page size is `block_size` before Transformers 5.24
-    page = "page_size" if "page_size" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)} else "block_size"
+    page = (
+        "page_size" if "page_size" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)} else "block_size"
+    )
     paged = ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=64, **{page: 16})
     model = _model(small_config(vocab_size=211, use_query_conv=False))
     if not hasattr(ContinuousBatchingConfig(), "page_size"):  # before Transformers 5.24
@@ -366,7 +375,9 @@ def test_continuous_batching_equals_generate_without_query_convs_and_is_refused_
     expected = [model.generate(torch.tensor([p]), generation_config=generation)[0, len(p) :].tolist() for p in prompts]
     assert [batched[key].generated_tokens for key in sorted(batched)] == expected
     with pytest.raises(NotImplementedError, match="query-conv states"):
-        _model(small_config()).generate_batch(inputs=prompts, generation_config=generation, continuous_batching_config=paged)
+        _model(small_config()).generate_batch(
+            inputs=prompts, generation_config=generation, continuous_batching_config=paged
+        )
 
 
 def test_plain_dynamic_cache_gives_a_clear_error():
@@ -399,7 +410,9 @@ def test_task_heads_pool_like_llama_and_add_the_aux_loss():
     tagger = UltraMemForTokenClassification(config)
     token_labels = torch.randint(0, 3, input_ids.shape)
     out = tagger(input_ids, labels=token_labels)
-    torch.testing.assert_close(out.loss, F.cross_entropy(out.logits.flatten(0, 1), token_labels.flatten()) + tagger.model.aux_loss())
+    torch.testing.assert_close(
+        out.loss, F.cross_entropy(out.logits.flatten(0, 1), token_labels.flatten()) + tagger.model.aux_loss()
+    )
 
     reader = UltraMemForQuestionAnswering(config)
     start, end = torch.tensor([1, 2]), torch.tensor([3, 4])
@@ -419,15 +432,26 @@ def test_task_head_trainer_step_is_the_same_with_gradient_accumulation(tmp_path)
     torch.manual_seed(0)
     initial = UltraMemForSequenceClassification(config).state_dict()
     generator = torch.Generator().manual_seed(1)
-    data = Dataset.from_dict({"input_ids": torch.randint(1, 97, (4, 6), generator=generator).tolist(), "labels": [0, 1, 2, 1]})
+    data = Dataset.from_dict(
+        {"input_ids": torch.randint(1, 97, (4, 6), generator=generator).tolist(), "labels": [0, 1, 2, 1]}
+    )
 
     def one_step(batch_size: int, accumulation: int) -> torch.Tensor:
         model = UltraMemForSequenceClassification(config)
         model.load_state_dict(initial)
         args = TrainingArguments(
-            tmp_path / f"{batch_size}x{accumulation}", per_device_train_batch_size=batch_size,
-            gradient_accumulation_steps=accumulation, max_steps=1, learning_rate=0.1, max_grad_norm=0.0, optim="sgd",
-            lr_scheduler_type="constant", report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True,
+            tmp_path / f"{batch_size}x{accumulation}",
+            per_device_train_batch_size=batch_size,
+            gradient_accumulation_steps=accumulation,
+            max_steps=1,
+            learning_rate=0.1,
+            max_grad_norm=0.0,
+            optim="sgd",
+            lr_scheduler_type="constant",
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            use_cpu=True,
         )
         Trainer(model=model, args=args, train_dataset=data).train()
         return model.score.weight.detach()
@@ -482,7 +506,9 @@ def test_improved_init_scales():
     config = small_config(memory_num_keys=64, memory_value_dim=64, memory_key_dim=32, hidden_size=64)
     model = _model(config)
     values = model.model.memory_layers[0].values.weight
-    expected_std = (config.ive_expansion / (2 * config.memory_topk * config.memory_heads * config.num_hidden_layers)) ** 0.5
+    expected_std = (
+        config.ive_expansion / (2 * config.memory_topk * config.memory_heads * config.num_hidden_layers)
+    ) ** 0.5
     expected_std *= mcs_output_gain(config.memory_num_keys, config.memory_topk, config.tucker_rank, config.mcs_cores)
     assert values.std().item() == pytest.approx(expected_std, rel=0.05)
     input_ids = torch.randint(1, config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))

@@ -142,7 +142,9 @@ def _core_across_sign_tie(angle: float) -> torch.Tensor:
 @pytest.mark.parametrize("signed", [False, True])
 def test_selection_is_continuous_in_the_core(signed):
     """A 2e-4 rad rotation of a core across |u_0| = |u_1| (entries of opposite sign) changes few selected slots."""
-    config = small_config(memory_num_keys=64, memory_topk=8, mcs_cores=1, memory_layers=[[0, 1]], tdqkr_signed_candidates=signed)
+    config = small_config(
+        memory_num_keys=64, memory_topk=8, mcs_cores=1, memory_layers=[[0, 1]], tdqkr_signed_candidates=signed
+    )
     torch.manual_seed(0)
     layer = UltraMemForCausalLM(config).eval().model.memory_layers[0]
     hidden = torch.randn(4, 64, config.hidden_size, generator=torch.Generator().manual_seed(1))
@@ -180,8 +182,11 @@ def test_exact_top_m_without_the_grid(num_keys, rank, decay):
     cells = exact_top_m(row_factors, col_factors, top_m=16, rows_per_step=32)
     _, expected = _brute_force_top_m(row_factors, col_factors, 16)
     rows, cols = cells // num_keys, cells % num_keys
-    found = torch.einsum("pkm,pkm->pm", row_factors.gather(-1, rows.unsqueeze(1).expand(-1, rank, -1)),
-                         col_factors.gather(-1, cols.unsqueeze(1).expand(-1, rank, -1)))
+    found = torch.einsum(
+        "pkm,pkm->pm",
+        row_factors.gather(-1, rows.unsqueeze(1).expand(-1, rank, -1)),
+        col_factors.gather(-1, cols.unsqueeze(1).expand(-1, rank, -1)),
+    )
     torch.testing.assert_close(found.sort(-1, descending=True).values, expected)
     assert cells.unique(dim=-1).shape == cells.shape
 

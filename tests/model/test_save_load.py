@@ -66,7 +66,13 @@ def saved(tmp_path_factory) -> tuple[Path, torch.Tensor, list[torch.Tensor]]:
 def test_folder_has_safetensors_code_and_auto_map(saved):
     folder, _, _ = saved
     files = set(os.listdir(folder))
-    assert {"model.safetensors", "config.json", "modeling_ultramem.py", "configuration_ultramem.py", "memory_ops.py"} <= files
+    assert {
+        "model.safetensors",
+        "config.json",
+        "modeling_ultramem.py",
+        "configuration_ultramem.py",
+        "memory_ops.py",
+    } <= files
     config = json.loads((folder / "config.json").read_text())
     assert config["model_type"] == "ultramem"
     assert config["auto_map"] == {
@@ -90,7 +96,12 @@ def test_fresh_process_loads_identical_model(saved, mode, tmp_path):
     assert torch.equal(result["logits"], logits)
     for before, after in zip(shuffles, result["shuffles"]):
         assert torch.equal(before, after)
-    assert result["classes"] == ["UltraMemConfig", "UltraMemForCausalLM", "UltraMemModel", "UltraMemForSequenceClassification"]
+    assert result["classes"] == [
+        "UltraMemConfig",
+        "UltraMemForCausalLM",
+        "UltraMemModel",
+        "UltraMemForSequenceClassification",
+    ]
     torch.testing.assert_close(result["hidden"][1], result["hidden"][0], rtol=0, atol=0)  # the LM's backbone, loaded
     assert result["causal_lm_table"] == "UltraMemForCausalLM"
     if mode == "remote":
@@ -194,7 +205,10 @@ def test_tools_name_the_fix_for_a_folder_without_tokenizer(tmp_path, capsys):
     UltraMemForCausalLM(small_config()).save_pretrained(folder)
     with pytest.raises(SystemExit):
         eval_main(["--model", str(folder)])
-    assert f"no tokenizer (tokenizer.json); add the shipped GPT-NeoX tokenizer with `python -m ultramem.tokenization {folder}`" in capsys.readouterr().err
+    assert (
+        f"no tokenizer (tokenizer.json); add the shipped GPT-NeoX tokenizer with `python -m ultramem.tokenization {folder}`"
+        in capsys.readouterr().err
+    )
     add_to_checkpoint(folder)
     assert AutoTokenizer.from_pretrained(folder)("The whale").input_ids
 
@@ -255,9 +269,13 @@ def test_lm_eval_cli_names_the_fix_for_a_folder_without_tokenizer(tmp_path):
     env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
     done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
-    assert done.stderr.strip().splitlines()[-1].endswith(
-        f"MissingTokenizerError: {folder}: no tokenizer (tokenizer.json); add the shipped GPT-NeoX tokenizer with "
-        f"`python -m ultramem.tokenization {folder}`"
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .endswith(
+            f"MissingTokenizerError: {folder}: no tokenizer (tokenizer.json); add the shipped GPT-NeoX tokenizer with "
+            f"`python -m ultramem.tokenization {folder}`"
+        )
     ), done.stderr[-3000:]
 
 

@@ -71,7 +71,10 @@ def model_checks(mesh, world: int, rank: int) -> dict:
         sharded.loss.backward()
         loss = sharded.loss.detach().clone()
         dist.all_reduce(loss)
-        errors = {"logits": _max_error(sharded.logits, out.logits[mine]), "loss": abs(float(loss) / world - float(out.loss))}
+        errors = {
+            "logits": _max_error(sharded.logits, out.logits[mine]),
+            "loss": abs(float(loss) / world - float(out.loss)),
+        }
         expected = dict(reference.named_parameters())
         for name, param in model.named_parameters():
             grad = param.grad

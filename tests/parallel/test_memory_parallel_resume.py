@@ -7,9 +7,16 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from launch_support import LAUNCHERS, base_args, losses, python_module, run_command, training_logs
-from launch_support import write_config
-from launch_support import write_corpus
+from launch_support import (
+    LAUNCHERS,
+    base_args,
+    losses,
+    python_module,
+    run_command,
+    training_logs,
+    write_config,
+    write_corpus,
+)
 
 STEPS, SAVE_AT, KILL_AT, GLOBAL_BATCH = 10, 5, 7, 4
 LOSS_TOLERANCE = 1e-5
@@ -59,7 +66,9 @@ def test_resume_after_a_kill_continues_the_loss_sequence(runs):
     assert losses(folder / "killed") == pytest.approx(losses(folder / "straight"), abs=LOSS_TOLERANCE)
 
 
-@pytest.mark.parametrize(("launcher", "partitioning"), [("deepspeed zero2", "number"), ("accelerate zero3", "dimension")])
+@pytest.mark.parametrize(
+    ("launcher", "partitioning"), [("deepspeed zero2", "number"), ("accelerate zero3", "dimension")]
+)
 def test_deepspeed_resume_continues_the_loss_sequence_and_the_value_schedule(runs, launcher, partitioning):
     """Under DeepSpeed ZeRO-2/3 the tables live beside the engine: their shards, AdamW state (DCP) and value-LR
     schedule (`value_tables_scheduler.pt`) resume in a fresh launch with the engine's own checkpoint.
@@ -81,7 +90,9 @@ def test_deepspeed_resume_continues_the_loss_sequence_and_the_value_schedule(run
     assert (checkpoint / "value_tables_scheduler.pt").is_file()
     launch(f"{name}-resumed", resume_from_checkpoint=checkpoint)
     resumed, straight = (training_logs(folder / f"{name}-{run}") for run in ("resumed", "straight"))
-    assert [entry["loss"] for entry in resumed] == pytest.approx([entry["loss"] for entry in straight], abs=LOSS_TOLERANCE)
+    assert [entry["loss"] for entry in resumed] == pytest.approx(
+        [entry["loss"] for entry in straight], abs=LOSS_TOLERANCE
+    )
     assert [entry["value_learning_rate"] for entry in resumed] == pytest.approx(
         [entry["value_learning_rate"] for entry in straight], rel=1e-6
     )
@@ -95,7 +106,10 @@ def test_resharded_resume_continues_the_loss_sequence(runs, name, processes, par
     folder, argv, torchrun = runs
     checkpoint = folder / name / f"checkpoint-{SAVE_AT}"
     shutil.copytree(folder / "straight" / f"checkpoint-{SAVE_AT}", checkpoint)
-    args = ["ultramem.training", *argv(name, processes, memory_parallel=partitioning, resume_from_checkpoint=checkpoint)]
+    args = [
+        "ultramem.training",
+        *argv(name, processes, memory_parallel=partitioning, resume_from_checkpoint=checkpoint),
+    ]
     run_command(torchrun(processes, "-m", *args) if processes > 1 else python_module(*args))
     assert losses(folder / name) == pytest.approx(losses(folder / "straight"), abs=LOSS_TOLERANCE)
 

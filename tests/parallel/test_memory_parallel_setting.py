@@ -48,4 +48,3 @@ def test_memory_parallel_without_a_process_group():
     assert apply_memory_parallel(model, "none") == "local"
     with pytest.raises(ValueError, match="needs an initialized torch.distributed process group"):
         apply_memory_parallel(model, "number")
-

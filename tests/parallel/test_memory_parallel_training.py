@@ -11,10 +11,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch_support import LAUNCHERS, REPO, base_args, child_env, losses, python_module, run_command
-from launch_support import training_logs
-from launch_support import write_config
-from launch_support import write_corpus
+from launch_support import (
+    LAUNCHERS,
+    REPO,
+    base_args,
+    child_env,
+    losses,
+    python_module,
+    run_command,
+    training_logs,
+    write_config,
+    write_corpus,
+)
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ultramem import UltraMemForCausalLM

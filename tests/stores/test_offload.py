@@ -171,9 +171,11 @@ def test_sharded_checkpoint_through_the_remote_code_class(saved, tmp_path):
     reference.save_pretrained(tmp_path, max_shard_size="20KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     torch.save(PROMPT, tmp_path / "prompt.pt")
-    run = lambda mode: subprocess.run(  # noqa: E731
-        [sys.executable, "-c", REMOTE_SCRIPT, str(tmp_path), mode], capture_output=True, text=True, check=True
-    ).stdout
+    run = lambda mode: (
+        subprocess.run(  # noqa: E731
+            [sys.executable, "-c", REMOTE_SCRIPT, str(tmp_path), mode], capture_output=True, text=True, check=True
+        ).stdout
+    )
     assert "STORES transformers_modules" in run("with-ultramem") and "{'DiskValueStore'}" in run("with-ultramem")
     assert torch.equal(torch.load(tmp_path / "tokens.pt"), greedy(reference))
     assert "memory_offload='disk' needs the `ultramem` package installed" in run("without-ultramem")
@@ -293,5 +295,7 @@ def test_a_truncated_checkpoint_is_one_line_naming_the_file(saved, tmp_path):
     weights = tmp_path / "cut" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1000])
     for offload in ("disk", "cpu"):
-        with pytest.raises(OffloadCheckpointError, match=r"model\.safetensors: not a complete safetensors file .*truncated"):
+        with pytest.raises(
+            OffloadCheckpointError, match=r"model\.safetensors: not a complete safetensors file .*truncated"
+        ):
             AutoModelForCausalLM.from_pretrained(tmp_path / "cut", memory_offload=offload)

@@ -36,8 +36,9 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
     return next(iter(devices.values()))
 
 
-def check_lookup_inputs(values: torch.Tensor, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor,
-                        num_groups: int) -> None:
+def check_lookup_inputs(
+    values: torch.Tensor, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor, num_groups: int
+) -> None:
     """Shapes and dtypes of `lookup_reduce`'s arguments (see memory_ops for the contract); the index
     ranges are checked by the op itself, on real tensors (see `check_range`)."""
     check_ndim("values", values, 2, "(N, Dv)")
@@ -51,8 +52,9 @@ def check_lookup_inputs(values: torch.Tensor, rows: torch.Tensor, groups: torch.
     if groups.shape != rows.shape:
         raise ValueError(f"groups must have the shape of rows {tuple(rows.shape)}, got {tuple(groups.shape)}")
     if scores.shape[:2] != rows.shape:
-        raise ValueError(f"scores must have shape (T, K, h) with (T, K) = {tuple(rows.shape)}, "
-                         f"got {tuple(scores.shape)}")
+        raise ValueError(
+            f"scores must have shape (T, K, h) with (T, K) = {tuple(rows.shape)}, got {tuple(scores.shape)}"
+        )
     num_cores, value_dim = scores.shape[-1], values.shape[-1]
     if num_cores < 1 or value_dim % num_cores != 0:
         raise ValueError(f"scores.shape[-1] (h = {num_cores}) must be >= 1 and divide the value dim {value_dim}")

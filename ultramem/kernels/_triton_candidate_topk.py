@@ -14,8 +14,15 @@ import triton.language as tl
 
 @triton.jit
 def _candidate_index_kernel(
-    row_ptr, col_ptr, core_ptr, out_ptr, num_candidates, topk,
-    RANK: tl.constexpr, M_PAD: tl.constexpr, K_PAD: tl.constexpr,
+    row_ptr,
+    col_ptr,
+    core_ptr,
+    out_ptr,
+    num_candidates,
+    topk,
+    RANK: tl.constexpr,
+    M_PAD: tl.constexpr,
+    K_PAD: tl.constexpr,
 ):
     """Indices x * m + y of the top-k cells of S_row^T C S_col, best first (ties: lower index first)."""
     item = tl.program_id(0).to(tl.int64)
@@ -51,8 +58,9 @@ def candidate_tile(num_candidates: int, topk: int) -> tuple[int, int, int]:
     return padded, triton.next_power_of_2(topk), 8 if padded * padded >= 4096 else 4
 
 
-def candidate_index(row_scores: torch.Tensor, col_scores: torch.Tensor, core_sum: torch.Tensor,
-                    topk: int) -> torch.Tensor:
+def candidate_index(
+    row_scores: torch.Tensor, col_scores: torch.Tensor, core_sum: torch.Tensor, topk: int
+) -> torch.Tensor:
     """(B, r, m), (B, r, m), (B, r, r) contiguous -> (B, topk) int64 flat indices, best first."""
     num_items, rank, num_candidates = row_scores.shape
     out = torch.empty((num_items, topk), dtype=torch.int64, device=row_scores.device)
@@ -60,7 +68,15 @@ def candidate_index(row_scores: torch.Tensor, col_scores: torch.Tensor, core_sum
         return out
     padded, topk_padded, warps = candidate_tile(num_candidates, topk)
     _candidate_index_kernel[(num_items,)](
-        row_scores, col_scores, core_sum, out, num_candidates, topk,
-        RANK=rank, M_PAD=padded, K_PAD=topk_padded, num_warps=warps,
+        row_scores,
+        col_scores,
+        core_sum,
+        out,
+        num_candidates,
+        topk,
+        RANK=rank,
+        M_PAD=padded,
+        K_PAD=topk_padded,
+        num_warps=warps,
     )
     return out

@@ -50,9 +50,19 @@ def segment_tile(num_entries: int, chunk: int) -> tuple[int, int, int]:
 
 @triton.jit
 def _forward_kernel(
-    values_ptr, rows_ptr, groups_ptr, scores_ptr, out_ptr,
-    num_slots, value_dim, chunk, num_cores,
-    NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    values_ptr,
+    rows_ptr,
+    groups_ptr,
+    scores_ptr,
+    out_ptr,
+    num_slots,
+    value_dim,
+    chunk,
+    num_cores,
+    NUM_GROUPS: tl.constexpr,
+    GROUPS_PAD: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """out[t, e, chunk c] = sum_k [groups[t,k]==e] scores[t,k,c] values[rows[t,k], chunk c]."""
     token = tl.program_id(0).to(tl.int64)
@@ -85,9 +95,21 @@ def _forward_kernel(
 
 @triton.jit
 def _backward_kernel(
-    grad_out_ptr, values_ptr, rows_ptr, groups_ptr, scores_ptr, grad_scores_ptr, grad_values_ptr,
-    num_slots, value_dim, chunk, num_cores,
-    NUM_GROUPS: tl.constexpr, ACCUMULATE_VALUES: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    grad_out_ptr,
+    values_ptr,
+    rows_ptr,
+    groups_ptr,
+    scores_ptr,
+    grad_scores_ptr,
+    grad_values_ptr,
+    num_slots,
+    value_dim,
+    chunk,
+    num_cores,
+    NUM_GROUPS: tl.constexpr,
+    ACCUMULATE_VALUES: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Score gradient (per-chunk dot products); with ACCUMULATE_VALUES also the value gradient by
     float32 atomics (the fast, non-deterministic mode)."""
@@ -115,21 +137,36 @@ def _backward_kernel(
                     mask=mask,
                     sem="relaxed",
                 )
-        tl.store(grad_scores_ptr + slots * num_cores + core, grad_score.to(grad_scores_ptr.dtype.element_ty),
-                 mask=slot_mask)
+        tl.store(
+            grad_scores_ptr + slots * num_cores + core, grad_score.to(grad_scores_ptr.dtype.element_ty), mask=slot_mask
+        )
 
 
 @triton.jit
-def _scaled_grad_rows(positions, mask, order_ptr, groups_ptr, scores_ptr, grad_out_ptr, num_slots, value_dim,
-                      num_cores, core, cols, col_mask, NUM_GROUPS: tl.constexpr):
+def _scaled_grad_rows(
+    positions,
+    mask,
+    order_ptr,
+    groups_ptr,
+    scores_ptr,
+    grad_out_ptr,
+    num_slots,
+    value_dim,
+    num_cores,
+    core,
+    cols,
+    col_mask,
+    NUM_GROUPS: tl.constexpr,
+):
     """(len(positions), BLOCK_D) float32: scores[e, core] * grad_out[token(e), groups[e], cols] for the
     (token, slot) entries e = order[positions], i.e. each entry's contribution to its row's gradient."""
     entries = tl.load(order_ptr + positions, mask=mask, other=0)
     groups = tl.load(groups_ptr + entries, mask=mask, other=0)
     scores = tl.load(scores_ptr + entries * num_cores + core, mask=mask, other=0.0).to(tl.float32)
     grad_rows = (entries // num_slots) * NUM_GROUPS + groups
-    grad = tl.load(grad_out_ptr + grad_rows[:, None] * value_dim + cols[None, :],
-                   mask=mask[:, None] & col_mask[None, :], other=0.0)
+    grad = tl.load(
+        grad_out_ptr + grad_rows[:, None] * value_dim + cols[None, :], mask=mask[:, None] & col_mask[None, :], other=0.0
+    )
     return grad.to(tl.float32) * scores[:, None]
 
 
@@ -141,9 +178,21 @@ def _segmented_add(value_a, start_a, value_b, start_b):
 
 @triton.jit
 def _value_grad_segment_kernel(
-    grad_out_ptr, sorted_rows_ptr, order_ptr, segment_end_ptr, groups_ptr, scores_ptr, grad_values_ptr,
-    num_entries, num_slots, value_dim, chunk, num_cores,
-    NUM_GROUPS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+    grad_out_ptr,
+    sorted_rows_ptr,
+    order_ptr,
+    segment_end_ptr,
+    groups_ptr,
+    scores_ptr,
+    grad_values_ptr,
+    num_entries,
+    num_slots,
+    value_dim,
+    chunk,
+    num_cores,
+    NUM_GROUPS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Deterministic value gradient over (token, slot) entries sorted by row.
 
@@ -166,8 +215,21 @@ def _value_grad_segment_kernel(
     starts = valid & (rows != previous)
     ends = valid & (rows != following)
     owned = tl.cumsum(starts.to(tl.int32), axis=0) > 0  # the segment started inside this tile
-    contributions = _scaled_grad_rows(positions, valid, order_ptr, groups_ptr, scores_ptr, grad_out_ptr, num_slots,
-                                      value_dim, num_cores, core, cols, col_mask, NUM_GROUPS)
+    contributions = _scaled_grad_rows(
+        positions,
+        valid,
+        order_ptr,
+        groups_ptr,
+        scores_ptr,
+        grad_out_ptr,
+        num_slots,
+        value_dim,
+        num_cores,
+        core,
+        cols,
+        col_mask,
+        NUM_GROUPS,
+    )
     start_flags = tl.broadcast_to(starts.to(tl.int32)[:, None], (BLOCK_P, BLOCK_D))
     sums, _ = tl.associative_scan((contributions, start_flags), axis=0, combine_fn=_segmented_add)
     out_dtype = grad_values_ptr.dtype.element_ty
@@ -183,13 +245,30 @@ def _value_grad_segment_kernel(
         segment_end = tl.load(segment_end_ptr + first + BLOCK_P - 1)
         for j0 in range(first + BLOCK_P, segment_end, BLOCK_P):
             js = j0 + lanes
-            acc += tl.sum(_scaled_grad_rows(js, js < segment_end, order_ptr, groups_ptr, scores_ptr, grad_out_ptr,
-                                            num_slots, value_dim, num_cores, core, cols, col_mask, NUM_GROUPS), axis=0)
+            acc += tl.sum(
+                _scaled_grad_rows(
+                    js,
+                    js < segment_end,
+                    order_ptr,
+                    groups_ptr,
+                    scores_ptr,
+                    grad_out_ptr,
+                    num_slots,
+                    value_dim,
+                    num_cores,
+                    core,
+                    cols,
+                    col_mask,
+                    NUM_GROUPS,
+                ),
+                axis=0,
+            )
         tl.store(grad_values_ptr + row * value_dim + cols, acc.to(out_dtype), mask=col_mask)
 
 
-def forward(values: torch.Tensor, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor,
-            num_groups: int) -> torch.Tensor:
+def forward(
+    values: torch.Tensor, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor, num_groups: int
+) -> torch.Tensor:
     """Launch the fused forward on contiguous, validated inputs; returns (T, E, Dv) in values' dtype."""
     num_tokens, num_slots = rows.shape
     num_cores = scores.shape[-1]
@@ -201,15 +280,32 @@ def forward(values: torch.Tensor, rows: torch.Tensor, groups: torch.Tensor, scor
     block_k, block_d, warps = forward_tile(num_slots, chunk)
     grid = (num_tokens, num_cores, triton.cdiv(chunk, block_d))
     _forward_kernel[grid](
-        values, rows, groups, scores, out, num_slots, value_dim, chunk, num_cores,
-        NUM_GROUPS=num_groups, GROUPS_PAD=triton.next_power_of_2(num_groups), BLOCK_K=block_k, BLOCK_D=block_d,
+        values,
+        rows,
+        groups,
+        scores,
+        out,
+        num_slots,
+        value_dim,
+        chunk,
+        num_cores,
+        NUM_GROUPS=num_groups,
+        GROUPS_PAD=triton.next_power_of_2(num_groups),
+        BLOCK_K=block_k,
+        BLOCK_D=block_d,
         num_warps=warps,
     )
     return out
 
 
-def backward(grad_out: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, groups: torch.Tensor,
-             scores: torch.Tensor, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def backward(
+    grad_out: torch.Tensor,
+    values: torch.Tensor,
+    rows: torch.Tensor,
+    groups: torch.Tensor,
+    scores: torch.Tensor,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients (values, scores) in their inputs' dtypes.
 
     deterministic=True: sort/segment value gradient, no float atomics, identical bits every run, no
@@ -232,16 +328,31 @@ def backward(grad_out: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, g
         value_acc = grad_scores  # unused by the kernel when ACCUMULATE_VALUES is False
     grid = (num_tokens, triton.cdiv(num_slots, block_k))
     _backward_kernel[grid](
-        grad_out, values, rows, groups, scores, grad_scores, value_acc, num_slots, value_dim, chunk, num_cores,
-        NUM_GROUPS=num_groups, ACCUMULATE_VALUES=atomic, BLOCK_K=block_k, BLOCK_D=block_d, num_warps=warps,
+        grad_out,
+        values,
+        rows,
+        groups,
+        scores,
+        grad_scores,
+        value_acc,
+        num_slots,
+        value_dim,
+        chunk,
+        num_cores,
+        NUM_GROUPS=num_groups,
+        ACCUMULATE_VALUES=atomic,
+        BLOCK_K=block_k,
+        BLOCK_D=block_d,
+        num_warps=warps,
     )
     if atomic:
         return value_acc.to(values.dtype), grad_scores
     return _segment_value_grad(grad_out, values, rows, groups, scores), grad_scores
 
 
-def _segment_value_grad(grad_out: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, groups: torch.Tensor,
-                        scores: torch.Tensor) -> torch.Tensor:
+def _segment_value_grad(
+    grad_out: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor
+) -> torch.Tensor:
     """Value gradient without atomics: stable sort of the (token, slot) entries by row, then tiles of
     sorted entries reduced by segmented scans (segment ends by binary search: no host synchronisation)."""
     num_slots = rows.shape[1]
@@ -256,8 +367,21 @@ def _segment_value_grad(grad_out: torch.Tensor, values: torch.Tensor, rows: torc
     block_p, block_d, warps = segment_tile(num_entries, chunk)
     grid = (triton.cdiv(num_entries, block_p), num_cores, triton.cdiv(chunk, block_d))
     _value_grad_segment_kernel[grid](
-        grad_out, sorted_rows, order, segment_end, groups, scores, grad_values,
-        num_entries, num_slots, value_dim, chunk, num_cores,
-        NUM_GROUPS=grad_out.shape[1], BLOCK_P=block_p, BLOCK_D=block_d, num_warps=warps,
+        grad_out,
+        sorted_rows,
+        order,
+        segment_end,
+        groups,
+        scores,
+        grad_values,
+        num_entries,
+        num_slots,
+        value_dim,
+        chunk,
+        num_cores,
+        NUM_GROUPS=grad_out.shape[1],
+        BLOCK_P=block_p,
+        BLOCK_D=block_d,
+        num_warps=warps,
     )
     return grad_values

@@ -18,8 +18,9 @@ MAX_CANDIDATES = 128  # the padded m x m grid (<= 128 x 128) of one program stay
 
 
 @torch.library.custom_op("ultramem::tucker_candidate_index", mutates_args=())
-def _candidate_index_op(row_scores: torch.Tensor, col_scores: torch.Tensor, core_sum: torch.Tensor,
-                        topk: int) -> torch.Tensor:
+def _candidate_index_op(
+    row_scores: torch.Tensor, col_scores: torch.Tensor, core_sum: torch.Tensor, topk: int
+) -> torch.Tensor:
     from ultramem.kernels import _triton_candidate_topk  # lazy: see lookup_reduce._kernels
 
     return _triton_candidate_topk.candidate_index(row_scores, col_scores, core_sum, topk)
@@ -35,8 +36,10 @@ def _check_inputs(row_scores: torch.Tensor, col_scores: torch.Tensor, cores: tor
         check_dtype(name, tensor, FLOAT_DTYPES)
     check_same_device(row_scores=row_scores, col_scores=col_scores, cores=cores)
     if row_scores.dim() < 2 or col_scores.shape[-2:] != row_scores.shape[-2:]:
-        raise ValueError(f"row_scores and col_scores must both be (..., r, m), got {tuple(row_scores.shape)} "
-                         f"and {tuple(col_scores.shape)}")
+        raise ValueError(
+            f"row_scores and col_scores must both be (..., r, m), got {tuple(row_scores.shape)} "
+            f"and {tuple(col_scores.shape)}"
+        )
     rank, num_candidates = row_scores.shape[-2:]
     if cores.dim() < 3 or cores.shape[-2:] != (rank, rank):
         raise ValueError(f"cores must be (..., h, r, r) with r = {rank}, got {tuple(cores.shape)}")

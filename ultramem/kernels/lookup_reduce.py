@@ -23,7 +23,11 @@ def _kernels():
 
 @torch.library.custom_op("ultramem::lookup_reduce", mutates_args=())
 def _lookup_reduce_op(
-    values: torch.Tensor, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor, num_groups: int,
+    values: torch.Tensor,
+    rows: torch.Tensor,
+    groups: torch.Tensor,
+    scores: torch.Tensor,
+    num_groups: int,
     deterministic: bool,
 ) -> torch.Tensor:
     # Index ranges are checked here, on real tensors, so that tracing never needs their values.
@@ -39,7 +43,11 @@ def _(values, rows, groups, scores, num_groups, deterministic):
 
 @torch.library.custom_op("ultramem::lookup_reduce_backward", mutates_args=())
 def _lookup_reduce_backward_op(
-    grad_out: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor,
+    grad_out: torch.Tensor,
+    values: torch.Tensor,
+    rows: torch.Tensor,
+    groups: torch.Tensor,
+    scores: torch.Tensor,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _kernels().backward(grad_out.contiguous(), values, rows, groups, scores, deterministic)
@@ -81,6 +89,10 @@ def lookup_reduce(
     check_lookup_inputs(values, rows, groups, scores, num_groups)
     require_launchable(values.device)
     return _lookup_reduce_op(
-        values.contiguous(), rows.contiguous(), groups.contiguous(), scores.contiguous(), num_groups,
+        values.contiguous(),
+        rows.contiguous(),
+        groups.contiguous(),
+        scores.contiguous(),
+        num_groups,
         torch.are_deterministic_algorithms_enabled(),
     )
