@@ -39,7 +39,6 @@ from ultramem.sizing import count_parameters
         (dict(value_projection=False), "ive_expansion", "value_projection=False"),
         (dict(value_projection=False, ive_expansion=1, memory_num_values=144), "memory_value_dim", "hidden_size=32"),
         (dict(query_conv_kernel_size=0), "query_conv_kernel_size", ">= 1"),
-        (dict(memory_kernel="cuda"), "memory_kernel", "auto"),
         (dict(memory_offload="gpu"), "memory_offload", "disk"),
         (dict(memory_num_values=0), "memory_num_values", "positive"),
         (dict(ive_expansion=0), "ive_expansion", "perfect square"),

@@ -9,7 +9,7 @@ from conftest import small_config
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig
 
-from ultramem import UltraMemConfig, UltraMemConfigError, configuration_ultramem
+from ultramem import UltraMemConfig, UltraMemConfigError, UltraMemForCausalLM, configuration_ultramem
 from ultramem.configuration_ultramem import MEMORY_IMPLEMENTATIONS, MEMORY_KERNELS, conv_state_slots
 
 
@@ -114,8 +114,11 @@ def test_memory_implementation_is_a_private_unsaved_keyword(tmp_path):
     assert UltraMemConfig(memory_implementation="auto")._memory_implementation is None
     config = UltraMemConfig(memory_implementation="torch")
     assert config._memory_implementation == "torch" and config.memory_kernel == "torch"
-    with pytest.raises(UltraMemConfigError, match=r"memory_implementation='cuda' is invalid: must be one of \('auto'"):
-        UltraMemConfig(memory_implementation="cuda")
+    with pytest.raises(UltraMemConfigError, match=r"memory_implementation=5 is invalid: must be a registered name"):
+        UltraMemConfig(memory_implementation=5)
+    # a name is checked against the registry (where users register their own kernels) when a model is built
+    with pytest.raises(ValueError, match=r"memory_implementation='cuda' is not registered; choose one of"):
+        UltraMemForCausalLM(small_config(memory_implementation="cuda"))
     with pytest.raises(AttributeError):
         config.memory_kernel = "triton"  # read-only: the model's set_memory_implementation sets it
     config.save_pretrained(tmp_path)
@@ -134,8 +137,11 @@ def test_the_deprecated_memory_kernel_keyword_still_works_and_a_saved_one_is_ign
     assert config._memory_implementation == "torch"
     with pytest.warns(FutureWarning):
         assert UltraMemConfig(memory_kernel="auto")._memory_implementation is None
-    with pytest.raises(UltraMemConfigError, match="memory_kernel='cuda' is invalid: must be one of"):
-        UltraMemConfig(memory_kernel="cuda")
+    with (
+        pytest.warns(FutureWarning),
+        pytest.raises(ValueError, match=r"memory_implementation='cuda' is not registered"),
+    ):
+        UltraMemForCausalLM(small_config(memory_kernel="cuda"))
     # a config.json written before the kernel choice became private: read, and its kernel ignored
     UltraMemConfig().save_pretrained(tmp_path)
     path = tmp_path / "config.json"
