@@ -202,7 +202,7 @@ def test_tools_name_the_fix_for_a_folder_without_tokenizer(tmp_path, capsys):
     from ultramem.tokenization import add_to_checkpoint
 
     folder = tmp_path / "no-tokenizer"
-    UltraMemForCausalLM(small_config()).save_pretrained(folder)
+    UltraMemForCausalLM(small_config(vocab_size=50304)).save_pretrained(folder)
     with pytest.raises(SystemExit):
         eval_main(["--model", str(folder)])
     assert (
@@ -239,7 +239,7 @@ def test_autotokenizer_and_pipeline_name_the_fix_for_a_folder_without_tokenizer(
     from ultramem.tokenization import add_to_checkpoint
 
     folder = tmp_path / "no-tokenizer"
-    UltraMemForCausalLM(small_config()).save_pretrained(folder)
+    UltraMemForCausalLM(small_config(vocab_size=50304)).save_pretrained(folder)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
     command = [sys.executable, "-c", MISSING_TOKENIZER_SCRIPT, str(folder), mode]
 
@@ -259,7 +259,7 @@ def test_lm_eval_cli_names_the_fix_for_a_folder_without_tokenizer(tmp_path):
     from ultramem.eval import tasks_path
 
     folder = tmp_path / "no-tokenizer"
-    UltraMemForCausalLM(small_config()).save_pretrained(folder)
+    UltraMemForCausalLM(small_config(vocab_size=50304)).save_pretrained(folder)
     command = [
         sys.executable, "-m", "lm_eval", "--model", "hf",
         "--model_args", f"pretrained={folder},trust_remote_code=True", "--include_path", tasks_path(),
