@@ -86,9 +86,10 @@ def _commands(lines: list[str]) -> list[str]:
 
 def prepare(command: str, mode: str | None, workdir: Path) -> str:
     """The command as it runs here: placeholders substituted, quick flags added where the block asks for them."""
+    # /tmp/ first: the substituted paths may themselves lie under /tmp (a clone there)
+    command = re.sub(r"(?<![\w.])/tmp/", f"{workdir}/tmp/", command)
     command = re.sub(r"\bCKPT\b", str(MAIN_JOB / "tiny-ultramem"), command)
     command = command.replace("/path/to/eval", str(FIXTURE_DATA))
-    command = re.sub(r"(?<![\w.])/tmp/", f"{workdir}/tmp/", command)
     if mode == "quick":
         words = shlex.split(command)
         for tool, flags in QUICK_FLAGS.items():
