@@ -101,13 +101,16 @@ class OffloadedValueStore(nn.Module):
     def lookup_reduce_async(self, rows, groups, scores, num_groups, ops=None) -> PendingLookup:
         return self._start(rows, groups, scores, num_groups, background=self.asynchronous)
 
-    def _start(self, rows, groups, scores, num_groups, background: bool) -> PendingLookup:
+    def _warn_if_training(self) -> None:
         if self.training and torch.is_grad_enabled():
             logger.warning_once(
                 "The value tables served by `memory_offload` are read-only: training updates every other weight "
                 "(scores and queries get their gradients) but not the tables. Load without `memory_offload` to "
                 "train them; to shard tables larger than a device, see `memory_parallel`."
             )
+
+    def _start(self, rows, groups, scores, num_groups, background: bool) -> PendingLookup:
+        self._warn_if_training()
         device = scores.device
         host = rows.cpu(), groups.cpu(), scores.cpu()  # on a GPU this waits for retrieval, not for later blocks
         if background:
@@ -119,11 +122,15 @@ class OffloadedValueStore(nn.Module):
     def _will_read(self, rows: torch.Tensor) -> None:
         """Called before the rows are gathered (a disk store starts their reads here)."""
 
-    def _pooled_on(self, device: torch.device, rows, groups, scores, num_groups) -> tuple[torch.Tensor, Any]:
+    def _pool(self, rows, groups, scores, num_groups) -> torch.Tensor:
+        """The pooled (T, E, Dv) values on the host, each selected row read once."""
         unique, inverse = torch.unique(rows, return_inverse=True)  # sorted: each row once, in file order
         self.rows_read += unique.numel()
         self._will_read(unique)
-        pooled = lookup_reduce(self.table.index_select(0, unique), inverse, groups, scores, num_groups)
+        return lookup_reduce(self.table.index_select(0, unique), inverse, groups, scores, num_groups)
+
+    def _pooled_on(self, device: torch.device, rows, groups, scores, num_groups) -> tuple[torch.Tensor, Any]:
+        pooled = self._pool(rows, groups, scores, num_groups)
         if device.type != "cuda":
             return pooled.to(device), None
         stream = _side_stream(device)

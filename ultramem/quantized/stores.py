@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import re
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from ..offload.safetensors_file import (
     advise_will_need,
     read_header,
 )
-from ..offload.stores import _READER, DiskValueStore, HostValueStore, PendingLookup, _side_stream
+from ..offload.stores import DiskValueStore, HostValueStore
 from .format import FORMATS, QuantizationError, check_format, quantize, quantized_width, resolve_group_size
 from .ops import lookup_reduce_quantized
 
@@ -246,30 +245,12 @@ class _QuantizedOffloadedStore(QuantizedStoreMixin):
     def embedding_dim(self) -> int:
         return self.value_dim
 
-    def _start(self, rows, groups, scores, num_groups, background: bool) -> PendingLookup:
-        """`OffloadedValueStore._start` with the quantized stores' warning."""
-        self._warn_if_training()
-        device = scores.device
-        host = rows.cpu(), groups.cpu(), scores.cpu()
-        if background:
-            return PendingLookup(_READER.submit(self._pooled_on, device, *host, num_groups))
-        done: Future = Future()
-        done.set_result(self._pooled_on(device, *host, num_groups))
-        return PendingLookup(done)
-
-    def _pooled_on(self, device: torch.device, rows, groups, scores, num_groups) -> tuple[torch.Tensor, Any]:
+    def _pool(self, rows, groups, scores, num_groups) -> torch.Tensor:
+        """The quantized op pools straight from the host table (no gather copy: it reads the selected rows in place)."""
         unique = torch.unique(rows)  # sorted: for the count and the disk's read-ahead advice
         self.rows_read += unique.numel()
         self._will_read(unique)
-        pooled = self._lookup(self.table, rows, groups, scores, num_groups)
-        if device.type != "cuda":
-            return pooled.to(device), None
-        stream = _side_stream(device)
-        with torch.cuda.stream(stream):
-            pooled = pooled.pin_memory().to(device, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(stream)
-        return pooled, copied
+        return self._lookup(self.table, rows, groups, scores, num_groups)
 
 
 class QuantizedHostValueStore(_QuantizedOffloadedStore, HostValueStore):
