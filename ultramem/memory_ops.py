@@ -192,21 +192,41 @@ def lookup_reduce_embedding_bag(
         return lookup_reduce(values, rows, groups, scores, num_groups)
     num_cores = scores.shape[-1]
     value_dim = values.shape[-1]
+    index, offsets, weights, bag_of_sample = chunk_bags(rows, groups, scores, num_groups)
+    pooled = _WeightedBagSum.apply(
+        values.view(-1, value_dim // num_cores), index, offsets, weights.to(values.dtype), bag_of_sample
+    )  # (T*h*E, Dv/h)
+    return pooled.view(num_tokens, num_cores, num_groups, -1).transpose(1, 2).reshape(num_tokens, num_groups, value_dim)
+
+
+def chunk_bags(
+    rows: torch.Tensor, groups: torch.Tensor, chunk_scores: torch.Tensor, num_groups: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The embedding-bag arguments that pool each token's selected rows chunk by chunk into its IVE groups.
+
+    The table is viewed as (N*C, Dv/C) chunks (chunk c of row n is row n*C + c); sample (t, c, k) reads chunk c of
+    `rows[t, k]` weighted by `chunk_scores[t, k, c]` into bag (t, c, groups[t, k]). Slots are sorted by group, so
+    every bag is one contiguous run of samples and the bags ascend.
+
+    Args:
+        rows, groups: (T, K) physical rows and IVE groups of the selected slots.
+        chunk_scores: (T, K, C) the score of each chunk of each selected row.
+        num_groups: E.
+
+    Returns:
+        index (T*C*K,), offsets (T*C*E,) (empty bags pool to zero), weights (T*C*K,), bag of each sample (T*C*K,).
+    """
+    num_tokens, num_chunks = rows.shape[0], chunk_scores.shape[-1]
     if num_groups > 1:
         groups, order = groups.sort(dim=-1)
         rows = rows.gather(-1, order)
-        scores = scores.gather(1, order.unsqueeze(-1).expand_as(scores))
-    core = torch.arange(num_cores, device=rows.device).unsqueeze(-1)  # (h, 1)
-    index = rows.unsqueeze(1) * num_cores + core  # (T, h, K): samples ordered (token, core, group)
-    token_core = torch.arange(num_tokens * num_cores, device=rows.device).view(num_tokens, num_cores, 1)
-    bag_of_sample = (token_core * num_groups + groups.unsqueeze(1)).flatten()  # bag (token, core, group), ascending
-    num_bags = num_tokens * num_cores * num_groups
-    offsets = _run_starts(torch.bincount(bag_of_sample, minlength=num_bags))  # empty bags pool to zero
-    weights = scores.transpose(1, 2).to(values.dtype)  # (T, h, K)
-    pooled = _WeightedBagSum.apply(
-        values.view(-1, value_dim // num_cores), index.flatten(), offsets, weights.flatten(), bag_of_sample
-    )  # (T*h*E, Dv/h)
-    return pooled.view(num_tokens, num_cores, num_groups, -1).transpose(1, 2).reshape(num_tokens, num_groups, value_dim)
+        chunk_scores = chunk_scores.gather(1, order.unsqueeze(-1).expand_as(chunk_scores))
+    chunk = torch.arange(num_chunks, device=rows.device).unsqueeze(-1)  # (C, 1)
+    index = rows.unsqueeze(1) * num_chunks + chunk  # (T, C, K): samples ordered (token, chunk, group)
+    token_chunk = torch.arange(num_tokens * num_chunks, device=rows.device).view(num_tokens, num_chunks, 1)
+    bag_of_sample = (token_chunk * num_groups + groups.unsqueeze(1)).flatten()  # (token, chunk, group), ascending
+    offsets = _run_starts(torch.bincount(bag_of_sample, minlength=num_tokens * num_chunks * num_groups))
+    return index.flatten(), offsets, chunk_scores.transpose(1, 2).flatten(), bag_of_sample
 
 
 def tucker_candidate_topk(

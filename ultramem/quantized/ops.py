@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..memory_ops import lookup_reduce
+from ..memory_ops import chunk_bags, lookup_reduce
 from .format import dequantize, group_bytes
 
 
@@ -96,29 +96,13 @@ def lookup_reduce_quantized(
     """
     if weight.device.type != "cpu":
         return lookup_reduce_quantized_reference(weight, rows, groups, scores, num_groups, format, group_size)
-    num_tokens, num_slots = rows.shape
-    num_cores = scores.shape[-1]
+    num_tokens, num_cores = rows.shape[0], scores.shape[-1]
     per_group = group_bytes(format, group_size)
     groups_per_row = weight.shape[1] // per_group
-    if num_groups > 1:
-        groups, order = groups.sort(dim=-1)
-        rows = rows.gather(-1, order)
-        scores = scores.gather(1, order.unsqueeze(-1).expand_as(scores))
     group_scores = scores.repeat_interleave(groups_per_row // num_cores, dim=-1)  # (T, K, G): group j's core score
-    column_group = torch.arange(groups_per_row, device=rows.device).unsqueeze(-1)  # (G, 1)
-    index = rows.unsqueeze(1) * groups_per_row + column_group  # (T, G, K): samples ordered (token, group, IVE group)
-    token_group = torch.arange(num_tokens * groups_per_row, device=rows.device).view(num_tokens, groups_per_row, 1)
-    bag_of_sample = (token_group * num_groups + groups.unsqueeze(1)).flatten()  # ascending
-    num_bags = num_tokens * groups_per_row * num_groups
-    counts = torch.bincount(bag_of_sample, minlength=num_bags)
-    offsets = counts.cumsum(0) - counts  # empty bags pool to zero
+    index, offsets, weights, bag_of_sample = chunk_bags(rows, groups, group_scores, num_groups)
     pooled = quantized_bag_sum(
-        weight.view(-1, per_group),
-        index.flatten(),
-        offsets,
-        group_scores.transpose(1, 2).flatten().float(),
-        bag_of_sample,
-        format,
+        weight.view(-1, per_group), index, offsets, weights.float(), bag_of_sample, format
     )  # (T*G*E, g)
     pooled = pooled.view(num_tokens, groups_per_row, num_groups, group_size).transpose(1, 2)
     return pooled.reshape(num_tokens, num_groups, groups_per_row * group_size)
