@@ -23,6 +23,7 @@ from ultramem import (
     UltraMemForTokenClassification,
     UltraMemModel,
 )
+from ultramem.presets import PKM_SWITCHES
 
 BF16_SELECTION_FLIPS = (
     "UltraMem: in bf16 the eager and SDPA attention outputs differ by rounding, which changes the top-k memory rows "
@@ -183,16 +184,5 @@ class UltraMemProductKeyModelTest(UltraMemModelTest):
     query conv left on so this variant's cache holds a conv state too."""
 
     tester_overrides = dict(
-        memory_layers=[[1, 1]],
-        retrieval_mode="product_key",
-        memory_score_softmax=True,
-        value_projection=False,
-        share_query=False,
-        qk_layernorm=False,
-        ive_expansion=1,
-        tucker_rank=1,
-        mcs_cores=1,
-        improved_init=False,
-        memory_num_keys=8,
-        memory_value_dim=32,
+        PKM_SWITCHES, use_query_conv=True, memory_layers=[[1, 1]], memory_num_keys=8, memory_value_dim=32
     )
