@@ -32,7 +32,7 @@ from transformers import initialization as init
 from transformers.utils import logging
 from transformers.utils.generic import GeneralInterface
 
-from .configuration_ultramem import UltraMemConfigError
+from .configuration_ultramem import MEMORY_OFFLOADS, UltraMemConfigError
 
 logger = logging.get_logger(__name__)
 
@@ -194,9 +194,6 @@ def _weights_loaded(modules: list[nn.Module]) -> Iterator[None]:
         yield
 
 
-MEMORY_OFFLOADS = ("cpu", "disk")
-
-
 def _saved_quantization(path, kwargs: dict) -> str | None:
     """`memory_quantization` in the checkpoint's config.json (a model class's `from_pretrained` called without a
     config reads the format there: a quantized checkpoint loads as what it is)."""
@@ -239,15 +236,19 @@ class ValueStoreMixin:
 
         Returns what `PreTrainedModel.from_pretrained` returns (`(model, info)` with `output_loading_info=True`).
         """
-        # Auto classes hand both to the config first (it takes them as load-time keywords)
+        # Auto classes hand these to the config first (it takes them as load-time keywords)
         config = kwargs.get("config")
         offload = kwargs.pop("memory_offload", None) or getattr(config, "memory_offload", None)
         implementation = kwargs.pop("memory_implementation", None)
         quantization = kwargs.pop("memory_quantization", None) or getattr(config, "memory_quantization", None)
         group_size = kwargs.pop("memory_quantization_group_size", None)
+        if offload not in MEMORY_OFFLOADS:
+            raise UltraMemConfigError(
+                f"UltraMemConfig.memory_offload={offload!r} is invalid: must be one of {MEMORY_OFFLOADS}."
+            )
         if quantization is None and config is None:
             quantization = _saved_quantization(pretrained_model_name_or_path, kwargs)
-        if quantization is not None:  # quantized tables: `ultramem.quantized` loads them (checked there first)
+        if quantization is not None:  # quantized tables: their format's loader (checked there first) places them too
             loaded = table_format_loader(quantization)(
                 cls,
                 pretrained_model_name_or_path,
@@ -257,9 +258,30 @@ class ValueStoreMixin:
                 memory_offload=offload,
                 **kwargs,
             )
-            if implementation is not None:
-                (loaded[0] if isinstance(loaded, tuple) else loaded).set_memory_implementation(implementation)
-            return loaded
+        elif offload:
+            try:
+                store = value_store(offload)
+            except ImportError as error:
+                raise ImportError(
+                    f"memory_offload={offload!r} needs the `ultramem` package installed (pip install ultramem); "
+                    "without it load with memory_offload=None."
+                ) from error
+            checkpoint = store.find_checkpoint(pretrained_model_name_or_path, **kwargs)
+            with deferred_value_tables():
+                loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        else:
+            loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        if implementation is not None:
+            model.set_memory_implementation(implementation)
+        if offload and quantization is None:
+            model.set_value_store(offload, checkpoint=checkpoint, device=model.device, dtype=model.dtype)
+        elif not offload and any(offloaded_by_accelerate(layer.values) for _, layer in model.named_memory_layers()):
+            logger.warning(
+                "device_map offloads UltraMem value tables: Accelerate loads each of them whole at every "
+                "forward. from_pretrained(..., memory_offload='cpu' | 'disk') reads only the selected rows."
+            )
+        return loaded
         if offload is not None and offload not in MEMORY_OFFLOADS:
             raise UltraMemConfigError(
                 f"UltraMemConfig.memory_offload={offload!r} is invalid: must be one of {(None, *MEMORY_OFFLOADS)}."

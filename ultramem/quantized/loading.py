@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..value_stores import MEMORY_OFFLOADS, ValueStoreMixin, deferred_value_tables
+from ..value_stores import ValueStoreMixin, deferred_value_tables
 from .format import QuantizationError, check_format, resolve_group_size
 from .stores import QUANTIZED_STORES, QuantizedCheckpoint, saved_quantization, store_name
 
@@ -43,10 +43,6 @@ def from_pretrained_quantized(
         raise QuantizationError(
             f"the checkpoint holds {saved_format} tables: load it with memory_quantization={saved_format!r} (or "
             "None); re-quantizing quantized tables would add the errors of both"
-        )
-    if memory_offload is not None and memory_offload not in MEMORY_OFFLOADS:
-        raise QuantizationError(
-            f"memory_offload={memory_offload!r} is invalid: must be one of {(None, *MEMORY_OFFLOADS)}"
         )
     if config is None:
         hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "subfolder", "local_files_only") if k in kwargs}
