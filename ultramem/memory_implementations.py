@@ -90,18 +90,25 @@ def default_memory_implementation(device: torch.device) -> str:
     return "torch"
 
 
+def _unregistered(name: str) -> ValueError:
+    hint = " (`pip install 'ultramem[triton]'` and `import ultramem` register it)" if name == "triton" else ""
+    return ValueError(
+        f"memory_implementation={name!r} is not registered; choose one of "
+        f"{registered_memory_implementations()} or None (the device's default){hint}"
+    )
+
+
 def check_memory_implementation(name: str | None) -> None:
     """One line naming the allowed names, for a name no registry knows (None means the device default)."""
     if name is not None and _lookup(name) is None:
-        hint = " (`pip install 'ultramem[triton]'` and `import ultramem` register it)" if name == "triton" else ""
-        raise ValueError(
-            f"memory_implementation={name!r} is not registered; choose one of "
-            f"{registered_memory_implementations()} or None (the device's default){hint}"
-        )
+        raise _unregistered(name)
 
 
 def memory_ops_for(name: str | None, device: torch.device) -> MemoryOps:
-    """The ops of implementation `name` (None: the default for `device`)."""
+    """The ops of implementation `name` (None: the default for `device`); one registry look-up per call (every
+    memory layer's forward)."""
     name = name or default_memory_implementation(device)
-    check_memory_implementation(name)
-    return _lookup(name)
+    ops = _lookup(name)
+    if ops is None:
+        raise _unregistered(name)
+    return ops
