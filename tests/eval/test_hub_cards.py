@@ -404,3 +404,38 @@ def test_dry_run_prints_the_card_and_touches_nothing(
     assert out.rstrip("\n") == render_card(folder, REPO, result=_scored(folder), settings={"limit": None}).rstrip("\n")
     assert err.startswith(f"ultramem-push: dry run, nothing sent: {REPO} would get ") and "model.safetensors" in err
     assert recorder.calls == [] and {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+CARD_SNIPPET_SCRIPT = """
+import sys
+if sys.argv[2] == "not-installed":
+    sys.modules["ultramem"] = None  # remote code only
+exec(open(sys.argv[1]).read(), {})
+assert "ultramem" not in sys.modules or sys.modules["ultramem"] is None, "the snippet imported the package"
+print("RAN")
+"""
+
+
+@pytest.mark.parametrize("mode", ["not-installed", "installed-not-imported"])
+@pytest.mark.parametrize("head", ["UltraMemForCausalLM", "UltraMemForSequenceClassification"])
+def test_card_snippet_runs_in_a_fresh_process_through_remote_code(head: str, mode: str, tmp_path: Path) -> None:
+    """The card says `ultramem` need not be installed: its usage example runs on the saved folder in a process that
+    cannot import the package, and in one that does not import it; no prompt (stdin closed)."""
+    import os
+    import subprocess
+    import sys
+
+    import ultramem
+
+    folder = tmp_path / "head"
+    torch.manual_seed(0)
+    getattr(ultramem, head)(get_config("tiny-ultramem", num_labels=3)).save_pretrained(folder)
+    load_tokenizer().save_pretrained(folder)
+    snippet = tmp_path / "snippet.py"
+    snippet.write_text(_usage_code(render_card(folder, REPO)).replace(REPO, str(folder)))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", CARD_SNIPPET_SCRIPT, str(snippet), mode], env=env, cwd=tmp_path,
+        capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0 and "RAN" in done.stdout, done.stderr[-3000:]
