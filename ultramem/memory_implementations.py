@@ -1,4 +1,4 @@
-"""How a memory layer's two kernels are computed: a registry, as Transformers' `AttentionInterface` is for attention.
+"""How a memory layer's kernels are computed: a registry, as Transformers' `AttentionInterface` is for attention.
 
 The choice is a private, unsaved setting (`config._memory_implementation`), given as
 `from_pretrained(path, memory_implementation=...)` or `model.set_memory_implementation(...)`; unset, it follows the
@@ -21,11 +21,17 @@ from typing import Protocol
 import torch
 from transformers.utils.generic import GeneralInterface
 
-from .memory_ops import lookup_reduce, lookup_reduce_embedding_bag, tucker_candidate_topk
+from .memory_ops import (
+    lookup_dot,
+    lookup_dot_embedding_bag,
+    lookup_reduce,
+    lookup_reduce_embedding_bag,
+    tucker_candidate_topk,
+)
 
 
 class MemoryOps(Protocol):
-    """The memory layer's two kernels, with the contract of their reference in `memory_ops`."""
+    """The memory layer's kernels, with the contract of their reference in `memory_ops`."""
 
     def lookup_reduce(
         self, values: torch.Tensor, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor, num_groups: int
@@ -35,10 +41,16 @@ class MemoryOps(Protocol):
         self, row_scores: torch.Tensor, col_scores: torch.Tensor, cores: torch.Tensor, topk: int
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def lookup_dot(self, table: torch.Tensor, rows: torch.Tensor, query: torch.Tensor) -> torch.Tensor: ...
 
-TORCH_MEMORY_OPS: MemoryOps = SimpleNamespace(lookup_reduce=lookup_reduce, tucker_candidate_topk=tucker_candidate_topk)
+
+TORCH_MEMORY_OPS: MemoryOps = SimpleNamespace(
+    lookup_reduce=lookup_reduce, tucker_candidate_topk=tucker_candidate_topk, lookup_dot=lookup_dot
+)
 EMBEDDING_BAG_MEMORY_OPS: MemoryOps = SimpleNamespace(
-    lookup_reduce=lookup_reduce_embedding_bag, tucker_candidate_topk=tucker_candidate_topk
+    lookup_reduce=lookup_reduce_embedding_bag,
+    tucker_candidate_topk=tucker_candidate_topk,
+    lookup_dot=lookup_dot_embedding_bag,
 )
 
 

@@ -450,3 +450,70 @@ def mcs_output_gain(num_keys: int, top_m: int, rank: int, num_cores: int, sample
         candidates.append(scores.gather(-1, index.unsqueeze(1).expand(-1, rank, -1)))  # (S, r, 2m)
     _, selected = tucker_candidate_topk(candidates[0], candidates[1], cores, top_m)  # (S, m, h) per-core scores
     return (selected.sum(-1).pow(2).mean() / selected.pow(2).mean()).sqrt().item()
+
+
+def lookup_dot(table: torch.Tensor, rows: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """The inner product of each selected row with its token's query: PEER's (and UltraMemV2's Eq. 15) gate.
+
+    out[t, k] = sum_d table[rows[t, k], d] * query[t, d]
+
+    Args:
+        table: (N, Dp) physical table (UltraMemV2's pre-value table).
+        rows: (T, K) int64 physical row of every selected slot.
+        query: (T, Dp) one query per token.
+
+    Returns:
+        (T, K) in the dtype of `table`, accumulated in float32 (as `lookup_reduce`).
+    """
+    gathered = F.embedding(rows, table).float()  # (T, K, Dp)
+    return torch.einsum("tkd,td->tk", gathered, query.float()).to(table.dtype)
+
+
+class _BagDot(torch.autograd.Function):
+    """`lookup_dot` without the (T, K, Dp) gathered rows: the transpose of `_WeightedBagSum`.
+
+    Each token is one bag of its K samples (its selected rows), and the query is that bag's vector. The forward
+    is embedding_bag's per-sample-weight gradient (<bag vector, row> per sample); the query gradient is the
+    weighted bag sum with the output gradient as weights, and the table gradient is `_table_gradient`.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        table: torch.Tensor,
+        query: torch.Tensor,
+        index: torch.Tensor,
+        offsets: torch.Tensor,
+        bag_of_sample: torch.Tensor,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(table, query, index, offsets, bag_of_sample)
+        return torch.ops.aten._embedding_bag_per_sample_weights_backward(
+            query, table, index, offsets, bag_of_sample, EMBEDDING_BAG_SUM
+        )  # (T*K,)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        table, query, index, offsets, bag_of_sample = ctx.saved_tensors
+        grad_table = grad_query = None
+        if ctx.needs_input_grad[0]:
+            grad_table = _table_gradient(query, table, index, grad_out, bag_of_sample)
+        if ctx.needs_input_grad[1]:
+            grad_query = F.embedding_bag(index, table, offsets, mode="sum", per_sample_weights=grad_out)
+        return grad_table, grad_query, None, None, None
+
+
+def lookup_dot_embedding_bag(table: torch.Tensor, rows: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """`lookup_dot` through embedding_bag's kernels: the fast path on CPU, same contract and gradients.
+
+    The query is taken in the table's dtype (embedding_bag's requirement); the table gradient is built in fresh
+    pages (`_table_gradient`). Below `EMBEDDING_BAG_MIN_TOKENS` tokens (decoding) the reference runs instead.
+    """
+    num_tokens, num_slots = rows.shape
+    if num_tokens < EMBEDDING_BAG_MIN_TOKENS:
+        return lookup_dot(table, rows, query)
+    token = torch.arange(num_tokens, device=rows.device)
+    offsets = token * num_slots
+    bag_of_sample = token.repeat_interleave(num_slots)
+    out = _BagDot.apply(table, query.to(table.dtype), rows.flatten(), offsets, bag_of_sample)
+    return out.view(num_tokens, num_slots)
