@@ -147,6 +147,10 @@ class UltraMemConfig(PreTrainedConfig):
     `memory_kernel` keyword still sets it, with a deprecation warning; a `memory_kernel` in a saved config.json is
     ignored, so a checkpoint never chooses the kernels of the machine that loads it.
 
+    The value tables' learning rate (`value_lr_multiplier`, `value_lr_decay`) is a training argument
+    (`UltraMemTrainingArguments`). The former fields are still accepted, deprecated and unsaved: given (or saved by an
+    older version with other than the default), the trainer uses them where its arguments leave them unset.
+
     Example:
     ```python
     >>> from ultramem import UltraMemConfig, UltraMemForCausalLM
@@ -211,10 +215,8 @@ class UltraMemConfig(PreTrainedConfig):
     aux_loss_alpha: float | int = non_negative(default=0.001)
     aux_loss_tau: float | int = non_negative(default=0.15)
 
-    # Init, and the value tables' learning rate (read by `ultramem.training`)
+    # Init
     improved_init: bool = True
-    value_lr_multiplier: float | int = _checked("must be > 0", lambda value: value > 0)(default=10.0)
-    value_lr_decay: bool = True
 
     # Where `from_pretrained` puts the value tables: None = with the other weights, "cpu" = host memory,
     # "disk" = memory-mapped from the checkpoint's safetensors (ultramem.offload). A loading setting: never saved.
@@ -230,13 +232,25 @@ class UltraMemConfig(PreTrainedConfig):
     layer_types: list[str] | None = None
     number_of_conv_states: int = 1
 
-    def __post_init__(self, memory_implementation: str | None = None, memory_kernel: str | None = None, **kwargs):
+    def __post_init__(
+        self,
+        memory_implementation: str | None = None,
+        memory_kernel: str | None = None,
+        value_lr_multiplier: float | None = None,
+        value_lr_decay: bool | None = None,
+        **kwargs,
+    ):
         self.memory_layers = [[int(a), int(b)] for a, b in (self.memory_layers or [])]
         if self.memory_num_values is None:
             self.memory_num_values = self.memory_num_keys**2 // self.ive_expansion
         self._derive_cache_layout()
         # Private and unsaved, as `_attn_implementation`: None is the device's default
         self._memory_implementation = _implementation_keyword(memory_implementation, memory_kernel)
+        # Deprecated training settings, unsaved: the trainer's fallback where its own arguments leave them unset
+        self._value_lr: dict[str, float | bool] = {}
+        for name, value in (("value_lr_multiplier", value_lr_multiplier), ("value_lr_decay", value_lr_decay)):
+            if value is not None:
+                _set_value_lr(self, name, value, stacklevel=6)  # the caller of UltraMemConfig(...), past 5 frames
         super().__post_init__(**kwargs)  # also takes the legacy `rope_theta` keyword, as every Transformers config
 
     def validate_architecture(self) -> None:
@@ -293,6 +307,9 @@ class UltraMemConfig(PreTrainedConfig):
         the dict (`memory_kernel`, saved by older versions) is dropped; given as a keyword, it counts.
         """
         saved = {key: value for key, value in config_dict.items() if key not in _NEVER_LOADED}
+        for key, default in _VALUE_LR_DEFAULTS.items():  # saved by older versions; the default changes nothing
+            if key in saved and saved[key] == default and type(saved[key]) is type(default):
+                del saved[key]
         keywords = {name: kwargs.pop(name) for name in list(kwargs) if name in _KEYWORDS}
         return super().from_dict({**saved, **keywords}, **kwargs)
 
@@ -302,12 +319,31 @@ class UltraMemConfig(PreTrainedConfig):
         output = super().to_dict()
         output.pop("memory_offload", None)
         output.pop("_memory_implementation", None)
+        output.pop("_value_lr", None)
         return output
 
     @property
     def memory_kernel(self) -> str:
         """Deprecated, read-only: `_memory_implementation`, "auto" for the device's default."""
         return self._memory_implementation or "auto"
+
+    @property
+    def value_lr_multiplier(self) -> float | None:
+        """Deprecated (a training argument now): the value given to this config, else None."""
+        return self._value_lr.get("value_lr_multiplier")
+
+    @value_lr_multiplier.setter
+    def value_lr_multiplier(self, value: float) -> None:
+        _set_value_lr(self, "value_lr_multiplier", value, stacklevel=6)
+
+    @property
+    def value_lr_decay(self) -> bool | None:
+        """Deprecated (a training argument now): the value given to this config, else None."""
+        return self._value_lr.get("value_lr_decay")
+
+    @value_lr_decay.setter
+    def value_lr_decay(self, value: bool) -> None:
+        _set_value_lr(self, "value_lr_decay", value, stacklevel=6)
 
     @property
     def head_dim(self) -> int:
@@ -351,9 +387,28 @@ def _implementation_keyword(implementation: str | None, kernel: str | None) -> s
     return None if name == "auto" else name
 
 
+# The value-table learning rate was a config field until 0.2; these defaults are the training arguments' own
+_VALUE_LR_DEFAULTS: dict[str, float | bool] = {"value_lr_multiplier": 10.0, "value_lr_decay": True}
+
+
+def _set_value_lr(config: UltraMemConfig, name: str, value: float | bool, stacklevel: int) -> None:
+    """Keep a deprecated value-LR setting (checked, unsaved) for the trainer, with a FutureWarning."""
+    if name == "value_lr_multiplier":
+        number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        _require(number and value > 0, name, value, "must be > 0")
+        value = float(value)
+    else:
+        _require(isinstance(value, bool), name, value, "must be True or False")
+    message = f"UltraMemConfig.{name} is deprecated and no longer saved: it is a training argument now "
+    message += f"(UltraMemTrainingArguments.{name}, `ultramem-train --{name}`). Until it is removed, the trainer uses "
+    message += "the config's value when that argument is not given."
+    warnings.warn(message, FutureWarning, stacklevel=stacklevel)
+    config._value_lr[name] = value
+
+
 # `from_dict` builds these keywords into the config: its own fields (not those of every Transformers config, which
 # `PreTrainedConfig.from_dict` handles) and the memory implementation. It never loads the saved kernel choice.
-_KEYWORDS = {*UltraMemConfig.__dataclass_fields__, "memory_implementation", "memory_kernel"}
+_KEYWORDS = {*UltraMemConfig.__dataclass_fields__, "memory_implementation", "memory_kernel", *_VALUE_LR_DEFAULTS}
 _KEYWORDS -= set(PreTrainedConfig.__dataclass_fields__)
 _NEVER_LOADED = ("memory_kernel", "memory_implementation", "_memory_implementation")  # a kernel choice in a saved dict
 
