@@ -15,6 +15,10 @@ preset and the 151M ablation ladder carry (attention and residual dropout; Mixtr
 only). The tiny presets (a few dozen steps on CPU) and the small ones (the GPU campaign's few-minute quality
 comparison) train far from overfitting and keep dropout 0.
 
+Training: a preset is a model config (`get_config`) and, where its recipe differs from the training defaults (the
+paper's UltraMem recipe), the training arguments it recommends (`get_training_arguments`): the PKM presets train their
+value tables at a constant learning rate, without UltraMem's decay.
+
 Run `python -m ultramem.presets` for the table, side by side with the paper's figures. Building a model from
 any of these configs and counting its parameters is `ultramem.sizing`; the paper's ablation ladder is
 `ultramem.ablation`.
@@ -74,9 +78,10 @@ PKM_SWITCHES: dict[str, Any] = dict(
     tucker_rank=1,
     mcs_cores=1,
     improved_init=False,
-    value_lr_decay=False,
     use_query_conv=False,
 )
+# ... and its training: value tables at a constant 10x the base learning rate (the decay to 1x is UltraMem's)
+PKM_TRAINING: dict[str, Any] = dict(value_lr_decay=False)
 
 
 def _ultramem(scale: str, topk: int, key_dim: int, knum: int, layers: list[list[int]]) -> dict[str, Any]:
@@ -175,6 +180,11 @@ _PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 
 PRESETS: tuple[str, ...] = tuple(_PRESETS)
 
+# name -> the `UltraMemTrainingArguments` fields its recipe sets beyond their defaults (the paper's UltraMem recipe)
+_TRAINING_ARGUMENTS: dict[str, dict[str, Any]] = {
+    name: PKM_TRAINING for name in ("pkm-151m-x12", "pkm-680m-x12", "pkm-1.6b-x12", "tiny-pkm", "small-pkm")
+}
+
 # The paper's "Param (B)" and "FLOPs (G)" columns, embeddings and head excluded.
 PAPER_FIGURES: dict[str, tuple[float, float]] = {
     "dense-151m": (0.15, 0.30),
@@ -205,6 +215,15 @@ def get_config(name: str, **overrides: Any) -> PreTrainedConfig:
     if kind == "mixtral":
         return MixtralConfig(rope_theta=10000.0, tie_word_embeddings=False, **kwargs)
     return UltraMemConfig(**kwargs)
+
+
+def get_training_arguments(name: str) -> dict[str, Any]:
+    """The training arguments the preset `name` is meant to train with, beyond `UltraMemTrainingArguments`' defaults:
+    what its recipe changes in the optimizer, which is no field of the model's config. `ultramem.training.train` applies
+    them where the caller leaves the argument unset."""
+    if name not in _PRESETS:
+        raise KeyError(f"Unknown preset {name!r}; available: {', '.join(PRESETS)}")
+    return dict(_TRAINING_ARGUMENTS.get(name, {}))
 
 
 def _describe(name: str, config: PreTrainedConfig) -> dict[str, Any]:
