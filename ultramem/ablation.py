@@ -1,4 +1,5 @@
-"""The paper's ablation ladder (Table "Ablation study of model improvements") as configs of this model."""
+"""The paper's ablation ladder (Table "Ablation study of model improvements") as configs of this model, and the
+training arguments of its one training row."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import math
 from typing import Any
 
 from .configuration_ultramem import TUCKER, UltraMemConfig
-from .presets import BACKBONES, PKM_SWITCHES, VOCAB_SIZE
+from .presets import BACKBONES, PKM_SWITCHES, PKM_TRAINING, VOCAB_SIZE
 
 # The paper's ablation ladder (Table "Ablation study of model improvements"): each row changes exactly
 # one improvement of the previous row. Sizes that an improvement changes are derived from the row above.
+# "+value lr decay" changes training, not the model: its config is the row above's, its training arguments differ
+# (`ladder_training_arguments`).
 LADDER_ROWS: tuple[str, ...] = (
     "PKM x10",
     "+rm softmax",
@@ -54,8 +57,6 @@ def _ladder_step(row: str, previous: dict[str, Any], skip_layers: list[list[int]
         config["mcs_cores"] = 2
     elif row == "+improved init":
         config["improved_init"] = True
-    elif row == "+value lr decay":
-        config["value_lr_decay"] = True
     elif row == "+query conv":
         config["use_query_conv"] = True
     config.pop("memory_num_values", None)
@@ -98,3 +99,11 @@ def ablation_ladder(scale: str = "tiny", **overrides: Any) -> list[tuple[str, Ul
             row_config = _ladder_step(row, row_config, skip_layers)
         ladder.append((row, UltraMemConfig(**row_config)))
     return ladder
+
+
+def ladder_training_arguments(row: str) -> dict[str, Any]:
+    """The training arguments of ladder row `row` beyond `UltraMemTrainingArguments`' defaults: the PKM recipe's
+    constant value learning rate until the "+value lr decay" row, the paper's recipe (the defaults) from there on."""
+    if row not in LADDER_ROWS:
+        raise ValueError(f"ablation ladder row={row!r}: allowed values are {', '.join(LADDER_ROWS)}")
+    return {} if LADDER_ROWS.index(row) >= LADDER_ROWS.index("+value lr decay") else dict(PKM_TRAINING)

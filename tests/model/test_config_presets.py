@@ -5,8 +5,8 @@ from conftest import small_config
 from transformers import MixtralConfig
 
 from ultramem import UltraMemConfig, UltraMemConfigError
-from ultramem.ablation import LADDER_ROWS, ablation_ladder
-from ultramem.presets import PAPER_FIGURES, PRESETS, format_table, get_config, preset_table
+from ultramem.ablation import LADDER_ROWS, ablation_ladder, ladder_training_arguments
+from ultramem.presets import PAPER_FIGURES, PRESETS, format_table, get_config, get_training_arguments, preset_table
 from ultramem.sizing import count_parameters
 
 
@@ -62,8 +62,8 @@ def test_invalid_config_names_field_value_and_range(overrides, field, allowed):
 
 def test_ratios_and_multipliers_accept_integers_as_llama_dropout_does():
     """`attention_dropout=0` passes LlamaConfig's strict field check; it must pass ours, as must `aux_loss_tau=0`
-    or `value_lr_multiplier=1` (a hand-written config.json or --config_file has them as JSON integers)."""
-    integers = dict(attention_dropout=0, hidden_dropout=0, aux_loss_alpha=0, aux_loss_tau=0, value_lr_multiplier=1)
+    (a hand-written config.json or --config_file has them as JSON integers)."""
+    integers = dict(attention_dropout=0, hidden_dropout=0, aux_loss_alpha=0, aux_loss_tau=0)
     config = small_config(**integers)
     again = UltraMemConfig.from_dict(config.to_dict())
     assert {field: getattr(again, field) for field in integers} == integers
@@ -149,7 +149,25 @@ def test_ablation_ladder_changes_one_improvement_per_row():
     for (_, before), (row, after) in zip(ladder, ladder[1:]):
         changed = {k for k, v in after.to_dict().items() if before.to_dict().get(k) != v}
         changed -= {"memory_num_keys", "memory_num_values", "memory_topk", "layer_types", "number_of_conv_states"}
-        assert 1 <= len(changed) <= 3, (row, changed)
+        training = ladder_training_arguments(row), ladder_training_arguments(LADDER_ROWS[LADDER_ROWS.index(row) - 1])
+        if row == "+value lr decay":  # the one row that changes training, not the model
+            assert not changed and training == ({}, {"value_lr_decay": False}), (row, changed, training)
+        else:
+            assert 1 <= len(changed) <= 3 and training[0] == training[1], (row, changed, training)
+    assert ladder_training_arguments(LADDER_ROWS[0]) == get_training_arguments("tiny-pkm")
+    assert ladder_training_arguments(LADDER_ROWS[-1]) == get_training_arguments("tiny-ultramem") == {}
+
+
+def test_presets_save_no_training_settings_and_recommend_them_apart():
+    """The value-table learning rate is a training argument: no preset writes it into config.json (ultramem < 0.2
+    did); the PKM presets recommend a constant one, the others the training defaults."""
+    for name in PRESETS:
+        saved = get_config(name).to_json_string(use_diff=False)
+        assert "value_lr" not in saved, name
+        expected = {"value_lr_decay": False} if name.startswith("pkm-") or name.endswith("-pkm") else {}
+        assert get_training_arguments(name) == expected, name
+    with pytest.raises(KeyError, match="Unknown preset 'nope'"):
+        get_training_arguments("nope")
 
 
 def test_paper_presets_carry_the_papers_dropout():

@@ -10,10 +10,12 @@ import pytest
 import torch
 from transformers import get_scheduler
 
+from ultramem.presets import get_config
 from ultramem.training.arguments import DataArguments
 from ultramem.training.cli import parse_args
 from ultramem.training.data import load_raw_datasets, pack_blocks
-from ultramem.training.schedule import VALUE_GROUP, value_lr_multiplier, with_value_multiplier
+from ultramem.training.errors import UsageError
+from ultramem.training.schedule import VALUE_GROUP, ValueLearningRate, value_lr_multiplier, with_value_multiplier
 
 
 def test_value_lr_multiplier_falls_linearly_from_start_to_one():
@@ -36,7 +38,7 @@ def test_only_the_value_group_gets_the_multiplier_on_top_of_the_cosine_schedule(
         "cosine_with_min_lr", optimizer, num_warmup_steps=1, num_training_steps=total,
         scheduler_specific_kwargs={"min_lr_rate": 0.1},
     )  # fmt: skip
-    scheduler = with_value_multiplier(base, optimizer, total, 10.0, True)
+    scheduler = with_value_multiplier(base, optimizer, total, ValueLearningRate(10.0, True))
     dense_lrs, value_lrs = [], []
     for _ in range(total):
         dense_lrs.append(optimizer.param_groups[0]["lr"])
@@ -70,6 +72,84 @@ def test_defaults_are_the_paper_recipe(tmp_path):
     assert args.lr_scheduler_type == "cosine_with_min_lr" and args.lr_scheduler_kwargs == {"min_lr_rate": 0.1}
     assert args.get_warmup_steps(1000) == 10 and math.isclose(args.warmup_steps, 0.01)
     assert data_args.train_file is None  # the embedded corpus
+    assert (args.value_lr_multiplier, args.value_lr_decay) == (None, None)  # unset: the paper's 10x -> 1x
+    assert ValueLearningRate.resolve(args, get_config("tiny-ultramem")) == ValueLearningRate(10.0, True)
+
+
+def test_value_lr_is_a_training_flag(tmp_path, capsys):
+    """`--value_lr_multiplier` and `--value_lr_decay` are training arguments (the model config held them until 0.2),
+    listed by `--help`; a bad multiplier is one line naming the flag."""
+    _, _, args = parse_args(["--value_lr_multiplier", "4", "--value_lr_decay", "false", "--output_dir", str(tmp_path)])
+    assert ValueLearningRate.resolve(args, get_config("tiny-ultramem")) == ValueLearningRate(4.0, False)
+    with pytest.raises(UsageError, match=r"^--value_lr_multiplier 0.0: must be > 0$"):
+        parse_args(["--value_lr_multiplier", "0", "--output_dir", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--value-lr-multiplier VALUE_LR_MULTIPLIER Learning rate of the memory value tables" in help_text
+    assert "--value-lr-decay VALUE_LR_DECAY true: the value tables' multiplier falls linearly" in help_text
+
+
+def test_a_preset_recommends_training_arguments_the_caller_can_override(tmp_path):
+    """The PKM presets train their value tables at a constant LR (the decay is UltraMem's): `train()` applies that
+    where the flag is unset, never over a given flag or a (deprecated) config value."""
+    from ultramem.training.arguments import ModelArguments
+    from ultramem.training.model_setup import apply_preset_training_arguments
+
+    pkm = ModelArguments(preset="tiny-pkm")
+    _, _, unset = parse_args(["--output_dir", str(tmp_path)])
+    assert apply_preset_training_arguments(pkm, unset, get_config("tiny-pkm")) == {"value_lr_decay": False}
+    assert ValueLearningRate.resolve(unset, get_config("tiny-pkm")) == ValueLearningRate(10.0, False)
+    _, _, given = parse_args(["--value_lr_decay", "true", "--output_dir", str(tmp_path)])
+    assert apply_preset_training_arguments(pkm, given, get_config("tiny-pkm")) == {} and given.value_lr_decay
+    _, _, other = parse_args(["--output_dir", str(tmp_path)])
+    assert (
+        apply_preset_training_arguments(ModelArguments(preset="tiny-ultramem"), other, get_config("tiny-ultramem"))
+        == {}
+    )
+    assert other.value_lr_decay is None
+
+
+def test_a_config_with_the_deprecated_value_lr_fields_still_sets_the_trainers_value_lr(tmp_path):
+    """A config.json written before 0.2 with a value LR other than the default loads with a FutureWarning, and the
+    trainer keeps its meaning (here: a constant 4x) unless the training arguments say otherwise."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from ultramem import UltraMemForCausalLM
+    from ultramem.training.arguments import UltraMemTrainingArguments
+    from ultramem.training.trainer import UltraMemTrainer
+
+    fixture = Path(__file__).parents[1] / "model" / "fixtures" / "checkpoint_v0_1" / "config.json"
+    saved = json.loads(fixture.read_text())
+    assert (saved["value_lr_multiplier"], saved["value_lr_decay"]) == (10.0, True)  # the defaults: dropped silently
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "value_lr_multiplier": 4, "value_lr_decay": False}))
+    with pytest.warns(FutureWarning) as warned:
+        config = AutoConfig.from_pretrained(tmp_path)
+    messages = sorted(str(warning.message) for warning in warned)
+    assert [message.split(" is deprecated")[0] for message in messages] == [
+        "UltraMemConfig.value_lr_decay",
+        "UltraMemConfig.value_lr_multiplier",
+    ]
+    assert all("a training argument now" in message for message in messages)
+    assert "value_lr" not in config.to_json_string()
+
+    def value_lr_ratios(**flags) -> list[float]:
+        args = UltraMemTrainingArguments(tmp_path, report_to="none", use_cpu=True, warmup_steps=0, **flags)
+        trainer = UltraMemTrainer(model=UltraMemForCausalLM(config), args=args)
+        trainer.create_optimizer_and_scheduler(num_training_steps=3)
+        ratios = []
+        for _ in range(3):
+            lrs = {group["ultramem_group"]: group["lr"] for group in trainer.optimizer.param_groups}
+            ratios.append(lrs[VALUE_GROUP] / lrs["decay"])
+            trainer.optimizer.step()
+            trainer.lr_scheduler.step()
+        return ratios
+
+    assert value_lr_ratios() == pytest.approx([4.0, 4.0, 4.0])
+    assert value_lr_ratios(value_lr_multiplier=2.0, value_lr_decay=True) == pytest.approx([2.0, 1.5, 1.0])
 
 
 def test_evaluation_is_capped_by_default(tmp_path):

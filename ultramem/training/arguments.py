@@ -79,7 +79,9 @@ def _has_accelerator() -> bool:
 
 @dataclass
 class UltraMemTrainingArguments(TrainingArguments):
-    """`TrainingArguments` whose defaults are the paper's recipe: AdamW(0.9, 0.95), wd 0.1, 1% warmup, cosine to 10%."""
+    """`TrainingArguments` whose defaults are the paper's recipe: AdamW(0.9, 0.95), wd 0.1, 1% warmup, cosine to 10%,
+    and the memory value tables at 10x the learning rate, falling linearly to 1x (`value_lr_*`; None: that default,
+    or the preset's recommendation under `train`)."""
 
     learning_rate: float = field(default=6e-4, metadata={"help": "Peak learning rate of the dense parameters."})
     weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay."})
@@ -89,6 +91,21 @@ class UltraMemTrainingArguments(TrainingArguments):
     logging_steps: float = field(default=10, metadata={"help": "Log every X steps (or fraction of training if < 1)."})
     report_to: None | str | list[str] = field(
         default=None, metadata={"help": "Integrations to report to; default: tensorboard when installed."}
+    )
+    value_lr_multiplier: float | None = field(
+        default=None,
+        metadata={
+            "help": "Learning rate of the memory value tables at the first step, as a multiple of --learning_rate "
+            "(default 10, the paper's, or what --preset recommends; ultramem < 0.2 read it from the model config, "
+            "which is still honoured when this is not given)."
+        },
+    )
+    value_lr_decay: bool | None = field(
+        default=None,
+        metadata={
+            "help": "true: the value tables' multiplier falls linearly to 1 by the last step (default, the paper's); "
+            "false: it stays constant (what the PKM presets recommend)."
+        },
     )
     diagnostics_batch_size: int = field(
         default=4, metadata={"help": "Validation blocks used for the memory diagnostics at each log (0: off)."}
@@ -107,6 +124,8 @@ class UltraMemTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self) -> None:
+        if self.value_lr_multiplier is not None and not self.value_lr_multiplier > 0:
+            raise ValueError(f"--value_lr_multiplier {self.value_lr_multiplier}: must be > 0")
         if self.lr_scheduler_type == "cosine_with_min_lr" and not self.lr_scheduler_kwargs:
             self.lr_scheduler_kwargs = {"min_lr_rate": PAPER_MIN_LR_RATE}
         if not torch.cuda.is_available():

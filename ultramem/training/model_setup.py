@@ -136,6 +136,24 @@ def build_config(args: ModelArguments) -> PretrainedConfig:
         raise UsageError(f"invalid model configuration: {str(error).strip().splitlines()[0]}") from error
 
 
+def apply_preset_training_arguments(
+    args: ModelArguments, training_args: UltraMemTrainingArguments, config: PretrainedConfig
+) -> dict[str, Any]:
+    """Set what `--preset` recommends for training (`ultramem.presets.get_training_arguments`: the PKM presets' constant
+    value LR) on the training arguments left unset (None) and not carried by the config (the deprecated value-LR
+    fields); returns what was set. An argument the caller gives always wins."""
+    if args.preset is None:
+        return {}
+    from ultramem import presets
+
+    applied = {}
+    for name, value in presets.get_training_arguments(args.preset).items():
+        if getattr(training_args, name) is None and getattr(config, name, None) is None:
+            setattr(training_args, name, value)
+            applied[name] = value
+    return applied
+
+
 def build_model(args: ModelArguments, config: PretrainedConfig, defer_tables: bool = False) -> PreTrainedModel:
     """A fresh model from `config`, or the weights of `--model_name_or_path` under that (overridden) config.
 

@@ -11,7 +11,8 @@
     result.metrics["eval_loss"], result.metrics["perplexity"], result.log_history[-1]
 
 The three dataclasses are the ones `ultramem-train` parses its flags into (`ultramem-train --help` lists every field),
-with the paper's recipe as defaults. Every check of the command line runs here too, before any data is read:
+with the paper's recipe as defaults; a preset's recipe may differ (`ultramem.presets.get_training_arguments`, the PKM
+presets' constant value LR), applied to the training arguments the caller leaves unset. Every check of the command line runs here too, before any data is read:
 a bad value raises `UsageError` (a `ValueError`) whose message is one line naming the argument. Under a launcher
 on CPU (torchrun, accelerate launch) give `use_cpu=True`, which the command line sets itself.
 """
@@ -35,6 +36,7 @@ from ultramem.training.data import load_raw_datasets, tokenize_and_pack
 from ultramem.training.errors import UsageError
 from ultramem.training.fsdp import ShardingReport
 from ultramem.training.model_setup import (
+    apply_preset_training_arguments,
     build_config,
     build_model,
     check_engine_leaves_tables,
@@ -129,6 +131,7 @@ def train(
     """Train, save the model (with tokenizer) to `training_args.output_dir`, evaluate; see the module docstring."""
     check_ranges(data_args, training_args)
     config = build_config(model_args)
+    recommended = apply_preset_training_arguments(model_args, training_args, config)
     check_block_size(data_args.block_size, config)
     check_engine_leaves_tables(training_args)
     check_deepspeed(training_args)
@@ -143,6 +146,9 @@ def train(
             f"validation set with --eval_sample_seed {data_args.eval_sample_seed})",
             file=sys.stderr,
         )
+        if recommended:
+            flags = " ".join(f"--{name} {str(value).lower()}" for name, value in recommended.items())
+            print(f"ultramem-train: --preset {model_args.preset} trains with {flags} (its recipe)", file=sys.stderr)
         if resume is not None:
             print(f"ultramem-train: resuming from {resume} ({_checkpoint_step(resume)})", file=sys.stderr)
     set_seed(training_args.seed)

@@ -17,7 +17,7 @@ from transformers import TrainerCallback
 
 from ultramem.training.deepspeed_tables import TablesBesideEngine, hide_tables
 from ultramem.training.fsdp import plain_aux_loss
-from ultramem.training.schedule import VALUE_GROUP, value_lr_multiplier, with_value_multiplier
+from ultramem.training.schedule import VALUE_GROUP, ValueLearningRate, with_value_multiplier
 from ultramem.training.trainer_overrides import AtomicCheckpointTrainer, CPUFSDPOverrides, ShardedTableOverrides
 
 
@@ -91,12 +91,12 @@ class UltraMemTrainer(ShardedTableOverrides, AtomicCheckpointTrainer, FSDPTraine
         self._steps_since_log = 0
         self._last_value_lr: float | None = None
         self._tables_beside: TablesBesideEngine | None = None  # sharded tables under DeepSpeed (kept out of it)
+        # `args.value_lr_multiplier` and `args.value_lr_decay`, else the deprecated config fields, else the paper's
+        self.value_lr = ValueLearningRate.resolve(self.args, self.model.config)
         self.add_callback(_RecipeEvents(self))
+        self.add_callback(self.value_lr)  # saved in trainer_state.json (its stateful callbacks)
 
     # ---- optimizer and schedule -------------------------------------------------------------------------------
-    def _value_lr_settings(self) -> tuple[float, bool]:
-        config = self.model.config
-        return float(getattr(config, "value_lr_multiplier", 1.0)), bool(getattr(config, "value_lr_decay", False))
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """AdamW over three groups: decayed weights, undecayed norms/biases, and the value tables (own LR factor)."""
@@ -127,15 +127,14 @@ class UltraMemTrainer(ShardedTableOverrides, AtomicCheckpointTrainer, FSDPTraine
     def create_scheduler(
         self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None
     ) -> torch.optim.lr_scheduler.LRScheduler:
-        """The base schedule for every group, times the 10x -> 1x multiplier for the value group."""
+        """The base schedule for every group, times the value-LR multiplier (`self.value_lr`) for the value group."""
         if self.lr_scheduler is None:
             optimizer = self.optimizer if optimizer is None else optimizer
             base = super().create_scheduler(num_training_steps, optimizer)
-            start, decay = self._value_lr_settings()
-            self.lr_scheduler = with_value_multiplier(base, optimizer, num_training_steps, start, decay)
+            self.lr_scheduler = with_value_multiplier(base, optimizer, num_training_steps, self.value_lr)
             if self._tables_beside is not None:
                 tables = self._tables_beside
-                tables.scheduler = with_value_multiplier(base, tables.optimizer, num_training_steps, start, decay)
+                tables.scheduler = with_value_multiplier(base, tables.optimizer, num_training_steps, self.value_lr)
             self._created_lr_scheduler = True
         return self.lr_scheduler
 
@@ -184,9 +183,7 @@ class UltraMemTrainer(ShardedTableOverrides, AtomicCheckpointTrainer, FSDPTraine
             self._loss_sums.clear()
         self._steps_since_log = 0
         if self._last_value_lr is not None:
-            start, decay = self._value_lr_settings()
-            step_taken = self.state.global_step - 1
-            extras["value_lr_multiplier"] = value_lr_multiplier(step_taken, self.state.max_steps, start, decay)
+            extras["value_lr_multiplier"] = self.value_lr.factor(self.state.global_step - 1, self.state.max_steps)
             extras["value_learning_rate"] = self._last_value_lr
         if value_table_names(self.model):
             extras.update(self._memory_diagnostics())
