@@ -2,10 +2,14 @@
 
 A value store is a module whose forward is the lookup-reduce of the selected rows:
 `store(rows, groups, scores, num_groups, ops) -> (T, E, Dv)`, `ops` being the model's `MemoryOps` (how to compute,
-a separate axis: `memory_implementations`). Where the rows live is the store's business: this device (`"local"`,
+a separate axis: `memory_implementations`), and whose `lookup_dot(rows, query, ops) -> (T, K)` is the inner product
+of each selected row with its token's query (PEER's gate, read from a pre-value table). Where the rows live is the store's business: this device (`"local"`,
 `MemoryValueTable`, the default), host memory or a memory-mapped file (`"cpu"`, `"disk"`, `ultramem.offload`), shards
 on other ranks (`"number"`, `"dimension"`, `ultramem.parallel`). Stores register in `VALUE_STORES` as attention
 functions do in Transformers' `AttentionInterface`; `import ultramem` registers all of the package's.
+
+Every table of a model is a store of the same kind: each memory layer's `values` and `pre_values`, or the
+model's `value_pool` and `pre_value_pool` shared by all memory layers (`get_value_table_names` lists them).
 
 Choosing a store:
 - at load: `from_pretrained(path, memory_offload="cpu" | "disk")` (the tables are never loaded whole: they are left
@@ -63,9 +67,13 @@ class MemoryValueTable(nn.Embedding):
         """rows, groups (T, K), scores (T, K, h) -> (T, E, Dv): see `memory_ops.lookup_reduce`."""
         return ops.lookup_reduce(self.weight, rows, groups, scores, num_groups)
 
+    def lookup_dot(self, rows: torch.Tensor, query: torch.Tensor, ops) -> torch.Tensor:
+        """rows (T, K), query (T, Dp) -> (T, K): see `memory_ops.lookup_dot`."""
+        return ops.lookup_dot(self.weight, rows, query)
+
 
 class ValueStore(Protocol):
-    """What a registered store class provides.
+    """What a registered store class provides, besides the module's `forward` (lookup-reduce) and `lookup_dot`.
 
     `from_table` builds the store from a layer's `MemoryValueTable` or `DeferredValueTable` (`name` is the weight's
     state-dict key, e.g. to find it in a checkpoint). A store that reads a checkpoint at load defines
@@ -145,11 +153,17 @@ class DeferredValueTable(nn.Module):
         self.num_embeddings, self.embedding_dim, self.init_std = num_values, value_dim, init_std
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
-        raise RuntimeError(
-            "a value store attaches the value tables in from_pretrained(path, memory_offload=...), or in "
-            "set_value_store('number' | 'dimension') after deferred_value_tables(); this model has none. Build it "
-            "with memory_offload=None and call model.set_value_store('cpu') to offload an in-memory model."
-        )
+        raise RuntimeError(_NOT_ATTACHED)
+
+    def lookup_dot(self, *args, **kwargs) -> torch.Tensor:
+        raise RuntimeError(_NOT_ATTACHED)
+
+
+_NOT_ATTACHED = (
+    "a value store attaches the value tables in from_pretrained(path, memory_offload=...), or in "
+    "set_value_store('number' | 'dimension') after deferred_value_tables(); this model has none. Build it "
+    "with memory_offload=None and call model.set_value_store('cpu') to offload an in-memory model."
+)
 
 
 _tables_deferred: ContextVar[bool] = ContextVar("tables_deferred", default=False)
@@ -207,11 +221,30 @@ def _saved_quantization(path, kwargs: dict) -> str | None:
     return saved.get("memory_quantization")
 
 
+POOL_TABLES, PRE_VALUE_TABLES = ("value_pool", "pre_value_pool"), ("pre_values", "pre_value_pool")
+"""Module names of the tables a model owns for all its memory layers, and of the PEER pre-value tables (width Dp)."""
+
+
+def shared_by_layers(name: str) -> bool:
+    """Whether the table with state-dict key `name` is a value pool that every memory layer reads a window of."""
+    return name.removesuffix(".weight").rpartition(".")[2] in POOL_TABLES
+
+
+def is_pre_value_table(name: str) -> bool:
+    """Whether the table with state-dict key `name` is a pre-value table (read by `lookup_dot`, width Dp)."""
+    return name.removesuffix(".weight").rpartition(".")[2] in PRE_VALUE_TABLES
+
+
+def value_tables(model: nn.Module) -> dict[str, nn.Module]:
+    """State-dict key of each value table (`model.get_value_table_names()`) -> the module serving it."""
+    return {name: model.get_submodule(name.removesuffix(".weight")) for name in model.get_value_table_names()}
+
+
 class ValueStoreMixin:
     """The `PreTrainedModel` side of value stores: `set_value_store`, and `memory_offload=` in `from_pretrained`."""
 
     def set_value_store(self, store: str, **options: Any) -> None:
-        """Put every memory layer's values in the registered store `store` (see `ValueStore`).
+        """Put every value table (values, pre-values, pools: `get_value_table_names`) in the registered store `store`.
 
         Parameter names do not change (`...values.weight`), so optimizer groups and checkpoints keep their keys. The
         stores take the model's train/eval mode.
@@ -219,11 +252,14 @@ class ValueStoreMixin:
         store_class = value_store(store)
         if getattr(store_class, "needs_config", False):  # e.g. the quantized stores' MCS chunk and group size
             options.setdefault("config", self.config)
-        for name, layer in self.named_memory_layers():
-            if not isinstance(layer.values, (MemoryValueTable, DeferredValueTable)):
-                raise ValueError(f"{name}.values is already a {type(layer.values).__name__} store")
-            layer.values = store_class.from_table(layer.values, f"{name}.values.weight", **options)
-            layer.values.train(self.training)
+        for name, table in value_tables(self).items():
+            module_name = name.removesuffix(".weight")
+            if not isinstance(table, (MemoryValueTable, DeferredValueTable)):
+                raise ValueError(f"{module_name} is already a {type(table).__name__} store")
+            parent, _, attribute = module_name.rpartition(".")
+            served = store_class.from_table(table, name, **options)
+            served.train(self.training)
+            setattr(self.get_submodule(parent), attribute, served)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
@@ -276,35 +312,7 @@ class ValueStoreMixin:
             model.set_memory_implementation(implementation)
         if offload and quantization is None:
             model.set_value_store(offload, checkpoint=checkpoint, device=model.device, dtype=model.dtype)
-        elif not offload and any(offloaded_by_accelerate(layer.values) for _, layer in model.named_memory_layers()):
-            logger.warning(
-                "device_map offloads UltraMem value tables: Accelerate loads each of them whole at every "
-                "forward. from_pretrained(..., memory_offload='cpu' | 'disk') reads only the selected rows."
-            )
-        return loaded
-        if offload is not None and offload not in MEMORY_OFFLOADS:
-            raise UltraMemConfigError(
-                f"UltraMemConfig.memory_offload={offload!r} is invalid: must be one of {(None, *MEMORY_OFFLOADS)}."
-            )
-        if not offload:
-            loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        else:
-            try:
-                store = value_store(offload)
-            except ImportError as error:
-                raise ImportError(
-                    f"memory_offload={offload!r} needs the `ultramem` package installed (pip install ultramem); "
-                    "without it load with memory_offload=None."
-                ) from error
-            checkpoint = store.find_checkpoint(pretrained_model_name_or_path, **kwargs)
-            with deferred_value_tables():
-                loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        model = loaded[0] if isinstance(loaded, tuple) else loaded
-        if implementation is not None:
-            model.set_memory_implementation(implementation)
-        if offload:
-            model.set_value_store(offload, checkpoint=checkpoint, device=model.device, dtype=model.dtype)
-        elif any(offloaded_by_accelerate(layer.values) for _, layer in model.named_memory_layers()):
+        elif not offload and any(offloaded_by_accelerate(table) for table in value_tables(model).values()):
             logger.warning(
                 "device_map offloads UltraMem value tables: Accelerate loads each of them whole at every "
                 "forward. from_pretrained(..., memory_offload='cpu' | 'disk') reads only the selected rows."

@@ -5,6 +5,8 @@ Both answer the memory layer's lookup-reduce (their `forward`) the same way: the
 into the IVE groups by the PyTorch reference (`memory_ops.lookup_reduce`), and only the pooled (T, E, Dv)
 result goes to the model's device. `lookup_reduce_async` does the host part in one background thread, so
 it overlaps the blocks between a memory layer's read and write blocks; on CUDA the copy runs on a side stream.
+A pre-value table's `lookup_dot` reads its rows the same way, on the caller's thread: the layer needs the (T, K)
+dots before it can pool, so there is nothing to overlap them with.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from ..memory_ops import lookup_reduce
+from ..memory_ops import lookup_dot, lookup_reduce
 from .safetensors_file import OffloadCheckpointError, SafetensorsCheckpoint, advise_will_need
 
 logger = logging.get_logger(__name__)
@@ -101,6 +103,13 @@ class OffloadedValueStore(nn.Module):
     def lookup_reduce_async(self, rows, groups, scores, num_groups, ops=None) -> PendingLookup:
         return self._start(rows, groups, scores, num_groups, background=self.asynchronous)
 
+    def lookup_dot(self, rows: torch.Tensor, query: torch.Tensor, ops=None) -> torch.Tensor:
+        """rows (T, K), query (T, Dp) -> (T, K) on the device of `query` (ops: host reference); the query gets its
+        gradient through the host copy."""
+        self._warn_if_training()
+        gathered, inverse = self._gather(rows.cpu())
+        return lookup_dot(gathered, inverse, query.cpu()).to(query.device)
+
     def _warn_if_training(self) -> None:
         if self.training and torch.is_grad_enabled():
             logger.warning_once(
@@ -122,12 +131,16 @@ class OffloadedValueStore(nn.Module):
     def _will_read(self, rows: torch.Tensor) -> None:
         """Called before the rows are gathered (a disk store starts their reads here)."""
 
-    def _pool(self, rows, groups, scores, num_groups) -> torch.Tensor:
-        """The pooled (T, E, Dv) values on the host, each selected row read once."""
+    def _gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The selected rows, each read once (U, Dv), and where each slot's row lies among them (T, K)."""
         unique, inverse = torch.unique(rows, return_inverse=True)  # sorted: each row once, in file order
         self.rows_read += unique.numel()
         self._will_read(unique)
-        return lookup_reduce(self.table.index_select(0, unique), inverse, groups, scores, num_groups)
+        return self.table.index_select(0, unique), inverse
+
+    def _pool(self, rows, groups, scores, num_groups) -> torch.Tensor:
+        """The pooled (T, E, Dv) values on the host, each selected row read once."""
+        return lookup_reduce(*self._gather(rows), groups, scores, num_groups)
 
     def _pooled_on(self, device: torch.device, rows, groups, scores, num_groups) -> tuple[torch.Tensor, Any]:
         pooled = self._pool(rows, groups, scores, num_groups)

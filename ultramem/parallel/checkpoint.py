@@ -67,8 +67,7 @@ def _write_tables(tables: dict[str, ShardedValueStore], path: str, is_writer: bo
                 received = local if owner == 0 else torch.empty_like(local)
                 if owner != 0:
                     dist.recv(received, src=owner)
-                width = local.shape[store.shard_dim]
-                full.narrow(store.shard_dim, shard * width, width).copy_(received)
+                store.shard_view(full, shard, store.size, store.cyclic).copy_(received)
     del mapped
 
 

@@ -2,6 +2,8 @@
 
 All ranks' indices and scores are gathered, each rank runs the ordinary lookup-reduce (PyTorch or Triton) on
 its column slice for every token, and an all-to-all returns each token's pooled slices to its rank.
+A pre-value table's `lookup_dot` (Dp/P columns a rank) gathers the indices likewise, sends each rank its columns of
+every query (all-to-all), and returns the partial dots to the tokens' ranks, where they are summed.
 """
 
 from __future__ import annotations
@@ -16,13 +18,20 @@ from torch.distributed.tensor import DTensor
 from ultramem.memory_implementations import MemoryOps
 from ultramem.parallel.comm import all_gather, all_to_all
 from ultramem.parallel.sharded import ShardedValueStore
+from ultramem.value_stores import is_pre_value_table
 
 
-def check_dimension_split(value_dim: int, num_cores: int, size: int) -> None:
-    """Each rank's Dv/P columns must lie within one MCS core's chunk or hold whole chunks."""
-    if value_dim % size or not (num_cores % size == 0 or size % num_cores == 0):
+def check_dimension_split(value_dim: int, num_cores: int, size: int, field: str = "memory_value_dim") -> None:
+    """Each rank's Dv/P columns must lie within one MCS core's chunk or hold whole chunks (a pre-value table,
+    `field="pre_value_dim"`, is read by dots: its columns only have to split evenly)."""
+    if field == "pre_value_dim" and value_dim % size:
         raise ValueError(
-            f"memory_parallel='dimension' splits memory_value_dim={value_dim} with mcs_cores={num_cores} over "
+            f"memory_parallel='dimension' splits pre_value_dim={value_dim} over {size} ranks: the size must divide "
+            f"{value_dim}; choose another memory_parallel_size, or memory_parallel='number'"
+        )
+    if field != "pre_value_dim" and (value_dim % size or not (num_cores % size == 0 or size % num_cores == 0)):
+        raise ValueError(
+            f"memory_parallel='dimension' splits {field}={value_dim} with mcs_cores={num_cores} over "
             f"{size} ranks: the size must divide {value_dim} and divide or be a multiple of {num_cores}; "
             "choose another memory_parallel_size, or memory_parallel='number'"
         )
@@ -38,8 +47,11 @@ class DimensionShardedValues(ShardedValueStore):
         self.num_rows = weight.shape[0]
 
     @classmethod
-    def check_fits(cls, shape: torch.Size, size: int, num_cores: int | None = None, **options: Any) -> None:
-        check_dimension_split(shape[1], num_cores or 1, size)
+    def check_fits(
+        cls, shape: torch.Size, size: int, num_cores: int | None = None, name: str = "", **options: Any
+    ) -> None:
+        field = "pre_value_dim" if is_pre_value_table(name) else "memory_value_dim"
+        check_dimension_split(shape[1], num_cores or 1, size, field)
 
     def _own_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """The scores of the MCS cores whose columns this rank holds."""
@@ -68,3 +80,18 @@ class DimensionShardedValues(ShardedValueStore):
         returned = all_to_all(pooled.reshape(-1), split, split, self.group, "pooled")
         columns = returned.view(self.size, padded, num_groups, -1).permute(1, 2, 0, 3)  # (T', E, P, Dv/P)
         return columns.reshape(padded, num_groups, -1)[:num_tokens]
+
+    def lookup_dot(self, rows: torch.Tensor, query: torch.Tensor, ops: MemoryOps) -> torch.Tensor:
+        """rows (T, K), query (T, Dp) -> (T, K), as `memory_ops.lookup_dot` on the whole table."""
+        num_tokens, num_slots = rows.shape
+        counts = all_gather(torch.tensor([num_tokens], device=rows.device), self.group, "counts")
+        padded = int(counts.max())  # padded tokens have zero queries
+        all_rows = all_gather(F.pad(rows, (0, 0, 0, padded - num_tokens)), self.group, "indices")  # (P*T', K)
+        width = query.shape[1] // self.size
+        slices = F.pad(query, (0, 0, 0, padded - num_tokens)).view(padded, self.size, width).transpose(0, 1)
+        split = [padded * width] * self.size  # rank q gets column slice q of every token's query
+        columns = all_to_all(slices.reshape(-1), split, split, self.group, "queries").view(-1, width)  # (P*T', Dp/P)
+        partial = ops.lookup_dot(self.local_weight(), all_rows, columns).float()  # (P*T', K) over this rank's columns
+        split = [padded * num_slots] * self.size
+        returned = all_to_all(partial.reshape(-1), split, split, self.group, "dots")  # every rank's partials, my tokens
+        return returned.view(self.size, padded, num_slots).sum(0)[:num_tokens].to(self.weight.dtype)

@@ -4,6 +4,14 @@ Two ways to pool. At the source (the paper): the row indices go to their owners,
 back and the source does the weighted-sum pooling. At the owner: the scores travel with the indices and each
 owner returns one partial pooled row per (token, IVE group) it serves, which moves fewer bytes whenever
 several of a token's slots at one owner share a group (H*m large against E*P).
+
+`lookup_dot` (a pre-value table) always computes at the owner: each token's query travels once to every owner of
+its rows with their indices, and one dot per slot comes back.
+
+Rows are owned in contiguous blocks, except in a value pool shared by the memory layers (`value_pool`,
+`pre_value_pool`): each layer reads a window of consecutive pool rows, which blocks would put on a few ranks, so
+there row r belongs to rank r mod P (cyclic), spreading every window evenly. The DTensor then holds the rows in
+that permuted order; checkpoints are written in the table's own order (`shard_view`, `cyclic_to_blocks`).
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -18,21 +27,30 @@ from torch.distributed.tensor import DTensor
 from ultramem.memory_implementations import MemoryOps
 from ultramem.parallel.comm import all_to_all, exchange_counts
 from ultramem.parallel.sharded import ShardedValueStore
+from ultramem.value_stores import DeferredValueTable, MemoryValueTable, shared_by_layers
 
 POOL_AT = ("source", "owner")
 
 
 class NumberShardedValues(ShardedValueStore):
-    """Rows split in P contiguous blocks of N/P; a lookup is an all-to-all of indices and one of rows back."""
+    """Rows split in P blocks of N/P (or cyclically); a lookup is an all-to-all of indices and one of rows back."""
 
     shard_dim = 0
 
-    def __init__(self, weight: DTensor, mesh: DeviceMesh, pool_at: str = "source"):
+    def __init__(self, weight: DTensor, mesh: DeviceMesh, pool_at: str = "source", cyclic: bool = False):
         super().__init__(weight, mesh)
         if pool_at not in POOL_AT:
             raise ValueError(f"pool_at={pool_at!r}: allowed: {', '.join(POOL_AT)}")
-        self.pool_at = pool_at
+        self.pool_at, self.cyclic = pool_at, cyclic
         self.rows_per_shard = weight.shape[0] // self.size
+
+    @classmethod
+    def from_table(
+        cls, table: MemoryValueTable | DeferredValueTable, name: str, mesh: DeviceMesh, **options: Any
+    ) -> NumberShardedValues:
+        """`ShardedValueStore.from_table`; a pool's tables (`shared_by_layers`) are owned cyclically by default."""
+        options.setdefault("cyclic", shared_by_layers(name))
+        return super().from_table(table, name, mesh, **options)
 
     @classmethod
     def check_fits(cls, shape: torch.Size, size: int, **options: Any) -> None:
@@ -42,13 +60,20 @@ class NumberShardedValues(ShardedValueStore):
                 f"divide them; use a memory_parallel_size dividing {shape[0]}, or memory_parallel='dimension'"
             )
 
+    def _owners(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Owning rank and row within its shard of each of the (T*K,) `rows`."""
+        if self.cyclic:
+            return rows % self.size, torch.div(rows, self.size, rounding_mode="floor")
+        owner = torch.div(rows, self.rows_per_shard, rounding_mode="floor")
+        return owner, rows - owner * self.rows_per_shard
+
     def forward(
         self, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor, num_groups: int, ops: MemoryOps
     ) -> torch.Tensor:
         """rows, groups (T, K), scores (T, K, h) -> (T, E, Dv), as `memory_ops.lookup_reduce` on the whole table."""
-        owner = torch.div(rows.reshape(-1), self.rows_per_shard, rounding_mode="floor")  # (T*K,)
+        owner, local_rows = self._owners(rows.reshape(-1))  # (T*K,)
         order = torch.argsort(owner, stable=True)  # slots grouped by owner, in rank order
-        local_rows = (rows.reshape(-1) - owner * self.rows_per_shard)[order]
+        local_rows = local_rows[order]
         if self.pool_at == "owner":
             return self._pool_at_owner(rows.shape[0], owner, order, local_rows, groups, scores, num_groups)
         send = torch.bincount(owner, minlength=self.size)
@@ -100,3 +125,62 @@ class NumberShardedValues(ShardedValueStore):
         returned = all_to_all(partial, send_pairs, receive_pairs, self.group, "pooled")  # (pairs, Dv)
         pooled = returned.new_zeros(buckets, weight.shape[1]).index_add(0, pairs % buckets, returned)
         return pooled.view(num_tokens, num_groups, -1).to(weight.dtype)
+
+    def lookup_dot(self, rows: torch.Tensor, query: torch.Tensor, ops: MemoryOps) -> torch.Tensor:
+        """rows (T, K), query (T, Dp) -> (T, K), as `memory_ops.lookup_dot` on the whole table.
+
+        Each (owner, token) pair sends the token's query once; the owner dots every slot of the pair's rows."""
+        num_tokens, num_slots = rows.shape
+        owner, local_rows = self._owners(rows.reshape(-1))  # (T*K,)
+        order = torch.argsort(owner, stable=True)  # slots grouped by owner, in rank order
+        token = torch.arange(num_tokens, device=rows.device).repeat_interleave(num_slots)
+        pairs, slot_pair = torch.unique(owner * num_tokens + token, return_inverse=True)  # grouped by owner
+        pair_counts = torch.bincount(torch.div(pairs, num_tokens, rounding_mode="floor"), minlength=self.size)
+        first_pair = torch.cumsum(pair_counts, 0) - pair_counts
+        pair_in_owner = (slot_pair - first_pair[owner])[order]
+        send = torch.stack([torch.bincount(owner, minlength=self.size), pair_counts], dim=1)  # (P, 2)
+        receive = exchange_counts(send, self.group)
+        send_slots, send_pairs = send.T.tolist()
+        receive_slots, receive_pairs = receive.T.tolist()
+        packed = all_to_all(pair_in_owner * self.rows_per_shard + local_rows[order], receive_slots, send_slots,
+                            self.group, "indices")  # fmt: skip
+        queries = all_to_all(query[pairs % num_tokens], receive_pairs, send_pairs, self.group, "queries")
+        # each received slot's query: the offset of its source's pairs + the pair id the source gave
+        source = torch.repeat_interleave(
+            torch.arange(self.size, device=rows.device), receive[:, 0], output_size=len(packed)
+        )
+        first_received = torch.cumsum(receive[:, 1], 0) - receive[:, 1]
+        slot_query = queries[first_received[source] + torch.div(packed, self.rows_per_shard, rounding_mode="floor")]
+        local = (packed % self.rows_per_shard).unsqueeze(1)  # (R, 1): one slot per received "token"
+        dots = ops.lookup_dot(self.local_weight(), local, slot_query).squeeze(1)  # (R,)
+        returned = all_to_all(dots, send_slots, receive_slots, self.group, "dots")  # (T*K,), grouped by owner
+        return returned[torch.argsort(order)].view(num_tokens, num_slots)
+
+
+def _cyclic_and_blocks(rows_per_shard: int, size: int, rank: int, device: torch.device):
+    """For rank `rank`: how many of its cyclic rows (rank, rank + P, ...) each block owner holds, how many of its
+    block's rows each cyclic owner holds, and the order grouping its block's rows by cyclic owner."""
+    held = rank + size * torch.arange(rows_per_shard, device=device)  # ascending, so grouped by block owner
+    block = rank * rows_per_shard + torch.arange(rows_per_shard, device=device)
+    to_blocks = torch.bincount(torch.div(held, rows_per_shard, rounding_mode="floor"), minlength=size).tolist()
+    to_cyclic = torch.bincount(block % size, minlength=size).tolist()
+    return to_blocks, to_cyclic, torch.argsort(block % size, stable=True)
+
+
+def cyclic_to_blocks(local: torch.Tensor, size: int, rank: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Rank `rank`'s rows of a cyclically owned table -> its contiguous block of the same table, by one all-to-all
+    in the shard group (checkpoints hold a table in its own order)."""
+    to_blocks, to_cyclic, order = _cyclic_and_blocks(local.shape[0], size, rank, local.device)
+    received = torch.empty_like(local)
+    dist.all_to_all_single(received, local.contiguous(), to_cyclic, to_blocks, group=group)
+    blocks = torch.empty_like(local)
+    blocks[order] = received
+    return blocks
+
+
+def blocks_to_cyclic(blocks: torch.Tensor, size: int, rank: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """The inverse of `cyclic_to_blocks`."""
+    to_blocks, to_cyclic, order = _cyclic_and_blocks(blocks.shape[0], size, rank, blocks.device)
+    local = torch.empty_like(blocks)
+    dist.all_to_all_single(local, blocks[order].contiguous(), to_blocks, to_cyclic, group=group)
+    return local

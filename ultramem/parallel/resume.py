@@ -3,7 +3,8 @@
 Every rank writes only its shards; DCP records the global shapes, so a checkpoint resumes at another world
 size, with the other partitioning, or in one process (plain tensors) and each rank reads only what it holds.
 The tables' optimizer state is kept out of the Trainer's `optimizer.pt` (rank 0's copy would hold only its
-shard) and lives here beside the weights.
+shard) and lives here beside the weights. A cyclically owned table (a value pool, number-wise) is written and read
+in the table's own row order: its shards are exchanged into contiguous blocks (`cyclic_to_blocks`) around DCP.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ultramem.parallel.number import blocks_to_cyclic, cyclic_to_blocks
 
 TABLES_DIR = "value_tables"
 
@@ -26,14 +30,22 @@ def _tables(model: nn.Module) -> dict[str, nn.Parameter]:
     return {name: model.get_submodule(name.removesuffix(".weight")).weight for name in model.get_value_table_names()}
 
 
-def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Each table under its own name and its optimizer state under `<name>/<key>`."""
-    entries = {}
+def _state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor, nn.Module]]]:
+    """Each table under its own name and its optimizer state under `<name>/<key>`, in the table's row order; and
+    (entry, tensor, store) for the entries that are reordered copies of a cyclically owned tensor."""
+    entries, copies = {}, []
     for name, param in _tables(model).items():
-        entries[name] = param.data
-        for key, value in optimizer.state.get(param, {}).items():
-            entries[f"{name}/{key}"] = value
-    return entries
+        store = model.get_submodule(name.removesuffix(".weight"))
+        states = {f"{name}/{key}": value for key, value in optimizer.state.get(param, {}).items()}
+        for entry, tensor in {name: param.data, **states}.items():
+            entries[entry] = tensor
+            if getattr(store, "cyclic", False) and tensor.shape == param.shape:
+                local = cyclic_to_blocks(tensor.to_local(), store.size, store.rank, store.group)
+                entries[entry] = DTensor.from_local(local, store.mesh, tensor.placements, run_check=False)
+                copies.append((entries[entry], tensor, store))
+    return entries, copies
 
 
 @contextmanager
@@ -48,7 +60,7 @@ def tables_left_out_of(optimizer: torch.optim.Optimizer, model: nn.Module) -> It
 
 def save_table_states(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: str) -> None:
     """Every rank writes its shards of the tables and of their optimizer state to `checkpoint/value_tables`."""
-    dcp.save(_state_dict(model, optimizer), checkpoint_id=os.path.join(checkpoint, TABLES_DIR))
+    dcp.save(_state_dict(model, optimizer)[0], checkpoint_id=os.path.join(checkpoint, TABLES_DIR))
 
 
 def has_table_states(checkpoint: str) -> bool:
@@ -65,7 +77,10 @@ def load_table_states(model: nn.Module, optimizer: torch.optim.Optimizer, checkp
             if key not in state:
                 shaped = saved[f"{name}/{key}"].size == param.shape
                 state[key] = torch.zeros_like(param) if shaped else _scalar_state(optimizer, param)
-    dcp.load(_state_dict(model, optimizer), checkpoint_id=path, no_dist=not dist.is_initialized())  # in place
+    entries, copies = _state_dict(model, optimizer)
+    dcp.load(entries, checkpoint_id=path, no_dist=not dist.is_initialized())  # in place
+    for entry, tensor, store in copies:  # back into cyclic ownership
+        tensor.to_local().copy_(blocks_to_cyclic(entry.to_local(), store.size, store.rank, store.group))
 
 
 def _scalar_state(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> torch.Tensor:

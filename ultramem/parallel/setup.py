@@ -53,9 +53,17 @@ def fitting_partitionings(config, size: int) -> dict[str, str]:
     """Partitioning -> why it does not fit ('' when it fits), for a shard group of `size` ranks."""
     reasons = {}
     shape = lookup_shape(config, 1)
+    num_rows = getattr(config, "value_pool_size", None) or config.memory_num_values  # a pool's rows, else a layer's
+    pre_value_dim = getattr(config, "pre_value_dim", 0)
+
+    def check_dimension() -> None:
+        check_dimension_split(shape.value_dim, shape.num_cores, size)
+        if pre_value_dim:
+            check_dimension_split(pre_value_dim, shape.num_cores, size, "pre_value_dim")
+
     for name, check in (
-        ("number", lambda: NumberShardedValues.check_fits(torch.Size([config.memory_num_values, 0]), size)),
-        ("dimension", lambda: check_dimension_split(shape.value_dim, shape.num_cores, size)),
+        ("number", lambda: NumberShardedValues.check_fits(torch.Size([num_rows, 0]), size)),
+        ("dimension", check_dimension),
     ):
         try:
             check()

@@ -21,9 +21,12 @@ class ShardedValueStore(nn.Module):
     `weight` is a `DTensor` parameter (placements Replicate, Shard(shard_dim)) under the table's own name, so the
     optimizer keeps its value group, gradient clipping spans the shards (Trainer's mixed-mesh norm), and
     `torch.distributed.checkpoint` can reshard it. Only the local shard is ever allocated.
+
+    A store answers both lookups of `ultramem.value_stores`: the lookup-reduce (`forward`) and `lookup_dot`.
     """
 
     shard_dim: ClassVar[int]
+    cyclic = False  # rows owned cyclically (number-wise, a pool's tables): the DTensor is then of the rows so permuted
 
     def __init__(self, weight: DTensor, mesh: DeviceMesh):
         super().__init__()
@@ -54,18 +57,20 @@ class ShardedValueStore(nn.Module):
         map, so only the shard's bytes are copied), or, without a checkpoint, drawn with the table's init std.
         """
         shape = torch.Size((table.num_embeddings, table.embedding_dim))
-        cls.check_fits(shape, mesh.size(1), **options)
+        cls.check_fits(shape, mesh.size(1), name=name, **options)
+        shard, cyclic = mesh.get_local_rank("shard"), options.get("cyclic", False)
         if not isinstance(table, DeferredValueTable):
-            local = cls._shard_of(table.weight.detach(), mesh).clone()
+            local = cls.shard_view(table.weight.detach(), shard, mesh.size(1), cyclic).clone()
         elif checkpoint is not None:
-            local = cls._read_shard(checkpoint, name, shape, mesh, dtype)
+            local = cls._read_shard(checkpoint, name, shape, mesh, dtype, cyclic)
         else:
             local = cls._random_shard(table, name, shape, mesh, dtype)
         return cls.from_local(local, mesh, **options)
 
     @classmethod
-    def _shard_of(cls, full: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        return full.chunk(mesh.size(1), dim=cls.shard_dim)[mesh.get_local_rank("shard")]
+    def shard_view(cls, full: torch.Tensor, shard: int, size: int, cyclic: bool = False) -> torch.Tensor:
+        """The part of the whole table `full` that shard `shard` of `size` holds, as a view (to read or write)."""
+        return full[shard::size] if cyclic else full.chunk(size, dim=cls.shard_dim)[shard]
 
     @classmethod
     def _read_shard(
@@ -75,6 +80,7 @@ class ShardedValueStore(nn.Module):
         shape: torch.Size,
         mesh: DeviceMesh,
         dtype: torch.dtype | None,
+        cyclic: bool,
     ) -> torch.Tensor:
         """Copy the shard out of the memory-mapped tensor: only its rows (or its columns' pages) are read."""
         mapped = checkpoint.map(name)
@@ -82,7 +88,7 @@ class ShardedValueStore(nn.Module):
             raise ValueError(
                 f"checkpoint tensor {name} has shape {tuple(mapped.shape)}; the config says {tuple(shape)}"
             )
-        view = cls._shard_of(mapped, mesh)
+        view = cls.shard_view(mapped, mesh.get_local_rank("shard"), mesh.size(1), cyclic)
         return torch.empty(view.shape, dtype=dtype or view.dtype).copy_(view)
 
     @classmethod

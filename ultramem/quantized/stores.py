@@ -34,17 +34,29 @@ from ..offload.safetensors_file import (
     read_header,
 )
 from ..offload.stores import DiskValueStore, HostValueStore
+from ..value_stores import is_pre_value_table
 from .format import FORMATS, QuantizationError, check_format, quantize, quantized_width, resolve_group_size
 from .ops import lookup_reduce_quantized
 
 logger = logging.get_logger(__name__)
 
-TABLE_KEY = re.compile(r"(^|\.)memory_layers\.\d+\.values\.weight$")
+TABLE_KEY = re.compile(r"(^|\.)(memory_layers\.\d+\.values|value_pool)\.weight$")  # pre-value tables: not covered
 METADATA_FORMAT, METADATA_GROUP = "ultramem_quantization", "ultramem_quantization_group_size"
 FROZEN_WARNING = (
     "Quantized value tables are frozen: training updates every other weight (scores and queries get their "
     "gradients) but not the tables. Load without memory_quantization to train them."
 )
+
+
+def check_no_pre_values(config: Any, format: str | None, name: str = "") -> None:
+    """One line when the model has PEER pre-value tables: they are read by dots, which no quantized store serves."""
+    gate = str(getattr(config, "value_gate", "none"))
+    if gate.startswith("peer") or is_pre_value_table(name):
+        tables = f"the pre-value tables of value_gate={gate!r}" if gate.startswith("peer") else name
+        raise QuantizationError(
+            f"memory_quantization={format!r} covers the value tables, not {tables}: use memory_quantization=None "
+            "for this model (float tables; memory_offload still applies)"
+        )
 
 
 class QuantizedCheckpoint(SafetensorsCheckpoint):
@@ -142,10 +154,17 @@ class QuantizedStoreMixin:
 
     @classmethod
     def _settings(
-        cls, table: nn.Module, config: Any, num_cores: int | None, group_size: int | None, format: str | None
+        cls,
+        table: nn.Module,
+        name: str,
+        config: Any,
+        num_cores: int | None,
+        group_size: int | None,
+        format: str | None,
     ) -> tuple[str, int, int]:
         format = format or cls.format
         check_format(format)
+        check_no_pre_values(config, format, name)
         if format is None:
             raise QuantizationError(f"{cls.__name__} needs format='int8' or 'int4'")
         if num_cores is None and config is None:
@@ -204,7 +223,7 @@ class QuantizedValueTable(QuantizedStoreMixin, nn.Module):
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
     ) -> QuantizedValueTable:
-        format, num_cores, group_size = cls._settings(table, config, num_cores, group_size, format)
+        format, num_cores, group_size = cls._settings(table, name, config, num_cores, group_size, format)
         weight = _quantized_table(table, name, format, num_cores, group_size, checkpoint)
         if device is None and hasattr(table, "weight"):
             device = table.weight.device
@@ -236,7 +255,7 @@ class _QuantizedOffloadedStore(QuantizedStoreMixin):
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
     ):
-        format, num_cores, group_size = cls._settings(table, config, num_cores, group_size, format)
+        format, num_cores, group_size = cls._settings(table, name, config, num_cores, group_size, format)
         store = cls(cls._load_quantized(table, name, format, num_cores, group_size, checkpoint, device), name)
         store.format, store.group_size, store.value_dim = format, group_size, table.embedding_dim
         return store
