@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from launch_support import base_args, training_logs, write_config, write_corpus
@@ -35,6 +37,10 @@ def test_logs_split_losses_value_lr_and_memory_diagnostics(finished_run):
     for entry in logs[1:]:  # step 1 is the warmup step with LR 0
         assert entry["value_learning_rate"] / entry["learning_rate"] == pytest.approx(entry["value_lr_multiplier"])
     assert logs[-1]["lm_loss"] < logs[0]["lm_loss"] - 0.2
+    # the settings the schedule ran with are saved beside the log, readable without unpickling training_args.bin
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    value_lr = state["stateful_callbacks"]["ValueLearningRate"]["args"]
+    assert value_lr == {"value_lr_multiplier": 10.0, "value_lr_decay": True}
 
 
 def test_checkpoint_loads_with_auto_classes_and_reproduces_the_eval_loss(finished_run):
@@ -57,10 +63,11 @@ def test_checkpoint_loads_with_auto_classes_and_reproduces_the_eval_loss(finishe
 def test_gradient_accumulation_matches_the_full_batch(tmp_path):
     """The aux loss counts once per optimizer step, however the batch is split into micro-batches.
 
-    A large aux weight makes a double-counted aux loss visible in the step loss.
+    A large aux weight makes a double-counted aux loss visible in the step loss. Both runs also set the value-table
+    LR by its training flags: a constant 4x is what they log.
     """
     config, corpus = write_config(tmp_path, aux_loss_alpha=10.0), write_corpus(tmp_path, characters=20_000)
-    common = {"max_steps": 4, "diagnostics_batch_size": 0}
+    common = {"max_steps": 4, "diagnostics_batch_size": 0, "value_lr_multiplier": 4, "value_lr_decay": "false"}
     run(base_args(config, corpus, tmp_path / "full", per_device_train_batch_size=4, **common))
     run(base_args(config, corpus, tmp_path / "accumulated", per_device_train_batch_size=2,
                   gradient_accumulation_steps=2, **common))  # fmt: skip
@@ -68,6 +75,9 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path):
     for key in ("loss", "lm_loss", "aux_loss"):
         assert [entry[key] for entry in accumulated] == pytest.approx([entry[key] for entry in full], rel=1e-5)
     assert full[0]["aux_loss"] > 0.01
+    for entry in full + accumulated:
+        assert entry["value_lr_multiplier"] == 4.0
+        assert entry["step"] == 1 or entry["value_learning_rate"] / entry["learning_rate"] == pytest.approx(4.0)
 
 
 def test_train_takes_the_dataclasses_the_command_line_parses(finished_run, tmp_path):
