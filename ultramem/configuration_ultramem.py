@@ -22,6 +22,16 @@ PRODUCT_KEY: RetrievalMode = "product_key"  # PKM's product keys (the baseline)
 TUCKER: RetrievalMode = "tucker"  # UltraMem's Tucker-decomposed query-key retrieval (TDQKR)
 MemoryOffload = Literal["cpu", "disk"]
 MEMORY_OFFLOADS: tuple[MemoryOffload | None, ...] = (None, *get_args(MemoryOffload))
+# Where a memory layer reads and writes: the stream entering its read block (UltraMem), or the block's MLP input,
+# beside the MLP (UltraMemV2) or in its place (Memory+)
+MemorySite = Literal["block", "mlp", "instead_of_mlp"]
+MEMORY_SITES: tuple[MemorySite, ...] = get_args(MemorySite)
+BLOCK_SITE, MLP_SITE, INSTEAD_OF_MLP_SITE = MEMORY_SITES
+# How the input modulates the retrieved values: not at all, PEER's pre-values (UltraMemV2 Eq. 15; with GELU, PEER's
+# Eq. 13), or Memory+'s silu gate on the pooled value
+ValueGate = Literal["none", "peer", "peer_gelu", "swilu"]
+VALUE_GATES: tuple[ValueGate, ...] = get_args(ValueGate)
+NO_GATE, PEER, PEER_GELU, SWILU = VALUE_GATES
 # The built-in memory implementations; "auto", as None, is the device's default
 MEMORY_IMPLEMENTATIONS: tuple[str, ...] = ("auto", "torch", "embedding_bag", "triton")
 MEMORY_KERNELS = MEMORY_IMPLEMENTATIONS  # the name from when the choice was the saved field `memory_kernel`
@@ -211,6 +221,18 @@ class UltraMemConfig(PreTrainedConfig):
     value_projection: bool = True
     ive_shuffle_seed: int = 0
 
+    # The successors' switches (docs/variants.md), all off by default: UltraMemV2 (Huang et al. 2025) reads the MLP's
+    # input in every block (`memory_site="mlp"`), gates slots by PEER pre-values of width `pre_value_dim`, pools the
+    # IVE groups into one projector and shares one value pool of `value_pool_size` rows among the memory layers, each
+    # reading a window of `memory_num_values` rows (a ring); Memory+ (Berges et al. 2024) replaces MLPs, gates with
+    # silu and shares one table. `key_balance_loss_coef` is V2's key-balance loss (Eq. 18-20), 0 = off.
+    memory_site: str = one_of(MEMORY_SITES)(default=BLOCK_SITE)
+    value_gate: str = one_of(VALUE_GATES)(default=NO_GATE)
+    pre_value_dim: int = non_negative(default=0)
+    ive_single_projector: bool = False
+    value_pool_size: int | None = positive(default=None)
+    key_balance_loss_coef: float | int = non_negative(default=0.0)
+
     # Aux loss on the Tucker core's non-leading singular values
     aux_loss_alpha: float | int = non_negative(default=0.001)
     aux_loss_tau: float | int = non_negative(default=0.15)
@@ -284,11 +306,49 @@ class UltraMemConfig(PreTrainedConfig):
             chunk = self.memory_value_dim // self.mcs_cores
             divides = f"must divide memory_value_dim / mcs_cores = {chunk} (a group never straddles two cores' chunks)"
             _require(chunk % group == 0, "memory_quantization_group_size", group, divides)
+        self._validate_successor_switches()
         if not self.value_projection:
             one = "must be 1 when value_projection=False (IVE needs one projector per virtual block)"
             _require(expansion == 1, "ive_expansion", expansion, one)
             same = f"must equal hidden_size={self.hidden_size} when value_projection=False"
             _require(self.memory_value_dim == self.hidden_size, "memory_value_dim", self.memory_value_dim, same)
+
+    def _validate_successor_switches(self) -> None:
+        """The UltraMemV2 / Memory+ / PEER switches (see the field comments), with memory layers present."""
+        peer = self.value_gate in (PEER, PEER_GELU)
+        if peer:
+            _require(self.pre_value_dim > 0, "pre_value_dim", 0, f"must be > 0 with value_gate={self.value_gate!r}")
+        else:
+            unused = f"must be 0 unless value_gate is {PEER!r} or {PEER_GELU!r} (it is the width of PEER's pre-values)"
+            _require(self.pre_value_dim == 0, "pre_value_dim", self.pre_value_dim, unused)
+        if self.value_gate == SWILU:
+            needs = "must be True with value_gate='swilu' (the gate acts before the projector)"
+            _require(self.value_projection, "value_projection", self.value_projection, needs)
+        if self.memory_site != BLOCK_SITE:
+            for i, (a, b) in enumerate(self.memory_layers):
+                same = f"must be [a, a] with memory_site={self.memory_site!r} (read and written in block a's MLP site)"
+                _require(a == b, f"memory_layers[{i}]", [a, b], same)
+        pool, layers, window = self.value_pool_size, self.num_memory_layers, self.memory_num_values
+        if pool is not None:
+            _require(pool % layers == 0, "value_pool_size", pool, f"must be divisible by the {layers} memory layers")
+            fits = f"must be >= memory_num_values={window} (each layer reads a window of that many pool rows)"
+            _require(pool >= window, "value_pool_size", pool, fits)
+            covered = f"must be <= {layers} x memory_num_values={layers * window} (else no window reaches some rows)"
+            _require(pool <= layers * window, "value_pool_size", pool, covered)
+        if self.memory_quantization is not None:
+            plain = f"must be None with memory_quantization={self.memory_quantization!r} (quantized stores hold no"
+            _require(not peer, "value_gate", self.value_gate, plain + " pre-values yet)")
+            _require(pool is None, "value_pool_size", pool, plain + " shared pool yet)")
+
+    @property
+    def num_pooled_groups(self) -> int:
+        """How many pooled groups enter the projector: E, or 1 with UltraMemV2's single projector."""
+        return 1 if self.ive_single_projector else self.ive_expansion
+
+    @property
+    def blocks_without_mlp(self) -> set[int]:
+        """Blocks whose MLP a memory layer replaces (`memory_site="instead_of_mlp"`)."""
+        return {a for a, _ in self.memory_layers} if self.memory_site == INSTEAD_OF_MLP_SITE else set()
 
     def prepare_for_model(self) -> None:
         """Check how the fields fit together and derive the cache layout again, before a model is built from this

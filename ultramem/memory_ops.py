@@ -415,6 +415,43 @@ def tucker_aux_loss(cores: torch.Tensor, alpha: float, tau: float) -> torch.Tens
     return alpha / (rank - 1) * excess.pow(2).sum()
 
 
+def key_balance_loss(axis_scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """UltraMemV2's key-balance loss of one key axis (Eq. 18-20): n * sum_x f_x p_x, averaged over heads.
+
+    Args:
+        axis_scores: (..., H, n) the scores each token's top-m of this axis is taken on.
+        topk: m.
+
+    p_x is the mean over tokens of softmax(scores)_x (the differentiable share of key x), f_x the fraction of tokens
+    whose top-m holds key x (no gradient; sums to m as in the paper). Uniform use gives its minimum, m.
+    """
+    num_heads, num_keys = axis_scores.shape[-2:]
+    scores = axis_scores.float().reshape(-1, num_heads, num_keys)  # (T, H, n)
+    share = scores.softmax(-1).mean(0)  # (H, n)
+    chosen = scores.detach().topk(topk, dim=-1).indices.transpose(0, 1).flatten(1)  # (H, T*m)
+    counts = torch.zeros_like(share).scatter_add_(1, chosen, torch.ones_like(chosen, dtype=share.dtype))
+    return num_keys * (counts / scores.shape[0] * share).sum(-1).mean()
+
+
+class _WithLossGradient(torch.autograd.Function):
+    """The identity on x whose backward also back-propagates `loss` with gradient 1."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_dtype = loss.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, torch.ones((), dtype=ctx.loss_dtype, device=grad.device)
+
+
+def with_loss_gradient(x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """x, unchanged, with `loss` added to whatever loss is back-propagated through it (a regulariser that needs no
+    output of its own; UltraMemV2's key-balance loss is added this way, as in its official code)."""
+    return _WithLossGradient.apply(x, loss)
+
+
 def expected_top_m_mean(num_candidates: int, top_m: int) -> float:
     """E[mean of the top-m of `num_candidates` standard normals] (appendix A), in closed form.
 

@@ -20,6 +20,7 @@ The math is in `memory_ops` (plain functions); the modules below hold the parame
 value table lives is `value_stores`' business, how the kernels compute is `memory_implementations`'.
 """
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -50,17 +51,19 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 from transformers.utils.versions import require_version
 
-from .configuration_ultramem import TUCKER, UltraMemConfig
+from .configuration_ultramem import BLOCK_SITE, NO_GATE, PEER, PEER_GELU, SWILU, TUCKER, UltraMemConfig
 from .inference_cache import InferenceCache
 from .memory_implementations import MemoryOps, check_memory_implementation, memory_ops_for
 from .memory_ops import (
     core_svd,
     expected_top_m_mean,
+    key_balance_loss,
     mcs_output_gain,
     physical_slots,
     product_key_topk,
     tucker_aux_loss,
     tucker_topk,
+    with_loss_gradient,
 )
 from .value_stores import (
     DeferredValueTable,
@@ -71,6 +74,9 @@ from .value_stores import (
 )
 
 logger = logging.get_logger(__name__)
+
+# Where a memory layer or the model keeps value tables (all of them value stores, see `value_stores`)
+VALUE_TABLE_ATTRIBUTES = ("values", "pre_values", "value_pool", "pre_value_pool")
 
 # A remote-code copy of this file loaded under an older Transformers says what it needs here, not with a TypeError
 require_version("transformers>=5.17", "UltraMem's model code needs Transformers 5.17 or later")
@@ -83,13 +89,27 @@ _accepts_past_key_values = deprecate_kwarg(
 )
 
 
+# E[act(z)^2] for z ~ N(0, 1): how a value gate scales the pooled values' variance at init (see MemoryInitScales)
+GATE_SECOND_MOMENTS = {NO_GATE: 1.0, PEER: 1.0, PEER_GELU: 0.42522, SWILU: 0.35578}
+
+
 @dataclass(frozen=True)
 class MemoryInitScales:
     """Initial scales of a memory layer: appendix A when `improved_init`, PKM's init otherwise.
 
     Improved: values ~ N(0, E / (2 m H L)), so the layer's output starts like an MLP's, N(0, 1/(2L));
     query/key LayerNorm gains make the mean selected score about 1 (see `expected_top_m_mean`); the
-    projectors keep the pooled variance. PKM: values ~ N(0, 1/Dv), unit gains.
+    projectors keep the pooled variance. PKM: values ~ N(0, 1/Dv), unit gains. With V2's single projector
+    (`ive_single_projector`) the E groups pool into one, so E counts as 1 in both rules.
+
+    Value gates keep that target. PEER (V2 Eq. 15): each score is multiplied by g = <W_p x, P[row]>; with x
+    LayerNorm'd, W_p ~ N(0, 1/D) and pre-values P ~ N(0, 1/Dp), g ~ N(0, 1) at init, so E[act(g)^2] = 1 without
+    an activation and E[GELU(g)^2] = 0.425 with one. Memory+'s silu gate multiplies the pooled value by
+    silu(W_1 x), E[silu(z)^2] = 0.356. The values are divided by sqrt of that second moment, so the output's
+    variance at init is the same with and without a gate (checked by sampling in the tests). The paper's own
+    rule (App. A, Eq. 22 = Eq. 25) matches the memory's output variance to a SwiGLU FFN's with sigma_P = sigma_V,
+    which gives sigma_V^4 = 0.2 kinner D / (k H (1 + sigma_s^2) Dp Dv L) (the paper prints sigma_V^2); this
+    project keeps its own target (the GeLU MLP's 1/(2L)) and unit-variance gates instead (docs/design.md).
 
     Multi-core scoring (both inits): chunk i of a selected value is weighted by core i's score
     s_i = a^T C^(i) b (a, b the slot's row and column scores), not by the summed score S = sum_i s_i that
@@ -106,13 +126,20 @@ class MemoryInitScales:
     projector_std: float
     query_gain: float
     key_gain: float
+    pre_value_std: float = 0.0
+    gate_input_std: float = 0.0
 
     @classmethod
     def from_config(cls, config: UltraMemConfig) -> "MemoryInitScales":
         core_scale = mcs_output_gain(config.memory_num_keys, config.memory_topk, config.tucker_rank, config.mcs_cores)
+        core_scale /= math.sqrt(GATE_SECOND_MOMENTS[config.value_gate])
+        gates = {
+            "pre_value_std": config.pre_value_dim**-0.5 if config.pre_value_dim else 0.0,
+            "gate_input_std": config.hidden_size**-0.5,
+        }
         if not config.improved_init:
-            return cls(core_scale * config.memory_value_dim**-0.5, config.initializer_range, 1.0, 1.0)
-        num_groups = config.ive_expansion
+            return cls(core_scale * config.memory_value_dim**-0.5, config.initializer_range, 1.0, 1.0, **gates)
+        num_groups = config.num_pooled_groups
         activated = config.memory_topk * config.memory_heads
         top_mean = expected_top_m_mean(config.memory_num_keys**2, config.memory_topk)
         if config.retrieval_mode == TUCKER:
@@ -124,6 +151,7 @@ class MemoryInitScales:
             projector_std=(num_groups * config.memory_value_dim) ** -0.5,
             query_gain=query_gain,
             key_gain=(config.memory_key_dim // config.tucker_rank) ** -0.5,
+            **gates,
         )
 
 
@@ -162,15 +190,19 @@ class UltraMemAttention(LlamaAttention):
 class UltraMemDecoderLayer(GradientCheckpointingLayer):
     """Pre-norm transformer block; adds the outputs of the memory layers that write after it.
 
-    `memory_output` is positional: reentrant gradient checkpointing only treats positional tensors as inputs.
+    Memory layers at the MLP's site (`memory_site`, UltraMemV2 / Memory+) are run by the block itself, on the
+    stream after attention, their outputs added with the MLP's: `parallel_memory` is that call. A block whose memory
+    replaces its MLP ("instead_of_mlp") has no MLP. `memory_output` is positional: reentrant gradient checkpointing
+    only treats positional tensors as inputs.
     """
 
     def __init__(self, config: UltraMemConfig, layer_idx: int):
         super().__init__()
         self.self_attn = UltraMemAttention(config, layer_idx)
-        self.mlp = UltraMemMLP(config)
+        has_mlp = layer_idx not in config.blocks_without_mlp
+        self.mlp = UltraMemMLP(config) if has_mlp else None
         self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if has_mlp else None
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     @_accepts_past_key_values
@@ -181,6 +213,7 @@ class UltraMemDecoderLayer(GradientCheckpointingLayer):
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: Cache | None = None,
+        parallel_memory: Callable[[torch.Tensor], torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         attn_output, _ = self.self_attn(
@@ -191,7 +224,12 @@ class UltraMemDecoderLayer(GradientCheckpointingLayer):
             **kwargs,
         )
         hidden_states = hidden_states + self.dropout(attn_output)
-        hidden_states = hidden_states + self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
+        update = parallel_memory(hidden_states) if parallel_memory is not None else None  # reads the MLP's input
+        if self.mlp is not None:
+            mlp_output = self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
+            update = mlp_output if update is None else update + mlp_output
+        if update is not None:
+            hidden_states = hidden_states + update
         if memory_output is not None:
             hidden_states = hidden_states + memory_output
         return hidden_states
@@ -332,6 +370,8 @@ class KeyRetrieval(nn.Module):
             ScaledLayerNorm(part_dim, config.layer_norm_eps, scales.key_gain) if config.qk_layernorm else nn.Identity()
         )
         self.inference_cache = InferenceCache()
+        self.balance_loss_coef = config.key_balance_loss_coef
+        self.last_balance_loss: torch.Tensor | None = None  # for logging (`UltraMemModel.aux_loss`)
 
     def init_ultramem(self) -> None:
         """Keys ~ N(0, 1/part_dim), so unit-variance queries give unit-variance scores even without key norm."""
@@ -347,6 +387,23 @@ class KeyRetrieval(nn.Module):
         row = torch.einsum("bthrd,hrnd->bthrn", row_query, row_keys)
         col = torch.einsum("bthrd,hrnd->bthrn", col_query, col_keys)
         return row, col
+
+    def with_balance_loss(
+        self, row_scores: torch.Tensor, axis_projections: Callable[[], tuple[torch.Tensor, ...]]
+    ) -> torch.Tensor:
+        """`row_scores`, whose backward also carries UltraMemV2's key-balance loss (Eq. 18-20) when training with
+        `key_balance_loss_coef` > 0. `axis_projections()` (..., H, n): the scores each axis' top-m is taken on.
+
+        Carried by the backward rather than returned, so it needs no output of its own and survives gradient
+        checkpointing (a side-channel scalar computed under reentrant checkpointing has no graph); its value is kept
+        in `last_balance_loss` for the logs.
+        """
+        if not (self.training and self.balance_loss_coef):
+            self.last_balance_loss = None
+            return row_scores
+        loss = self.balance_loss_coef * sum(key_balance_loss(scores, self.topk) for scores in axis_projections())
+        self.last_balance_loss = loss.detach()
+        return with_loss_gradient(row_scores, loss)
 
     def aux_loss(self) -> torch.Tensor:
         return self.row_keys.new_zeros((), dtype=torch.float32)
@@ -368,7 +425,9 @@ class ProductKeyRetrieval(KeyRetrieval):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Virtual addresses (B, T, H, m) and their scores (B, T, H, m, 1)."""
         row_scores, col_scores = self.axis_scores(row_query, col_query)
-        return product_key_topk(row_scores[..., 0, :], col_scores[..., 0, :], self.topk)
+        row_scores, col_scores = row_scores[..., 0, :], col_scores[..., 0, :]  # (B, T, H, n)
+        row_scores = self.with_balance_loss(row_scores, lambda: (row_scores, col_scores))
+        return product_key_topk(row_scores, col_scores, self.topk)
 
 
 class TuckerQueryKeyRetrieval(KeyRetrieval):
@@ -413,6 +472,10 @@ class TuckerQueryKeyRetrieval(KeyRetrieval):
         """Virtual addresses (B, T, H, m) and per-core scores (B, T, H, m, h)."""
         row_scores, col_scores = self.axis_scores(row_query, col_query)  # (B, T, H, r, n)
         leading = self.inference_cache.get("singular_vectors", (self.cores,), self.leading_singular_vectors)
+        u, t = leading  # the balance loss is on the rank-1 projections a = u^T S_row, b = t^T S_col
+        row_scores = self.with_balance_loss(
+            row_scores, lambda: ((row_scores * u.unsqueeze(-1)).sum(-2), (col_scores * t.unsqueeze(-1)).sum(-2))
+        )
         return tucker_topk(
             row_scores, col_scores, self.cores, leading, self.topk, self.signed_candidates, ops.tucker_candidate_topk
         )
@@ -435,17 +498,23 @@ class ImplicitValueExpansion(nn.Module):
 
     The n^2 = E * N virtual addresses are shuffled by a fixed bijection, stored in the checkpoint so it
     is identical after reload on any machine. Shuffled address v' reads physical row v' mod N into
-    group v' div N; the E pooled groups go through their projectors as one GEMM. The memory layer reads the
-    rows from its value store in between (`physical_slots`, then the store, then `forward`).
+    group v' div N; the E pooled groups go through their projectors as one GEMM. With UltraMemV2's single
+    projector (Eq. 12) the groups are pooled together into one projector. The memory layer reads the rows
+    from its value store in between (`physical_slots`, then the store, then `forward`).
+
+    With a value pool shared by the memory layers (`value_pool_size` P), layer j's N rows are the window of the
+    pool starting at row j P / L_m, wrapping around (UltraMemV2's ring sharing).
     """
 
-    def __init__(self, config: UltraMemConfig, scales: MemoryInitScales):
+    def __init__(self, config: UltraMemConfig, scales: MemoryInitScales, memory_idx: int):
         super().__init__()
-        self.num_groups = config.ive_expansion
+        self.num_groups = config.num_pooled_groups
         self.num_values = config.memory_num_values
         self.seed = config.ive_shuffle_seed
+        self.pool_size = config.value_pool_size
+        self.pool_offset = memory_idx * self.pool_size // config.num_memory_layers if self.pool_size else 0
         shuffle = None
-        if self.num_groups > 1:
+        if config.ive_expansion > 1:
             # Filled here too (not only in `_init_weights`) so every rank of a ZeRO-3 run, where weights are
             # initialised on one rank and only parameters are broadcast, holds the same bijection.
             size = config.memory_num_keys**2
@@ -453,12 +522,10 @@ class ImplicitValueExpansion(nn.Module):
             shuffle = torch.empty(size, dtype=torch.int64) if device.type == "meta" else ive_shuffle(size, self.seed)
             shuffle = shuffle.to(device)
         self.register_buffer("virtual_to_physical", shuffle)
+        width = self.num_groups * config.memory_value_dim
+        self.gate = SiluGate(config.hidden_size, width, scales.gate_input_std) if config.value_gate == SWILU else None
         self.projector = (
-            ValueProjector(
-                self.num_groups * config.memory_value_dim,
-                config.hidden_size,
-                scales.projector_std,
-            )
+            ValueProjector(width, config.hidden_size, scales.projector_std)
             if config.value_projection
             else nn.Identity()
         )
@@ -468,12 +535,18 @@ class ImplicitValueExpansion(nn.Module):
             init.copy_(self.virtual_to_physical, ive_shuffle(self.virtual_to_physical.numel(), self.seed))
 
     def physical_slots(self, virtual_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Virtual addresses (...) -> physical rows in [0, N) and IVE groups in [0, E), same shape."""
-        return physical_slots(virtual_index, self.virtual_to_physical, self.num_values)
+        """Virtual addresses (...) -> rows of the value table (or pool) and pooled groups in [0, E), same shape."""
+        rows, groups = physical_slots(virtual_index, self.virtual_to_physical, self.num_values)
+        if self.pool_size:
+            rows = (rows + self.pool_offset) % self.pool_size
+        return rows, groups if self.num_groups > 1 else torch.zeros_like(groups)
 
-    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
-        """Pooled values (..., E, Dv) of the E groups -> output (..., D)."""
-        return self.projector(pooled.flatten(-2))
+    def forward(self, pooled: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Pooled values (..., E, Dv) of the E groups and the layer's normed input x (..., D) -> output (..., D)."""
+        pooled = pooled.flatten(-2)
+        if self.gate is not None:
+            pooled = self.gate(pooled, x)
+        return self.projector(pooled)
 
 
 class ValueProjector(nn.Linear):
@@ -487,8 +560,45 @@ class ValueProjector(nn.Linear):
         init.normal_(self.weight, std=self.init_std)
 
 
+class SiluGate(nn.Module):
+    """Memory+'s gate (Berges et al. 2024, Eq. 2): the pooled values times silu(W_1 x) before the projector."""
+
+    def __init__(self, hidden_size: int, width: int, init_std: float):
+        super().__init__()
+        self.proj = ValueProjector(hidden_size, width, init_std)
+
+    def forward(self, pooled: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return pooled * F.silu(self.proj(x))
+
+
+class PreValueGate(nn.Module):
+    """PEER-style value processing (UltraMemV2 Eq. 15): slot k's score times g_k = <W_p x, P[row_k]>.
+
+    P is the pre-value table (one Dp-wide row per value row), held by a value store like the values, which
+    computes the dots (`lookup_dot`) where its rows live. "peer_gelu" applies GELU to g (PEER, Eq. 13).
+    """
+
+    def __init__(self, config: UltraMemConfig, scales: MemoryInitScales):
+        super().__init__()
+        self.proj = ValueProjector(config.hidden_size, config.pre_value_dim, scales.gate_input_std)
+        self.activation = F.gelu if config.value_gate == PEER_GELU else None
+
+    def forward(
+        self, scores: torch.Tensor, rows: torch.Tensor, x: torch.Tensor, pre_values: nn.Module, ops: MemoryOps
+    ) -> torch.Tensor:
+        """scores (T, K, h), rows (T, K), x (T, D) -> gated scores (T, K, h)."""
+        gate = pre_values.lookup_dot(rows, self.proj(x), ops)  # (T, K)
+        if self.activation is not None:
+            gate = self.activation(gate)
+        return scores * gate.unsqueeze(-1).to(scores.dtype)
+
+
 class UltraMemMemoryLayer(GradientCheckpointingLayer):
-    """One UltraMem memory layer: pre-norm, query, retrieval (TDQKR or PKM), value lookup and IVE pooling."""
+    """One memory layer: pre-norm, query, retrieval (TDQKR or PKM), value lookup, gate, IVE pooling.
+
+    Its value tables (`values` and, with a PEER gate, `pre_values`) are value stores; with a shared value pool the
+    model owns them and hands them over at each call (`stores`).
+    """
 
     def __init__(self, config: UltraMemConfig, memory_idx: int):
         super().__init__()
@@ -502,9 +612,11 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         self.query = MemoryQuery(config, scales, cache_layer_idx, state_idx)
         retrieval_cls = TuckerQueryKeyRetrieval if config.retrieval_mode == TUCKER else ProductKeyRetrieval
         self.retrieval = retrieval_cls(config, scales)
-        table_cls = DeferredValueTable if tables_deferred(config) else MemoryValueTable
-        self.values = table_cls(config.memory_num_values, config.memory_value_dim, scales.value_std)  # a value store
-        self.value_expansion = ImplicitValueExpansion(config, scales)
+        self.pre_value_gate = PreValueGate(config, scales) if config.pre_value_dim else None
+        self.values = self.pre_values = None
+        if config.value_pool_size is None:
+            self.values, self.pre_values = value_tables(config, config.memory_num_values, scales)
+        self.value_expansion = ImplicitValueExpansion(config, scales, memory_idx)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def memory_ops(self, device: torch.device) -> MemoryOps:
@@ -523,8 +635,18 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         padding_mask (B, T): 0 at padded tokens. sequence_ids (B, T): for rows that pack several sequences, the
         sequence of each token (Transformers' `find_packed_sequence_indices`); None when each row is one sequence.
         """
-        ops = ops or self.memory_ops(hidden_states.device)
-        row_query, col_query = self.query(self.norm(hidden_states), padding_mask, cache, sequence_ids)
+        return self._retrieve(self.norm(hidden_states), padding_mask, cache, ops, sequence_ids)
+
+    def _retrieve(
+        self,
+        x: torch.Tensor,
+        padding_mask: torch.Tensor | None,
+        cache: Cache | None,
+        ops: MemoryOps | None,
+        sequence_ids: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ops = ops or self.memory_ops(x.device)
+        row_query, col_query = self.query(x, padding_mask, cache, sequence_ids)
         virtual_index, scores = self.retrieval(row_query, col_query, ops)
         if self.config.memory_score_softmax:
             scores = scores.softmax(dim=-2)
@@ -536,14 +658,17 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         padding_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
         sequence_ids: torch.Tensor | None = None,
+        stores: tuple[nn.Module, nn.Module | None] | None = None,
     ) -> torch.Tensor:
-        if hasattr(self.values, "base_layer"):  # a PEFT adapter layer wraps the table and adds to the rows it embeds
+        values, pre_values = stores or (self.values, self.pre_values)
+        if hasattr(values, "base_layer"):  # a PEFT adapter layer wraps the table and adds to the rows it embeds
             raise ValueError(
                 "PEFT adapters cannot target the value tables (`values`): the memory layer pools the rows it reads "
                 "instead of embedding them. Train them with modules_to_save=['values'], or leave them frozen."
             )
-        slots = self._selected_slots(hidden_states, padding_mask, cache, sequence_ids)
-        return self._output(self.values(*slots), hidden_states)
+        x = self.norm(hidden_states)
+        slots = self._selected_slots(x, padding_mask, cache, sequence_ids, pre_values)
+        return self._output(values(*slots), x)
 
     def start(
         self,
@@ -551,38 +676,53 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         padding_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
         sequence_ids: torch.Tensor | None = None,
+        stores: tuple[nn.Module, nn.Module | None] | None = None,
     ) -> Callable[[], torch.Tensor]:
         """Start the layer at its read block; the returned call gives its output, wanted after the write block.
 
         A store with `lookup_reduce_async` (the offloaded ones) reads its rows in the background while the
         blocks in between compute; any other store runs `forward` now (gradient checkpointing included).
         """
-        if not hasattr(self.values, "lookup_reduce_async"):
-            output = self(hidden_states, padding_mask, cache=cache, sequence_ids=sequence_ids)
+        values, pre_values = stores or (self.values, self.pre_values)
+        if not hasattr(values, "lookup_reduce_async"):
+            output = self(hidden_states, padding_mask, cache, sequence_ids, stores)
             return lambda: output
-        slots = self._selected_slots(hidden_states, padding_mask, cache, sequence_ids)
-        pending = self.values.lookup_reduce_async(*slots)
-        return lambda: self._output(pending.result(), hidden_states)
+        x = self.norm(hidden_states)
+        pending = values.lookup_reduce_async(*self._selected_slots(x, padding_mask, cache, sequence_ids, pre_values))
+        return lambda: self._output(pending.result(), x)
 
     def _selected_slots(
         self,
-        hidden_states: torch.Tensor,
+        x: torch.Tensor,
         padding_mask: torch.Tensor | None,
         cache: Cache | None,
         sequence_ids: torch.Tensor | None,
+        pre_values: nn.Module | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, MemoryOps]:
-        """The value store's arguments: physical rows and IVE groups (B*T, H*m), scores (B*T, H*m, h), E, the ops."""
-        batch, length, _ = hidden_states.shape
-        ops = self.memory_ops(hidden_states.device)
-        virtual_index, scores = self.retrieve(hidden_states, padding_mask, cache, ops, sequence_ids)
+        """The value store's arguments: rows and pooled groups (B*T, H*m), scores (B*T, H*m, h), E, the ops."""
+        batch, length, _ = x.shape
+        ops = self.memory_ops(x.device)
+        virtual_index, scores = self._retrieve(x, padding_mask, cache, ops, sequence_ids)
         num_slots = virtual_index.shape[-2] * virtual_index.shape[-1]
         rows, groups = self.value_expansion.physical_slots(virtual_index.reshape(batch * length, num_slots))
-        return rows, groups, scores.reshape(batch * length, num_slots, -1), self.value_expansion.num_groups, ops
+        scores = scores.reshape(batch * length, num_slots, -1)
+        if self.pre_value_gate is not None:
+            scores = self.pre_value_gate(scores, rows, x.reshape(batch * length, -1), pre_values, ops)
+        return rows, groups, scores, self.value_expansion.num_groups, ops
 
-    def _output(self, pooled: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The store's pooled values (B*T, E, Dv) -> the layer's output (B, T, D)."""
-        pooled = pooled.to(hidden_states.dtype).unflatten(0, hidden_states.shape[:-1])  # (B, T, E, Dv)
-        return self.dropout(self.value_expansion(pooled))  # not a view: FSDP2 warns about views leaving a module
+    def _output(self, pooled: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The store's pooled values (B*T, E, Dv) and the normed input (B, T, D) -> the layer's output (B, T, D)."""
+        pooled = pooled.to(x.dtype).unflatten(0, x.shape[:-1])  # (B, T, E, Dv)
+        return self.dropout(self.value_expansion(pooled, x))  # not a view: FSDP2 warns about views leaving a module
+
+
+def value_tables(config: UltraMemConfig, num_rows: int, scales: MemoryInitScales) -> tuple[nn.Module, nn.Module | None]:
+    """The value table (num_rows, Dv) and, with a PEER gate, the pre-value table (num_rows, Dp): local stores, or
+    placeholders a store fills when the tables are left out of the load."""
+    table_cls = DeferredValueTable if tables_deferred(config) else MemoryValueTable
+    values = table_cls(num_rows, config.memory_value_dim, scales.value_std)
+    pre_values = table_cls(num_rows, config.pre_value_dim, scales.pre_value_std) if config.pre_value_dim else None
+    return values, pre_values
 
 
 class UltraMemPreTrainedModel(ValueStoreMixin, PreTrainedModel):
@@ -601,7 +741,7 @@ class UltraMemPreTrainedModel(ValueStoreMixin, PreTrainedModel):
         "attentions": UltraMemAttention,
     }
     # Tables a value store serves are left out of the load (`DeferredValueTable`); the store reads them itself
-    _keys_to_ignore_on_load_unexpected = [r"memory_layers\.\d+\.values\.weight$"]
+    _keys_to_ignore_on_load_unexpected = [r"memory_layers\.\d+\.(pre_)?values\.weight$", r"(pre_)?value_pool\.weight$"]
 
     def __init__(self, config: UltraMemConfig, *inputs, **kwargs):
         config.prepare_for_model()  # fields assigned after the config was built are checked before any module is
@@ -630,8 +770,14 @@ class UltraMemPreTrainedModel(ValueStoreMixin, PreTrainedModel):
         return ((name, module) for name, module in self.named_modules() if isinstance(module, UltraMemMemoryLayer))
 
     def get_value_table_names(self) -> list[str]:
-        """Names of the memory value tables, for the optimizer's value-LR parameter group."""
-        return [f"{name}.values.weight" for name, _ in self.named_memory_layers()]
+        """Names of the value tables (values, pre-values, a shared pool): the value-LR parameter group, the stores."""
+        return [
+            f"{name}.{table}.weight"
+            for name, module in self.named_modules()
+            if isinstance(module, (UltraMemMemoryLayer, UltraMemModel))
+            for table in VALUE_TABLE_ATTRIBUTES
+            if getattr(module, table, None) is not None
+        ]
 
     def set_memory_implementation(self, implementation: str | None) -> None:
         """How the memory layers compute (`memory_implementations`): a registered name, or None for the device's
@@ -659,6 +805,10 @@ class UltraMemModel(UltraMemPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([UltraMemDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.memory_layers = nn.ModuleList([UltraMemMemoryLayer(config, j) for j in range(config.num_memory_layers)])
+        self.value_pool = self.pre_value_pool = None  # a value table shared by all memory layers (value_pool_size)
+        if config.value_pool_size is not None:
+            scales = MemoryInitScales.from_config(config)
+            self.value_pool, self.pre_value_pool = value_tables(config, config.value_pool_size, scales)
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.inference_cache = InferenceCache()
@@ -672,7 +822,8 @@ class UltraMemModel(UltraMemPreTrainedModel):
         self.embed_tokens = value
 
     def aux_loss(self) -> torch.Tensor:
-        """TDQKR aux loss summed over memory layers (zero without Tucker memory layers).
+        """TDQKR aux loss summed over memory layers (zero without Tucker memory layers), plus the value of the
+        key-balance loss of the last training forward (its gradient travels with the scores, see `with_balance_loss`).
 
         One batched SVD per device the cores live on (one in all for a model on one device; several when
         `device_map` spreads the memory layers), summed on the device of the first memory layer. It runs at
@@ -683,9 +834,12 @@ class UltraMemModel(UltraMemPreTrainedModel):
         ]
         with offloaded_weights_loaded(retrievals or [self.norm]):
             if not retrievals:
-                return self.norm.weight.new_zeros((), dtype=torch.float32)
-            cores = tuple(retrieval.cores for retrieval in retrievals)
-            return self.inference_cache.get("aux_loss", cores, lambda: self._aux_loss_by_device(cores))
+                loss = self.norm.weight.new_zeros((), dtype=torch.float32)
+            else:
+                cores = tuple(retrieval.cores for retrieval in retrievals)
+                loss = self.inference_cache.get("aux_loss", cores, lambda: self._aux_loss_by_device(cores))
+        balance = [layer.retrieval.last_balance_loss for layer in self.memory_layers if self.training]
+        return sum((value.to(loss.device) for value in balance if value is not None), loss)
 
     def _aux_loss_by_device(self, cores: tuple[torch.Tensor, ...]) -> torch.Tensor:
         cores_by_device: dict[torch.device, list[torch.Tensor]] = {}
@@ -742,24 +896,39 @@ class UltraMemModel(UltraMemPreTrainedModel):
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        stores = (self.value_pool, self.pre_value_pool) if self.value_pool is not None else None
+        memory_args = (padding_mask, cache, sequence_ids, stores)
         pending: dict[int, Callable[[], torch.Tensor]] = {}  # memory layer -> its output, wanted at its write block
         for block_idx, decoder_layer in enumerate(self.layers):
-            for memory_layer in self.memory_layers:
-                if memory_layer.read_block == block_idx:  # starts as soon as its input exists
-                    pending[memory_layer.memory_idx] = memory_layer.start(
-                        hidden_states, padding_mask, cache, sequence_ids
-                    )
-            writes = [pending.pop(layer.memory_idx)() for layer in self.memory_layers if layer.write_block == block_idx]
+            reading = [layer for layer in self.memory_layers if layer.read_block == block_idx]
+            parallel_memory = None
+            if reading and self.config.memory_site != BLOCK_SITE:  # beside (or instead of) the block's MLP
+                parallel_memory = functools.partial(_sum_of_memories, reading, memory_args)
+            for memory_layer in reading if parallel_memory is None else ():  # starts as soon as its input exists
+                pending[memory_layer.memory_idx] = memory_layer.start(hidden_states, *memory_args)
+            writes = [
+                pending.pop(layer.memory_idx)()
+                for layer in self.memory_layers
+                if layer.write_block == block_idx and layer.memory_idx in pending
+            ]
             hidden_states = decoder_layer(
                 hidden_states,
                 torch.stack(writes).sum(0) if writes else None,  # (B, T, D); positional, see the layer
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 cache=cache,
+                parallel_memory=parallel_memory,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{_CACHE_FIELD: cache})
+
+
+def _sum_of_memories(
+    layers: list[UltraMemMemoryLayer], memory_args: tuple, hidden_states: torch.Tensor
+) -> torch.Tensor:
+    """The summed outputs (B, T, D) of the memory layers that read the MLP's input `hidden_states` (B, T, D)."""
+    return torch.stack([layer(hidden_states, *memory_args) for layer in layers]).sum(0)
 
 
 class UltraMemForCausalLM(UltraMemPreTrainedModel, GenerationMixin):

@@ -31,8 +31,9 @@ def count_parameters(config: PreTrainedConfig) -> dict[str, float]:
     """Total and activated parameters and FLOPs per token, embeddings and head excluded, on the meta device.
 
     Activated parameters are those a token multiplies: all dense weights, all keys (scored in full), and
-    H*m value rows per memory layer; for MoE, the shared weights plus k of the experts. FLOPs per token
-    = 2 x activated parameters (attention over the context excluded), as in the paper's FLOPs column.
+    H*m value rows (and pre-value rows) per memory layer; for MoE, the shared weights plus k of the experts. FLOPs
+    per token = 2 x activated parameters (attention over the context excluded), as in the paper's FLOPs column. A
+    value pool shared by the memory layers counts once in the total.
     """
     with torch.device("meta"):
         model = build_model(config)
@@ -44,12 +45,13 @@ def count_parameters(config: PreTrainedConfig) -> dict[str, float]:
     if isinstance(config, MixtralConfig):
         expert_params = sum(p.numel() for name, p in params.items() if ".experts." in name)
         activated = total - expert_params + expert_params * config.num_experts_per_tok // config.num_local_experts
-    else:
-        for layer in model.model.memory_layers:
-            table = layer.values.weight
-            activated += config.memory_heads * config.memory_topk * table.shape[1] - table.numel()
-            physical_values += table.shape[0]
-            memory_slots += config.memory_num_keys**2
+    elif config.memory_layers:
+        tables = {name: params[name] for name in model.get_value_table_names()}
+        activated -= sum(table.numel() for table in tables.values())
+        row_width = config.memory_value_dim + config.pre_value_dim  # a slot reads a value row and its pre-value row
+        activated += config.num_memory_layers * config.memory_heads * config.memory_topk * row_width
+        physical_values = sum(table.shape[0] for name, table in tables.items() if ".pre_value" not in name)
+        memory_slots = config.num_memory_layers * config.memory_num_keys**2
     return {
         "total": total,
         "activated": activated,
