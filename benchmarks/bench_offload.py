@@ -18,6 +18,14 @@ memory-mapped, lookups in the skip-layer window on a background thread / blockin
 `disk-t151m`, `disk-t151m-x4`, `disk-t151m-x16` = the same model with tables of ultramem-151m-x12's size (3.7 GB)
 and 4x / 16x that (up to 59.3 GB: a 64 GB checkpoint, one at a time on disk with --cleanup).
 
+Quantized tables (docs/quantized.md; the checkpoints written with them by the random-checkpoint builder):
+`cpu-int4` = ultramem-1.6b-x12 with int4 tables read into host memory (`memory_offload="cpu"`, 10.0 GB of tables),
+`disk-int8` / `disk-int4` = int8 / int4 tables memory-mapped (19.9 / 10.0 GB); the summary gives each against
+`dense` and against `disk` (bf16 tables memory-mapped):
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_offload.py --device cpu --checkpoints /tmp/offload_bench --build \\
+        --runs dense,disk,cpu-int4,disk-int8 --name offload_cpu_quantized
+
 GPU (not run: no GPU in the session that wrote this): the tables in pinned host memory with a model larger than
 an 80 GB GPU (`cpu-offload-gpu`: 2.25x the rows of ultramem-1.6b-x12, 89 GB of tables, pinned as 6 power-of-two
 blocks of 17.2 GB: needs ~120 GB host RAM),
@@ -51,11 +59,13 @@ class Run:
     offload: str | None
     asynchronous: bool = True
     overrides: dict[str, Any] = field(default_factory=dict)
+    quantization: str | None = None  # the checkpoint's value tables: bf16 (None), "int8" or "int4"
 
     @property
     def checkpoint(self) -> str:
-        """Folder name of the checkpoint: the preset, and the overridden fields."""
-        return self.preset + "".join(f"-{k}{v}" for k, v in sorted(self.overrides.items()))
+        """Folder name of the checkpoint: the preset, the overridden fields and the tables' format."""
+        name = self.preset + "".join(f"-{k}{v}" for k, v in sorted(self.overrides.items()))
+        return name + (f"-{self.quantization}" if self.quantization else "")
 
 
 RUNS: dict[str, Run] = {
@@ -71,8 +81,14 @@ RUNS: dict[str, Run] = {
     "gpu-resident": Run("ultramem-1.6b-x12", None),
     "cpu-offload": Run("ultramem-1.6b-x12", "cpu"),
     "cpu-offload-gpu": Run("ultramem-1.6b-x12", "cpu", overrides={"memory_num_keys": 5376}),
+    # quantized tables (docs/quantized.md): int4 in host memory (14.5 GB checkpoint), int8 memory-mapped (24.4 GB)
+    "cpu-int4": Run("ultramem-1.6b-x12", "cpu", quantization="int4"),
+    "disk-int8": Run("ultramem-1.6b-x12", "disk", quantization="int8"),
+    "disk-int4": Run("ultramem-1.6b-x12", "disk", quantization="int4"),
     "tiny-dense": Run("tiny-dense", None),  # smoke runs (CI)
     "tiny-disk": Run("tiny-ultramem", "disk"),
+    "tiny-cpu-int4": Run("tiny-ultramem", "cpu", quantization="int4"),
+    "tiny-disk-int8": Run("tiny-ultramem", "disk", quantization="int8"),
 }
 CPU_RUNS = ["dense", "disk", "disk-sync", "disk-x1/16", "disk-x1/4"]
 
@@ -105,7 +121,9 @@ def ensure_checkpoint(run: Run, args) -> tuple[Path, bool]:
     if not args.build:
         raise SystemExit(f"{folder}: no checkpoint; pass --build to write it")
     start = time.perf_counter()
-    write_random_checkpoint(get_config(run.preset, **run.overrides), folder, args.dtype)
+    write_random_checkpoint(
+        get_config(run.preset, **run.overrides), folder, args.dtype, memory_quantization=run.quantization
+    )
     seconds = time.perf_counter() - start
     size = sum(file.stat().st_size for file in folder.glob("*.safetensors"))
     print(f"built {folder}: {size / 1e9:.1f} GB in {seconds:.0f} s ({size / 1e6 / seconds:.0f} MB/s)")
@@ -171,6 +189,7 @@ def decode(label: str, folder: Path, batch: int, args) -> dict[str, Any]:
         "run": label,
         "preset": run.checkpoint,
         "offload": run.offload or "none",
+        "tables": run.quantization or (str(args.dtype).removeprefix("torch.") if stores else "none"),
         "asynchronous": run.asynchronous,
         "batch": batch,
         "table_gb": sum(s.table.numel() * s.table.element_size() for s in tables) / 1e9,
@@ -196,6 +215,9 @@ def run_isolated(label: str, folder: Path, batch: int, args) -> dict[str, Any]:
         return pool.apply(decode, (label, folder, batch, args))
 
 
+# Quantized tables against dense-1.6b and against the bf16 tables memory-mapped ("disk"), in the summary.
+QUANTIZED = ("cpu-int4", "disk-int8", "disk-int4")
+
 # The tables growing 16x: from 1/16 of ultramem-1.6b-x12's to its own, and from ultramem-151m-x12's size up.
 SCALING_SERIES = {
     "16x from 2.5 GB": ("disk-x1/16", "disk-x1/4", "disk"),
@@ -214,6 +236,7 @@ def summary_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "ultramem/dense": ratio("disk", "dense"),
             "sync/async": ratio("disk-sync", "disk"),
             "offload/resident (gpu)": ratio("cpu-offload", "gpu-resident"),
+            **{f"{run}/{peer}": ratio(run, peer) for run in QUANTIZED for peer in ("dense", "disk")},
         }
         for series, runs in SCALING_SERIES.items():
             scaled = [by[(run, batch)] for run in runs if (run, batch) in by]
@@ -222,12 +245,13 @@ def summary_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return table
 
 
-COLUMNS = {"run": "run", "batch": "batch", "table_gb": "tables GB", "ms": "ms/step", "median_ms": "wall ms",
-           "tokens_per_s": "tok/s", "peak_rss_gb": "peak RSS GB", "rss_file_gb": "file RSS GB",
+COLUMNS = {"run": "run", "batch": "batch", "tables": "format", "table_gb": "tables GB", "ms": "ms/step",
+           "median_ms": "wall ms", "tokens_per_s": "tok/s", "peak_rss_gb": "peak RSS GB", "rss_file_gb": "file RSS GB",
            "rows_read_per_step": "rows/step", "disk_mb_per_step": "disk MB/step", "load_s": "load s", "cpu_ms": "CPU ms",
            "load_avg_1min": "loadavg"}  # fmt: skip
 SUMMARY_COLUMNS = ["batch", "ultramem/dense", "sync/async", *(f"spread, {series}" for series in SCALING_SERIES),
-                   "offload/resident (gpu)"]  # fmt: skip
+                   "offload/resident (gpu)",
+                   *(f"{run}/{peer}" for run in QUANTIZED for peer in ("dense", "disk"))]  # fmt: skip
 
 
 def plot(args, rows: list[dict[str, Any]]) -> None:
