@@ -49,6 +49,16 @@ def segment_tile(num_entries: int, chunk: int) -> tuple[int, int, int]:
 
 
 @triton.jit
+def _load_groups(groups_ptr, entries, mask, NUM_GROUPS: tl.constexpr):
+    """The IVE group of each (token, slot) entry; with one group nothing is read (groups_ptr may be None)."""
+    if NUM_GROUPS == 1:
+        groups = tl.zeros_like(entries)
+    else:
+        groups = tl.load(groups_ptr + entries, mask=mask, other=0)
+    return groups
+
+
+@triton.jit
 def _forward_kernel(
     values_ptr,
     rows_ptr,
@@ -77,7 +87,7 @@ def _forward_kernel(
         slot_mask = ks < num_slots
         slots = token * num_slots + ks
         rows = tl.load(rows_ptr + slots, mask=slot_mask, other=0).to(tl.int64)  # N * Dv may exceed 2**31
-        groups = tl.load(groups_ptr + slots, mask=slot_mask, other=0)
+        groups = _load_groups(groups_ptr, slots, slot_mask, NUM_GROUPS)
         scores = tl.load(scores_ptr + slots * num_cores + core, mask=slot_mask, other=0.0).to(tl.float32)
         tile = tl.load(
             values_ptr + rows[:, None] * value_dim + cols[None, :],
@@ -110,26 +120,31 @@ def _backward_kernel(
     ACCUMULATE_VALUES: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    COMPUTE_SCORE_GRAD: tl.constexpr = True,
 ):
     """Score gradient (per-chunk dot products); with ACCUMULATE_VALUES also the value gradient by
-    float32 atomics (the fast, non-deterministic mode)."""
+    float32 atomics (the fast, non-deterministic mode). Without COMPUTE_SCORE_GRAD only the latter,
+    and the value rows are not read. A pointer only a skipped output needs may be None: values_ptr
+    and grad_scores_ptr without COMPUTE_SCORE_GRAD, scores_ptr and grad_values_ptr without
+    ACCUMULATE_VALUES, groups_ptr with one group."""
     token = tl.program_id(0).to(tl.int64)
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     slot_mask = ks < num_slots
     slots = token * num_slots + ks
     rows = tl.load(rows_ptr + slots, mask=slot_mask, other=0).to(tl.int64)
-    groups = tl.load(groups_ptr + slots, mask=slot_mask, other=0)
-    grad_rows = token * NUM_GROUPS + groups
+    grad_rows = token * NUM_GROUPS + _load_groups(groups_ptr, slots, slot_mask, NUM_GROUPS)
     for core in range(num_cores):
-        scores = tl.load(scores_ptr + slots * num_cores + core, mask=slot_mask, other=0.0).to(tl.float32)
+        if ACCUMULATE_VALUES:
+            scores = tl.load(scores_ptr + slots * num_cores + core, mask=slot_mask, other=0.0).to(tl.float32)
         grad_score = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for d0 in range(0, chunk, BLOCK_D):
             cols = core * chunk + d0 + tl.arange(0, BLOCK_D)
             mask = slot_mask[:, None] & ((cols < (core + 1) * chunk)[None, :])
             grad = tl.load(grad_out_ptr + grad_rows[:, None] * value_dim + cols[None, :], mask=mask, other=0.0)
             grad = grad.to(tl.float32)
-            tile = tl.load(values_ptr + rows[:, None] * value_dim + cols[None, :], mask=mask, other=0.0)
-            grad_score += tl.sum(grad * tile.to(tl.float32), axis=1)
+            if COMPUTE_SCORE_GRAD:
+                tile = tl.load(values_ptr + rows[:, None] * value_dim + cols[None, :], mask=mask, other=0.0)
+                grad_score += tl.sum(grad * tile.to(tl.float32), axis=1)
             if ACCUMULATE_VALUES:
                 tl.atomic_add(
                     grad_values_ptr + rows[:, None] * value_dim + cols[None, :],
@@ -137,9 +152,9 @@ def _backward_kernel(
                     mask=mask,
                     sem="relaxed",
                 )
-        tl.store(
-            grad_scores_ptr + slots * num_cores + core, grad_score.to(grad_scores_ptr.dtype.element_ty), mask=slot_mask
-        )
+        if COMPUTE_SCORE_GRAD:
+            out_dtype = grad_scores_ptr.dtype.element_ty
+            tl.store(grad_scores_ptr + slots * num_cores + core, grad_score.to(out_dtype), mask=slot_mask)
 
 
 @triton.jit
@@ -161,7 +176,7 @@ def _scaled_grad_rows(
     """(len(positions), BLOCK_D) float32: scores[e, core] * grad_out[token(e), groups[e], cols] for the
     (token, slot) entries e = order[positions], i.e. each entry's contribution to its row's gradient."""
     entries = tl.load(order_ptr + positions, mask=mask, other=0)
-    groups = tl.load(groups_ptr + entries, mask=mask, other=0)
+    groups = _load_groups(groups_ptr, entries, mask, NUM_GROUPS)
     scores = tl.load(scores_ptr + entries * num_cores + core, mask=mask, other=0.0).to(tl.float32)
     grad_rows = (entries // num_slots) * NUM_GROUPS + groups
     grad = tl.load(
@@ -267,14 +282,20 @@ def _value_grad_segment_kernel(
 
 
 def forward(
-    values: torch.Tensor, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor, num_groups: int
+    values: torch.Tensor,
+    rows: torch.Tensor,
+    groups: torch.Tensor | None,
+    scores: torch.Tensor,
+    num_groups: int,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Launch the fused forward on contiguous, validated inputs; returns (T, E, Dv) in values' dtype."""
+    """Launch the fused forward on contiguous, validated inputs; returns (T, E, Dv) in `out_dtype` (default: values'
+    dtype). `groups` may be None when E = 1."""
     num_tokens, num_slots = rows.shape
     num_cores = scores.shape[-1]
     value_dim = values.shape[-1]
     chunk = value_dim // num_cores
-    out = torch.empty((num_tokens, num_groups, value_dim), dtype=values.dtype, device=values.device)
+    out = torch.empty((num_tokens, num_groups, value_dim), dtype=out_dtype or values.dtype, device=values.device)
     if num_tokens == 0:
         return out
     block_k, block_d, warps = forward_tile(num_slots, chunk)
@@ -313,19 +334,34 @@ def backward(
     pass (one pass over the gathered rows), plus a float32 (N, Dv) scratch when values are 16-bit.
     """
     num_tokens, num_slots = rows.shape
-    num_cores = scores.shape[-1]
-    num_groups = grad_out.shape[1]
-    value_dim = values.shape[-1]
-    chunk = value_dim // num_cores
     grad_scores = torch.empty_like(scores)
     if num_tokens == 0 or num_slots == 0:
         return torch.zeros_like(values), grad_scores.zero_()
+    if deterministic:
+        score_and_value_grad_pass(grad_out, values, rows, groups, scores, grad_scores=grad_scores)
+        return segment_value_grad(grad_out, values, rows, groups, scores), grad_scores
+    value_acc = torch.zeros(values.shape, dtype=torch.float32, device=values.device)
+    score_and_value_grad_pass(grad_out, values, rows, groups, scores, grad_scores=grad_scores, value_acc=value_acc)
+    return value_acc.to(values.dtype), grad_scores
+
+
+def score_and_value_grad_pass(
+    grad_out: torch.Tensor,
+    values: torch.Tensor | None,
+    rows: torch.Tensor,
+    groups: torch.Tensor | None,
+    scores: torch.Tensor | None,
+    grad_scores: torch.Tensor | None = None,
+    value_acc: torch.Tensor | None = None,
+) -> None:
+    """One launch of `_backward_kernel` over T*K >= 1 slots: the score gradient into `grad_scores` (T, K, h) and/or
+    the value gradient added by atomics into `value_acc` (a float32 (N, Dv)). An output left None is skipped with
+    the reads only it needs (values for the first, scores for the second); groups may be None when E = 1."""
+    num_tokens, num_slots = rows.shape
+    num_cores = (grad_scores if scores is None else scores).shape[-1]
+    value_dim = grad_out.shape[-1]
+    chunk = value_dim // num_cores
     block_k, block_d, warps = backward_tile(num_slots, chunk)
-    atomic = not deterministic
-    if atomic:
-        value_acc = torch.zeros(values.shape, dtype=torch.float32, device=values.device)
-    else:
-        value_acc = grad_scores  # unused by the kernel when ACCUMULATE_VALUES is False
     grid = (num_tokens, triton.cdiv(num_slots, block_k))
     _backward_kernel[grid](
         grad_out,
@@ -339,22 +375,25 @@ def backward(
         value_dim,
         chunk,
         num_cores,
-        NUM_GROUPS=num_groups,
-        ACCUMULATE_VALUES=atomic,
+        NUM_GROUPS=grad_out.shape[1],
+        ACCUMULATE_VALUES=value_acc is not None,
         BLOCK_K=block_k,
         BLOCK_D=block_d,
+        COMPUTE_SCORE_GRAD=grad_scores is not None,
         num_warps=warps,
     )
-    if atomic:
-        return value_acc.to(values.dtype), grad_scores
-    return _segment_value_grad(grad_out, values, rows, groups, scores), grad_scores
 
 
-def _segment_value_grad(
-    grad_out: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor
+def segment_value_grad(
+    grad_out: torch.Tensor,
+    values: torch.Tensor,
+    rows: torch.Tensor,
+    groups: torch.Tensor | None,
+    scores: torch.Tensor,
 ) -> torch.Tensor:
     """Value gradient without atomics: stable sort of the (token, slot) entries by row, then tiles of
-    sorted entries reduced by segmented scans (segment ends by binary search: no host synchronisation)."""
+    sorted entries reduced by segmented scans (segment ends by binary search: no host synchronisation).
+    `values` gives the gradient's shape and dtype; groups may be None when E = 1."""
     num_slots = rows.shape[1]
     num_cores = scores.shape[-1]
     value_dim = values.shape[-1]
