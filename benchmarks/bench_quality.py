@@ -1,9 +1,11 @@
 """Quality at fixed compute: the paper's model comparison and ablation ladder, trained through `ultramem-train`.
 
-Every row is one config file in `benchmarks/quality/<scale>/` (regenerate with `--write-configs`; a test checks
-they equal `ultramem.presets`). All rows train on the same tokens, in the same order for a given seed, with the
-same schedule; rows with identical configs (the ladder's first and last rows are the PKM and UltraMem presets at
-"tiny") are trained once. The validation loss is the language-model cross entropy alone (no TDQKR aux loss, no
+Every row is one config file in `benchmarks/quality/<scale>/` and the training arguments it sets beyond the
+benchmark's own, in `benchmarks/quality/<scale>/training_arguments.json` (the value-table learning rate: PKM's is
+constant, UltraMem's decays; the ladder's "+value lr decay" row changes only that). Regenerate both with
+`--write-configs`; a test checks they equal `ultramem.presets` and `ultramem.ablation`. All rows train on the same
+tokens, in the same order for a given seed, with the same schedule; rows with identical configs and training
+arguments (the ladder's first and last rows are the PKM and UltraMem presets at "tiny") are trained once. The validation loss is the language-model cross entropy alone (no TDQKR aux loss, no
 Mixtral router loss), measured on fixed blocks of the corpora's valid splits along the way.
 
 CPU (what `benchmarks/results/quality_*` holds; see benchmarks/README.md for the exact command and reading):
@@ -43,9 +45,11 @@ from ultramem import ablation, presets, sizing
 from ultramem.tokenization import load_tokenizer
 from ultramem.training import DataArguments, ModelArguments, UltraMemTrainingArguments, train
 from ultramem.training.data import embedded_corpus_files, pack_blocks
+from ultramem.training.schedule import DEFAULT_VALUE_LR_DECAY, DEFAULT_VALUE_LR_MULTIPLIER
 
 ROOT = env.BENCHMARKS
 CONFIG_DIR = ROOT / "quality"
+TRAINING_ARGUMENTS_FILE = "training_arguments.json"  # in CONFIG_DIR / scale: row config file name -> its arguments
 CHARS_PER_TOKEN = 5.0  # generous for English BPE, so the text subset never runs out before the token budget
 GUTENBERG_PIECE_CHARS = 8000  # books are cut into pieces so the subset samples every book, not the first one
 
@@ -59,42 +63,72 @@ SEEDED_ROWS = ("Dense", "PKM", "MoE", "UltraMem")
 
 @dataclass(frozen=True)
 class Row:
-    """One line of a table: its group ("comparison" or "ladder"), its name, and the config file it trains."""
+    """One line of a table: its group ("comparison" or "ladder"), its name, the config file it trains, and the
+    training arguments it sets (`ultramem-train` flags)."""
 
     group: str
     name: str
     config_file: Path
     config: dict[str, Any]
+    training_arguments: dict[str, Any]
+
+    @property
+    def key(self) -> str:
+        return config_key(self.config, self.training_arguments)
 
 
 def _slug(text: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in text.lower().lstrip("+")).strip("-").replace("--", "-")
 
 
-def row_configs(scale: str) -> list[tuple[str, str, PreTrainedConfig]]:
-    """(group, name, config) for every row at `scale`: the four-model comparison, then the ladder in order (at the
-    scales that have one)."""
+def row_configs(scale: str) -> list[tuple[str, str, PreTrainedConfig, dict[str, Any]]]:
+    """(group, name, config, training arguments) for every row at `scale`: the four-model comparison, then the ladder
+    in order (at the scales that have one)."""
     if scale not in COMPARISON:
         raise ValueError(f"--scale {scale!r}: allowed values are {', '.join(COMPARISON)}")
-    rows = [("comparison", name, presets.get_config(preset)) for name, preset in COMPARISON[scale].items()]
+    rows = []
+    for name, preset in COMPARISON[scale].items():
+        config = presets.get_config(preset)
+        rows.append(("comparison", name, config, _value_lr(config, presets.get_training_arguments(preset))))
     if scale not in ablation.LADDER_SCALES:
         return rows
     # the ladder shares the presets' position limit, so its first and last rows are the PKM and UltraMem rows
     positions = rows[-1][2].max_position_embeddings
     rows += [
-        ("ladder", name, config) for name, config in ablation.ablation_ladder(scale, max_position_embeddings=positions)
+        ("ladder", name, config, _value_lr(config, ablation.ladder_training_arguments(name)))
+        for name, config in ablation.ablation_ladder(scale, max_position_embeddings=positions)
     ]
     return rows
 
 
-def row_files(scale: str) -> list[tuple[str, str, PreTrainedConfig, Path]]:
+def _value_lr(config: PreTrainedConfig, recommended: dict[str, Any]) -> dict[str, Any]:
+    """A row's training arguments: for a model with value tables, both value-LR settings, spelled out (the recipe's
+    over the defaults), so a run never depends on a default that may change; none for the others."""
+    if not getattr(config, "memory_layers", None):
+        return dict(recommended)
+    defaults = {"value_lr_multiplier": DEFAULT_VALUE_LR_MULTIPLIER, "value_lr_decay": DEFAULT_VALUE_LR_DECAY}
+    return {**defaults, **recommended}
+
+
+def _rows(scale: str) -> list[tuple[str, str, PreTrainedConfig, dict[str, Any], Path]]:
     """`row_configs` with the file each row's config is stored in (`<group>-<index in group>-<name>.json`)."""
     counters: dict[str, int] = {}
     files = []
-    for group, name, config in row_configs(scale):
+    for group, name, config, training in row_configs(scale):
         counters[group] = counters.get(group, 0) + 1
-        files.append((group, name, config, CONFIG_DIR / scale / f"{group}-{counters[group]:02d}-{_slug(name)}.json"))
+        path = CONFIG_DIR / scale / f"{group}-{counters[group]:02d}-{_slug(name)}.json"
+        files.append((group, name, config, training, path))
     return files
+
+
+def row_files(scale: str) -> list[tuple[str, str, PreTrainedConfig, Path]]:
+    """(group, name, config, the file the config is stored in) for every row at `scale`."""
+    return [(group, name, config, path) for group, name, config, _, path in _rows(scale)]
+
+
+def row_training_arguments(scale: str) -> dict[str, dict[str, Any]]:
+    """What `training_arguments.json` stores: each row's training arguments, by the name of its config file."""
+    return {path.name: training for _, _, _, training, path in _rows(scale)}
 
 
 def config_dict(config: PreTrainedConfig) -> dict[str, Any]:
@@ -110,24 +144,30 @@ def built_config(values: dict[str, Any]) -> PreTrainedConfig:
 
 
 def write_configs(scale: str) -> list[Path]:
-    """Write one config JSON per row (what `--config_file` of `ultramem-train` reads)."""
+    """Write one config JSON per row (what `--config_file` of `ultramem-train` reads) and the rows' training
+    arguments (`training_arguments.json`)."""
     paths = []
     for _, _, config, path in row_files(scale):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(config_dict(config), indent=2, sort_keys=True) + "\n")
         paths.append(path)
-    return paths
+    path = CONFIG_DIR / scale / TRAINING_ARGUMENTS_FILE
+    path.write_text(json.dumps(row_training_arguments(scale), indent=2) + "\n")
+    return [*paths, path]
 
 
 def load_rows(scale: str, selection: str) -> list[Row]:
     """Rows whose config files exist, filtered by `--rows` (comparison, ladder, all, or comma-separated names)."""
     rows = []
+    stored = CONFIG_DIR / scale / TRAINING_ARGUMENTS_FILE
     for group, name, _, path in row_files(scale):
-        if not path.is_file():
+        if not path.is_file() or not stored.is_file():
+            missing = stored if path.is_file() else path
             raise FileNotFoundError(
-                f"{path} is missing: run `python {Path(__file__).name} --write-configs --scale {scale}`"
+                f"{missing} is missing: run `python {Path(__file__).name} --write-configs --scale {scale}`"
             )
-        rows.append(Row(group, name, path, json.loads(path.read_text())))
+        training = json.loads(stored.read_text()).get(path.name, {})
+        rows.append(Row(group, name, path, json.loads(path.read_text()), training))
     if selection == "all":
         return rows
     if selection in ("comparison", "ladder"):
@@ -141,9 +181,10 @@ def load_rows(scale: str, selection: str) -> list[Row]:
     return [row for row in rows if row.name in wanted]
 
 
-def config_key(config: dict[str, Any]) -> str:
-    """Rows with the same key train the same model: their runs are shared."""
-    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+def config_key(config: dict[str, Any], training_arguments: dict[str, Any]) -> str:
+    """Rows with the same key train the same model the same way: their runs are shared."""
+    trained = {"config": config, "training_arguments": training_arguments}
+    return hashlib.sha256(json.dumps(trained, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # ---- data ------------------------------------------------------------------------------------------------------
@@ -281,7 +322,8 @@ def train_arguments(row: Row, seed: int, settings: dict[str, Any], data: dict[st
     training = {"per_device_train_batch_size": settings["batch_size"], "per_device_eval_batch_size": settings["batch_size"],
                 "max_steps": settings["max_steps"], "learning_rate": settings["learning_rate"],
                 "logging_steps": settings["logging_steps"], "diagnostics_batch_size": 2, "seed": seed,
-                "output_dir": str(output_dir), "save_strategy": "no", "report_to": "none", "disable_tqdm": True}  # fmt: skip
+                "output_dir": str(output_dir), "save_strategy": "no", "report_to": "none", "disable_tqdm": True,
+                **row.training_arguments}  # fmt: skip
     if settings["bf16"]:  # the Trainer refuses bf16 without an accelerator unless told to use the CPU
         training.update(bf16=True, **({} if torch.cuda.is_available() else {"use_cpu": True}))
     argv = [text for key, value in {**model, **data_, **training}.items()
@@ -310,7 +352,7 @@ def train_one(
     points = settings["eval_points"]
     eval_steps = {max(1, round(steps * i / points)) for i in range(1, points + 1)}
     recorder = QualityRecorder(blocks, eval_steps, settings["batch_size"], settings["bf16"])
-    output_dir = work / f"{config_key(row.config)}-seed{seed}"
+    output_dir = work / f"{row.key}-seed{seed}"
     arguments, argv = train_arguments(row, seed, settings, data, output_dir)
     start = time.perf_counter()
     train(*arguments, callbacks=[recorder])
@@ -323,7 +365,7 @@ def train_one(
     loss_key = "lm_loss" if "lm_loss" in tail[-1] else "loss"
     diagnostics = {k: v for k, v in recorder.train_logs[-1].items() if k.startswith("memory/")}
     return {
-        "config_key": config_key(row.config),
+        "config_key": row.key,
         "seed": seed,
         "argv": ["ultramem-train", *argv],
         "curve": recorder.curve,
@@ -345,7 +387,7 @@ def summarize(rows: list[Row], runs: list[dict[str, Any]]) -> list[dict[str, Any
     table = []
     reference: dict[str, dict[int, float]] = {}  # group -> seed -> validation loss of the reference row
     for row in rows:
-        key = config_key(row.config)
+        key = row.key
         mine = [run for run in runs if run["config_key"] == key]
         if not mine:
             continue
@@ -356,6 +398,7 @@ def summarize(rows: list[Row], runs: list[dict[str, Any]]) -> list[dict[str, Any
             "group": row.group,
             "name": row.name,
             "config_file": str(row.config_file.relative_to(ROOT.parent)),
+            "training_arguments": row.training_arguments,
             "config_key": key,
             "seeds": [run["seed"] for run in mine],
             "train_loss": statistics.fmean(run["train_loss"] for run in mine),
@@ -518,7 +561,7 @@ def planned_runs(rows: list[Row], seeds: int, seeded: set[str]) -> list[tuple[Ro
     seen: set[tuple[str, int]] = set()
     for seed in range(seeds):
         for row in rows:
-            key = (config_key(row.config), seed)
+            key = (row.key, seed)
             if key not in seen and (seed == 0 or row.name in seeded):
                 seen.add(key)
                 plan.append((row, seed))
@@ -551,7 +594,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="corpus folder(s) of train.jsonl.xz and valid.jsonl.xz, sampled in equal shares; default: the shipped Gutenberg slice",
     )
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "ultramem" / "bench_quality")
-    parser.add_argument("--write-configs", action="store_true", help="write the per-row config JSONs and exit")
+    parser.add_argument(
+        "--write-configs", action="store_true", help="write the per-row config JSONs and training arguments, and exit"
+    )
     parser.add_argument(
         "--report-only", action="store_true", help="rewrite table and plots from the results JSON, train nothing"
     )
@@ -588,7 +633,7 @@ def main(argv: list[str] | None = None) -> Path:
         if args.seeded_rows == "all"
         else {name.strip() for name in args.seeded_rows.split(",")}
     )
-    known = [name for _, name, _ in row_configs(args.scale)]
+    known = [name for _, name, _, _ in row_configs(args.scale)]
     if seeded - set(known):
         raise ValueError(f"--seeded-rows: unknown row(s) {sorted(seeded - set(known))}; allowed: all or {known}")
     settings = {
@@ -628,7 +673,7 @@ def main(argv: list[str] | None = None) -> Path:
         meta["started"] = previous["meta"]["started"]
     done = {(run["config_key"], run["seed"]) for run in runs}
     for row, seed in planned_runs(rows, args.seeds, seeded):
-        if (config_key(row.config), seed) in done:
+        if (row.key, seed) in done:
             continue
         print(f"[bench_quality] {row.group} / {row.name} / seed {seed}", flush=True)
         runs.append(train_one(row, seed, settings, data, blocks, args.cache_dir / "runs"))
