@@ -76,8 +76,9 @@ def _layer_statistics(
     keep: torch.Tensor,
     chunk: int,
     rows_per_step: int,
-) -> dict[str, float]:
-    """Statistics of one memory layer from its retrieval's inputs and outputs, over the tokens where `keep` (B, T)."""
+) -> tuple[dict[str, float], torch.Tensor]:
+    """Statistics of one memory layer from its retrieval's inputs and outputs, over the tokens where `keep` (B, T),
+    and the table (or pool) rows it read."""
     retrieval = layer.retrieval
     virtual_index, scores = (tensor[keep] for tensor in retrieved)  # (tokens, H, m), (tokens, H, m, h)
     # The queries were captured in the forward's dtype: bfloat16 under mixed precision (Accelerate's autocast),
@@ -96,12 +97,13 @@ def _layer_statistics(
             (virtual_index[part].flatten(0, 1).unsqueeze(-1) == exact.unsqueeze(-2)).any(-1).sum()
         )  # one sync, at the end
 
-    physical, _ = layer.value_expansion.physical_slots(virtual_index)
-    return {
+    physical = layer.value_expansion.physical_slots(virtual_index)[0].unique()
+    statistics = {
         "tdqkr_recall": hits.item() / max(virtual_index.numel(), 1),
-        "slot_usage": physical.unique().numel() / layer.value_expansion.num_values,
+        "slot_usage": physical.numel() / layer.value_expansion.num_values,  # of its own rows (its window of a pool)
         "top1_score": scores.sum(-1).amax(-1).mean().item(),
     }
+    return statistics, physical
 
 
 @torch.no_grad()
@@ -116,7 +118,9 @@ def retrieval_diagnostics(
 
     tdqkr_recall: fraction of the exact top-m (over all n^2 grid cells) that the two-phase approximate
         top-m retrieves; 1.0 for product keys, where the two-phase search is exact.
-    slot_usage: fraction of the N physical value rows the batch touches.
+    slot_usage: fraction of the N physical value rows the batch touches (a layer's window, with a shared pool).
+    pool_slot_usage: with a value pool shared by the memory layers (`value_pool_size`), the fraction of its rows
+        that any layer touches (absent without a pool). Pre-value tables share their values' rows.
     top1_score: mean over tokens and heads of the highest selected score (summed over MCS cores).
     memory_output_std: standard deviation of the memory layers' outputs.
 
@@ -150,10 +154,15 @@ def retrieval_diagnostics(
 
     keep = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     totals = {"tdqkr_recall": 0.0, "slot_usage": 0.0, "top1_score": 0.0, "memory_output_std": 0.0}
+    rows_read = []
     for idx, layer in enumerate(memory_layers):
         (row_query, col_query, _), retrieved = captured[idx]["retrieval"]
-        stats = _layer_statistics(layer, (row_query, col_query), retrieved, keep, chunk, rows_per_step)
+        stats, rows = _layer_statistics(layer, (row_query, col_query), retrieved, keep, chunk, rows_per_step)
         stats["memory_output_std"] = captured[idx]["layer"][1][keep].float().std().item()
+        rows_read.append(rows.cpu())  # layers may sit on different devices
         for key, value in stats.items():
             totals[key] += value / len(memory_layers)
+    pool_size = getattr(model.config, "value_pool_size", None)
+    if pool_size:
+        totals["pool_slot_usage"] = torch.cat(rows_read).unique().numel() / pool_size
     return totals
