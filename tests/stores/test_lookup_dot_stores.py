@@ -82,10 +82,11 @@ def test_a_deferred_table_says_how_to_attach_a_store(lookup):
         DeferredValueTable(NUM_ROWS, WIDTH, 1.0).lookup_dot(rows, query, None)
 
 
-@pytest.mark.parametrize("store", ["int8", "cpu-int4"])
-def test_quantized_stores_refuse_pre_value_tables_in_one_line(lookup, store):
+@pytest.mark.parametrize(("store", "name"), [("int8", NAME), ("cpu-int4", NAME), ("int8", "model.value_pool.weight")])
+def test_quantized_stores_refuse_pre_value_and_pool_tables_in_one_line(lookup, store, name):
     table = lookup[0]
     with pytest.raises(
-        QuantizationError, match=rf"memory_quantization='int\d' covers the value tables, not {NAME}: use memory_"
+        QuantizationError,
+        match=rf"memory_quantization='int\d' covers each memory layer's value table, not {name}: use memory_",
     ):
-        QUANTIZED_STORES[store].from_table(table, NAME, num_cores=2)
+        QUANTIZED_STORES[store].from_table(table, name, num_cores=2)

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..value_stores import ValueStoreMixin, deferred_value_tables
 from .format import QuantizationError, check_format, resolve_group_size
-from .stores import QUANTIZED_STORES, QuantizedCheckpoint, check_no_pre_values, saved_quantization, store_name
+from .stores import QUANTIZED_STORES, QuantizedCheckpoint, check_quantizable, saved_quantization, store_name
 
 
 def from_pretrained_quantized(
@@ -47,7 +47,7 @@ def from_pretrained_quantized(
     if config is None:
         hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "subfolder", "local_files_only") if k in kwargs}
         config = model_class.config_class.from_pretrained(pretrained_model_name_or_path, **hub)
-    check_no_pre_values(config, format)
+    check_quantizable(config, format)
     configured = getattr(config, "memory_quantization_group_size", None)  # an Auto class hands the keyword over
     group_size = memory_quantization_group_size or configured or (saved_group if saved_format == format else None)
     if saved_format is not None and saved_group is not None and group_size != saved_group:

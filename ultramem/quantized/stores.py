@@ -34,13 +34,13 @@ from ..offload.safetensors_file import (
     read_header,
 )
 from ..offload.stores import DiskValueStore, HostValueStore
-from ..value_stores import is_pre_value_table
+from ..value_stores import is_pre_value_table, shared_by_layers
 from .format import FORMATS, QuantizationError, check_format, quantize, quantized_width, resolve_group_size
 from .ops import lookup_reduce_quantized
 
 logger = logging.get_logger(__name__)
 
-TABLE_KEY = re.compile(r"(^|\.)(memory_layers\.\d+\.values|value_pool)\.weight$")  # pre-value tables: not covered
+TABLE_KEY = re.compile(r"(^|\.)memory_layers\.\d+\.values\.weight$")
 METADATA_FORMAT, METADATA_GROUP = "ultramem_quantization", "ultramem_quantization_group_size"
 FROZEN_WARNING = (
     "Quantized value tables are frozen: training updates every other weight (scores and queries get their "
@@ -48,15 +48,20 @@ FROZEN_WARNING = (
 )
 
 
-def check_no_pre_values(config: Any, format: str | None, name: str = "") -> None:
-    """One line when the model has PEER pre-value tables: they are read by dots, which no quantized store serves."""
-    gate = str(getattr(config, "value_gate", "none"))
+def check_quantizable(config: Any, format: str | None, name: str = "") -> None:
+    """One line when the model has tables no quantized store serves: PEER pre-value tables (read by dots) and a value
+    pool shared by the memory layers (the config refuses both with memory_quantization)."""
+    gate, pool = str(getattr(config, "value_gate", "none")), getattr(config, "value_pool_size", None)
     if gate.startswith("peer") or is_pre_value_table(name):
         tables = f"the pre-value tables of value_gate={gate!r}" if gate.startswith("peer") else name
-        raise QuantizationError(
-            f"memory_quantization={format!r} covers the value tables, not {tables}: use memory_quantization=None "
-            "for this model (float tables; memory_offload still applies)"
-        )
+    elif pool or shared_by_layers(name):
+        tables = f"a value pool shared by the memory layers (value_pool_size={pool})" if pool else name
+    else:
+        return
+    raise QuantizationError(
+        f"memory_quantization={format!r} covers each memory layer's value table, not {tables}: use "
+        "memory_quantization=None for this model (float tables; memory_offload still applies)"
+    )
 
 
 class QuantizedCheckpoint(SafetensorsCheckpoint):
@@ -164,7 +169,7 @@ class QuantizedStoreMixin:
     ) -> tuple[str, int, int]:
         format = format or cls.format
         check_format(format)
-        check_no_pre_values(config, format, name)
+        check_quantizable(config, format, name)
         if format is None:
             raise QuantizationError(f"{cls.__name__} needs format='int8' or 'int4'")
         if num_cores is None and config is None:
