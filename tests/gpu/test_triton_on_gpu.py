@@ -139,6 +139,48 @@ def test_lookup_reduce_matches_the_reference(device, check, dtype, deterministic
               float(not torch.equal(runs[0][1], runs[1][1])), 0.0, **detail)  # fmt: skip
 
 
+PRE_VALUE_DIM = 16 if SMOKE else 256  # Dp of UltraMemV2's official run script
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_lookup_dot_matches_the_reference(device, check, dtype, deterministic):
+    """PEER's gate <pre_values[row], query>: forward, table and query gradients against `memory_ops.lookup_dot` in
+    float32, at the memory shape's slots per token; rows from a hot 1/64 of the table, as for lookup_reduce.
+    Deterministic: identical bits twice."""
+    config = get_config(MEMORY)
+    slots = config.memory_heads * config.memory_topk
+    generator = torch.Generator(device=device).manual_seed(4)
+    table = torch.randn(ROWS, PRE_VALUE_DIM, device=device, generator=generator).to(dtype)
+    rows = torch.randint(0, ROWS // 64, (TOKENS, slots), device=device, generator=generator)
+    query = torch.randn(TOKENS, PRE_VALUE_DIM, device=device, generator=generator).to(dtype)
+    grad_out = torch.randn(TOKENS, slots, device=device, generator=generator).to(dtype)
+    table32, query32 = table.float().requires_grad_(), query.float().requires_grad_()
+    expected = memory_ops.lookup_dot(table32, rows, query32)
+    expected_grads = torch.autograd.grad(expected, (table32, query32), grad_out.float())
+
+    detail = dict(config=MEMORY, dtype=dtype_name(dtype), tokens=TOKENS, rows=ROWS, pre_value_dim=PRE_VALUE_DIM,
+                  mode="deterministic" if deterministic else "atomic")  # fmt: skip
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        runs = []
+        for _ in range(2):
+            table_, query_ = table.clone().requires_grad_(), query.clone().requires_grad_()
+            out = kernels.lookup_dot(table_, rows, query_)
+            runs.append((out, *torch.autograd.grad(out, (table_, query_), grad_out)))
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    out, grad_table, grad_query = runs[0]
+    tolerance = TOLERANCE[dtype]
+    check("lookup_dot forward", relative_error(out, expected), tolerance, **detail)
+    check("lookup_dot backward: table", relative_error(grad_table, expected_grads[0]), tolerance, **detail)
+    check("lookup_dot backward: query", relative_error(grad_query, expected_grads[1]), tolerance, **detail)
+    if deterministic:
+        check("lookup_dot deterministic backward: bits differing between two runs",
+              float(not torch.equal(runs[0][1], runs[1][1])), 0.0, **detail)  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
 def test_tucker_candidate_topk_matches_the_reference(device, check, dtype):
     """The fused m x m scoring picks the reference's winners (ties may reorder them), and the gradients through the
