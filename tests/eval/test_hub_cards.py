@@ -58,6 +58,9 @@ def trained(tmp_path: Path, checkpoint: Path) -> Path:
             {"step": 200, "loss": 5.25, "learning_rate": 1e-5},
             {"step": 200, "eval_loss": 5.5},
         ],
+        "stateful_callbacks": {  # as the Trainer saves `ultramem.training`'s ValueLearningRate callback
+            "ValueLearningRate": {"args": {"value_lr_multiplier": 4.0, "value_lr_decay": False}, "attributes": {}}
+        },
     }
     (folder / "trainer_state.json").write_text(json.dumps(state), encoding="utf-8")
     return folder
@@ -80,7 +83,7 @@ def test_card_without_results_has_metadata_size_and_usage_but_no_scores(checkpoi
     assert f"({counts['memory_slots']:,})" in text and "(0, 1), (2, 3)" in text
     assert f'AutoModelForCausalLM.from_pretrained("{REPO}", trust_remote_code=True)' in text
     assert "## Evaluation" not in text and "Optimizer steps" not in text  # no results, no trainer_state.json
-    assert "10x the base rate at the start, decaying linearly to 1x" in text
+    assert "Value-table learning rate" not in text  # a training argument: the config does not say
 
 
 def test_card_with_results_and_trainer_state(trained: Path) -> None:
@@ -102,6 +105,7 @@ def test_card_with_results_and_trainer_state(trained: Path) -> None:
         and "Validation loss of the checkpoint (its own validation split): 5.5000" in text
     )
     assert "Peak logged learning rate: 0.0006" in text and "Batch size per device: 8" in text
+    assert "Value-table learning rate: 4x the base rate at the start, constant." in text
     row = next(line for line in text.splitlines() if line.startswith("| tiny-ultramem |"))
     assert row.split("|")[-3].strip() == "–"  # DROP
     assert "data not available: DROP" in text and "lm-eval 0.4.13 on the Hub datasets" in text
@@ -439,3 +443,13 @@ def test_card_snippet_runs_in_a_fresh_process_through_remote_code(head: str, mod
         capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0 and "RAN" in done.stdout, done.stderr[-3000:]
+
+
+def test_the_cards_value_lr_record_is_the_trainers():
+    """The card reads the value-LR settings under the name the trainer saves them (the layers keep the card from
+    importing the training package)."""
+    from ultramem.hub_cards.card import VALUE_LR_RECORD
+    from ultramem.training.schedule import ValueLearningRate
+
+    assert VALUE_LR_RECORD == ValueLearningRate.__name__
+    assert set(ValueLearningRate().state()["args"]) == {"value_lr_multiplier", "value_lr_decay"}

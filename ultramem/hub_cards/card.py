@@ -1,8 +1,8 @@
 """The Hub model card (README.md) of a checkpoint: metadata, size, memory layout, training recipe, usage, scores.
 
-Everything is read from the checkpoint folder (config.json, trainer_state.json when the Trainer wrote one) and
-from an `ultramem-eval` results JSON when given. A section whose facts are missing is left out, never printed
-with empty numbers.
+Everything is read from the checkpoint folder (config.json, trainer_state.json when the Trainer wrote one: steps,
+logs, the value tables' learning rate) and from an `ultramem-eval` results JSON when given. A section or line whose
+facts are missing is left out, never printed with empty numbers.
 """
 
 from __future__ import annotations
@@ -105,18 +105,31 @@ def _memory_section(config: PreTrainedConfig) -> str | None:
     return "## Memory layers\n\n| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n"
 
 
+# Where `ultramem.training` records the value tables' learning rate of a run: the `ValueLearningRate` callback among
+# the Trainer's stateful callbacks in trainer_state.json (a training argument, not a field of the model's config)
+VALUE_LR_RECORD = "ValueLearningRate"
+
+
+def _value_lr_line(state: Mapping[str, Any] | None) -> str | None:
+    """The value tables' learning rate the run recorded; None when it recorded none (the line is left out)."""
+    recorded = ((state or {}).get("stateful_callbacks") or {}).get(VALUE_LR_RECORD) or {}
+    settings = recorded.get("args")
+    if not settings:
+        return None
+    shape = "decaying linearly to 1x by the end of training" if settings["value_lr_decay"] else "constant"
+    return f"- Value-table learning rate: {settings['value_lr_multiplier']:g}x the base rate at the start, {shape}."
+
+
 def _training_section(config: PreTrainedConfig, folder: Path) -> str | None:
     lines = []
+    state = trainer_state(folder)
     if isinstance(config, UltraMemConfig) and config.memory_layers:
-        decay = "decaying linearly to 1x by the end of training" if config.value_lr_decay else "constant"
-        lines.append(
-            f"- Value-table learning rate: {config.value_lr_multiplier:g}x the base rate at the start, {decay}."
-        )
+        value_lr = _value_lr_line(state)
+        lines += [value_lr] if value_lr else []
         lines.append(
             "- Auxiliary loss on the Tucker cores' non-leading singular values: "
             f"alpha={config.aux_loss_alpha:g}, tau={config.aux_loss_tau:g}."
         )
-    state = trainer_state(folder)
     if state:
         steps = state.get("global_step")
         if steps:
