@@ -5,6 +5,10 @@ On CPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_IN
 triton where no GPU is present); on a CUDA machine they run compiled on the GPU.
 """
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -21,6 +25,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() and not interpreting()
 # (14-byte groups) and int4 with 6 (7-byte groups) put scales and biases at unaligned offsets.
 CASES = [("int8", 12), ("int8", 6), ("int4", 12), ("int4", 6)]
 VALUE_DIM = 24
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def case(format, group_size, cores, num_groups, dtype=torch.float32, tokens=5, slots=7, rows=30, value_dim=VALUE_DIM):
@@ -156,3 +161,18 @@ def test_cpu_tables_keep_the_quantized_embedding_bag_op(monkeypatch):
     quantized, rows, groups, scores, _ = case("int8", 12, 2, 4)
     out = quantized_ops.lookup_reduce_quantized(quantized, rows, groups, scores, 4, "int8", 12)
     assert_relative(out, lookup_reduce_quantized_reference(quantized, rows, groups, scores, 4, "int8", 12))
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the script's CPU mode (the GPU campaign runs it on the device)")
+def test_bandwidth_benchmark_measures_every_format(monkeypatch):
+    """benchmarks/bench_quantized_kernel.py: one row per format, the stored row bytes of each, a checked kernel."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location("bench_quantized_kernel", BENCHMARKS / "bench_quantized_kernel.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclass looks its module up there
+    spec.loader.exec_module(bench)
+    rows = {row.format: row for row in bench.measure("151m", [2], 64, DEVICE, repeats=1)}
+    assert {name: row.row_bytes for name, row in rows.items()} == {"bf16": 2 * 512, "int8": 2 * 264, "int4": 8 * 36}
+    for name in ("int8", "int4"):
+        assert rows[name].max_relative_error < 1e-5 and rows[name].speedup_vs_bf16 > 0
+        assert rows[name].score_backward_ms > 0
