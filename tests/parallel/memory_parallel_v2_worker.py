@@ -5,15 +5,18 @@ Run by `torch.multiprocessing.spawn` from `test_memory_parallel_v2.py`; each ran
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from conftest import small_config
 from safetensors.torch import load_file
 from torch import nn
 
+from ultramem import UltraMemForCausalLM
 from ultramem.memory_implementations import TORCH_MEMORY_OPS
 from ultramem.parallel import count_bytes
 from ultramem.parallel.checkpoint import TABLES_FILE, _write_tables, sharded_tables
@@ -33,7 +36,8 @@ NUM_ROWS, WIDTH, SLOTS = 24, 8, 6
 
 
 def _max_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).detach().abs().max()) if a.numel() else 0.0
+    """Largest difference, relative to the largest expected magnitude when that exceeds 1."""
+    return float((a - b).detach().abs().max() / b.detach().abs().max().clamp(min=1)) if a.numel() else 0.0
 
 
 def _rank_lookups(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,10 +142,62 @@ def cyclic_layout_checks(mesh, rank: int, folder: str) -> dict:
     return results
 
 
+def v2_config(**overrides):
+    """UltraMemV2 on the small test model: a memory layer beside every block's MLP, PEER pre-values, one projector,
+    and (unless `value_pool_size=None`) a pool of 72 rows, each layer's window 36 of them."""
+    switches = dict(memory_layers=[[block, block] for block in range(4)], memory_site="mlp", value_gate="peer",
+                    pre_value_dim=4, ive_single_projector=True, value_pool_size=72)  # fmt: skip
+    return small_config(memory_implementation="torch", **{**switches, **overrides})
+
+
+MODELS = {"pool": {}, "layers": {"value_pool_size": None}}
+MODEL_STORES = {"number": {"pool_at": "source"}, "number_owner": {"pool_at": "owner"}, "dimension": {"num_cores": 2}}
+
+
+def model_checks(mesh, world: int, rank: int) -> dict:
+    """Logits, loss and every gradient of the sharded V2 model on this rank's batch slice vs one process."""
+    results = {}
+    for model_key, overrides in MODELS.items():
+        torch.manual_seed(0)
+        config = v2_config(**overrides)
+        reference = UltraMemForCausalLM(config)
+        input_ids = torch.randint(1, config.vocab_size, (2 * world, 9))
+        out = reference(input_ids, labels=input_ids)
+        out.loss.backward()
+        expected = dict(reference.named_parameters())
+        mine = slice(2 * rank, 2 * rank + 2)
+        for key, options in MODEL_STORES.items():
+            model = copy.deepcopy(reference)
+            model.zero_grad()
+            model.set_value_store(key.removesuffix("_owner"), mesh=mesh, **options)
+            sharded = model(input_ids[mine], labels=input_ids[mine])
+            sharded.loss.backward()
+            loss = sharded.loss.detach().clone()
+            dist.all_reduce(loss)
+            errors = {
+                "logits": _max_error(sharded.logits, out.logits[mine]),
+                "loss": abs(float(loss) / world - float(out.loss)),
+            }
+            tables = []
+            for name, param in model.named_parameters():
+                if hasattr(param.grad, "to_local"):  # a table's shard: the same part of the full gradient
+                    store = model.get_submodule(name.removesuffix(".weight"))
+                    full = store.shard_view(expected[name].grad, store.rank, store.size, store.cyclic)
+                    errors[name] = _max_error(param.grad.to_local(), full)
+                    tables.append(name)
+                else:
+                    dist.all_reduce(param.grad)
+                    errors[name] = _max_error(param.grad / world, expected[name].grad)
+            results[f"{model_key}/{key}"] = {"errors": errors, "sharded_tables": sorted(tables),
+                                             "table_names": sorted(model.get_value_table_names())}  # fmt: skip
+    return results
+
+
 def run(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     mesh = memory_parallel_mesh(world)
-    results = {"lookup_dot": lookup_dot_checks(mesh, rank, world), "cyclic": cyclic_layout_checks(mesh, rank, out_dir)}
+    results = {"lookup_dot": lookup_dot_checks(mesh, rank, world), "cyclic": cyclic_layout_checks(mesh, rank, out_dir),
+               "model": model_checks(mesh, world, rank)}  # fmt: skip
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
