@@ -70,3 +70,33 @@ def assert_trains_like_the_reference(memory_implementation: str, input_ids: torc
 @pytest.fixture
 def config() -> UltraMemConfig:
     return small_config()
+
+
+# The successors as switches on `small_config` (docs/variants.md): UltraMemV2 (every block, beside the MLP, PEER
+# pre-values, one projector, a ring-shared pool), its GELU-gated form, and Memory+ (PKM with softmax in place of two
+# MLPs, the silu gate, one shared table)
+VARIANTS = {
+    "ultramemv2": dict(
+        memory_layers=[[i, i] for i in range(4)],
+        memory_site="mlp",
+        share_query=False,
+        value_gate="peer",
+        pre_value_dim=4,
+        ive_single_projector=True,
+        value_pool_size=72,  # 4 layers x 18: windows of 36 rows overlapping by half
+        aux_loss_alpha=0.0,
+    ),
+    "peer_gelu": dict(memory_layers=[[0, 2], [1, 1]], value_gate="peer_gelu", pre_value_dim=6),
+    "memoryplus": dict(
+        memory_layers=[[1, 1], [3, 3]],
+        memory_site="instead_of_mlp",
+        retrieval_mode="product_key",
+        tucker_rank=1,
+        mcs_cores=1,
+        memory_score_softmax=True,
+        value_gate="swilu",
+        ive_expansion=1,
+        value_pool_size=144,  # one table of n^2 rows, shared
+        improved_init=False,
+    ),
+}

@@ -467,11 +467,29 @@ def expected_top_m_mean(num_candidates: int, top_m: int) -> float:
 def mcs_output_gain(num_keys: int, top_m: int, rank: int, num_cores: int, samples: int = 512) -> float:
     """sqrt(E[S^2] / E[mean_i s_i^2]) over the top-m slots at init: the value scale that makes h cores match one.
 
-    Sampled (seeded, float64) with standard normal row/column scores (r, n) and random cores, the top-m
-    taken by the two-phase search over the signed rank-1 candidates; see `modeling_ultramem.MemoryInitScales`.
+    See `sampled_core_scores` and `modeling_ultramem.MemoryInitScales`.
     """
     if num_cores == 1:
         return 1.0
+    selected = sampled_core_scores(num_keys, top_m, rank, num_cores, samples, signed=True)
+    return (selected.sum(-1).pow(2).mean() / selected.pow(2).mean()).sqrt().item()
+
+
+@functools.cache
+def core_score_second_moment(
+    num_keys: int, top_m: int, rank: int, num_cores: int, signed: bool, samples: int = 2048
+) -> float:
+    """E[s_i^2] of the per-core scores of the top-m slots at init, for unit-variance row and column scores: the
+    (1 + sigma_s^2) of UltraMemV2's appendix A (Eq. 22), sampled as the paper does, with the model's candidates."""
+    return sampled_core_scores(num_keys, top_m, rank, num_cores, samples, signed).pow(2).mean().item()
+
+
+def sampled_core_scores(
+    num_keys: int, top_m: int, rank: int, num_cores: int, samples: int, signed: bool
+) -> torch.Tensor:
+    """Per-core scores (S, m, h) of the top-m slots of `samples` draws at init (seeded, float64): standard normal
+    row/column scores (r, n) and random cores, the top-m taken by the two-phase search over the rank-1 candidates
+    (`rank_one_candidates`)."""
     generator = torch.Generator().manual_seed(0)
     # torch.normal, not torch.randn (the same numbers): DeepSpeed's `zero.Init` casts what torch.randn makes to the
     # training dtype, and torch.linalg.svd has no bfloat16 kernel (ZeRO-3 with --bf16 failed building the model)
@@ -480,13 +498,15 @@ def mcs_output_gain(num_keys: int, top_m: int, rank: int, num_cores: int, sample
     cores = torch.normal(0.0, 1.0, (samples, num_cores, rank, rank), **float64)
     cores = cores / (num_cores * rank * rank) ** 0.5  # E||sum_i C^(i)||_F^2 = 1, as `TuckerQueryKeyRetrieval`
     left, _, right_h = torch.linalg.svd(cores.sum(1))
-    candidates = []
-    for scores, vector in ((rows, left[..., :, 0]), (cols, right_h[..., 0, :])):
-        projected = torch.einsum("srn,sr->sn", scores, vector)
-        index = torch.cat([projected.topk(top_m).indices, (-projected).topk(top_m).indices], dim=-1)  # (S, 2m)
-        candidates.append(scores.gather(-1, index.unsqueeze(1).expand(-1, rank, -1)))  # (S, r, 2m)
-    _, selected = tucker_candidate_topk(candidates[0], candidates[1], cores, top_m)  # (S, m, h) per-core scores
-    return (selected.sum(-1).pow(2).mean() / selected.pow(2).mean()).sqrt().item()
+    projected = (
+        torch.einsum("srn,sr->sn", rows, left[..., :, 0]),
+        torch.einsum("srn,sr->sn", cols, right_h[..., 0, :]),
+    )
+    indices = rank_one_candidates(*projected, top_m, signed)  # (S, m') each
+    row_candidates, col_candidates = (
+        scores.gather(-1, index.unsqueeze(1).expand(-1, rank, -1)) for scores, index in zip((rows, cols), indices)
+    )  # (S, r, m')
+    return tucker_candidate_topk(row_candidates, col_candidates, cores, top_m)[1]  # (S, m, h)
 
 
 def lookup_dot(table: torch.Tensor, rows: torch.Tensor, query: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,7 @@ from .configuration_ultramem import BLOCK_SITE, NO_GATE, PEER, PEER_GELU, SWILU,
 from .inference_cache import InferenceCache
 from .memory_implementations import MemoryOps, check_memory_implementation, memory_ops_for
 from .memory_ops import (
+    core_score_second_moment,
     core_svd,
     expected_top_m_mean,
     key_balance_loss,
@@ -132,7 +133,8 @@ class MemoryInitScales:
     @classmethod
     def from_config(cls, config: UltraMemConfig) -> "MemoryInitScales":
         core_scale = mcs_output_gain(config.memory_num_keys, config.memory_topk, config.tucker_rank, config.mcs_cores)
-        core_scale /= math.sqrt(GATE_SECOND_MOMENTS[config.value_gate])
+        gate_moment = GATE_SECOND_MOMENTS[config.value_gate]
+        core_scale /= math.sqrt(gate_moment)
         gates = {
             "pre_value_std": config.pre_value_dim**-0.5 if config.pre_value_dim else 0.0,
             "gate_input_std": config.hidden_size**-0.5,
@@ -146,8 +148,20 @@ class MemoryInitScales:
             query_gain = top_mean**-0.5  # Var(S_row^T C S_col) = g^4 ||C||_F^2 = 1 / top_mean^2
         else:
             query_gain = 1.0 / (math.sqrt(2.0) * top_mean)  # Var(s_row + s_col) = 2 g^2
+        target = 1.0 / (2 * config.num_hidden_layers)  # the output variance, per dimension
+        value_std = core_scale * math.sqrt(num_groups * target / activated)
+        if config.value_gate in (PEER, PEER_GELU) and config.retrieval_mode == TUCKER:
+            # UltraMemV2's rule: the selected scores' spread counted, sampled, not taken as 1 (see the docstring)
+            second_moment = query_gain**4 * core_score_second_moment(
+                config.memory_num_keys,
+                config.memory_topk,
+                config.tucker_rank,
+                config.mcs_cores,
+                config.tdqkr_signed_candidates,
+            )
+            value_std = math.sqrt(num_groups * target / (activated * second_moment * gate_moment))
         return cls(
-            value_std=core_scale * math.sqrt(num_groups / (2 * activated * config.num_hidden_layers)),
+            value_std=value_std,
             projector_std=(num_groups * config.memory_value_dim) ** -0.5,
             query_gain=query_gain,
             key_gain=(config.memory_key_dim // config.tucker_rank) ** -0.5,

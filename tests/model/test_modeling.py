@@ -108,9 +108,17 @@ def test_backbone_matches_gpt_neox(attn_implementation):
 # ----------------------------------------------------------------------------------------------------
 
 
-def _reference_memory_layer(layer, hidden: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
-    """One token and one head at a time, in float64, from the equations (no code shared with the model)."""
+def _reference_memory_layer(
+    layer, hidden: torch.Tensor, params: dict[str, torch.Tensor], tables: dict[str, torch.Tensor] | None = None
+) -> torch.Tensor:
+    """One token and one head at a time, in float64, from the equations (no code shared with the model).
+
+    Covers the paper's layer (TDQKR or PKM retrieval, MCS, IVE) and the successors' switches: PEER pre-value gates
+    (UltraMemV2 Eq. 15, GELU for PEER's Eq. 13), Memory+'s silu gate, V2's single projector (Eq. 12) and a value pool
+    read through each layer's window. `tables`: "values" (and "pre_values") when the model's pool holds them.
+    """
     config = layer.config
+    tables = tables or params
     batch, length, hidden_size = hidden.shape
     heads, m, n, rank, cores_n = (
         config.memory_heads,
@@ -119,30 +127,35 @@ def _reference_memory_layer(layer, hidden: torch.Tensor, params: dict[str, torch
         config.tucker_rank,
         config.mcs_cores,
     )
-    part, value_dim, groups = config.memory_key_dim // rank, config.memory_value_dim, config.ive_expansion
+    part, value_dim = config.memory_key_dim // rank, config.memory_value_dim
+    groups = 1 if config.ive_single_projector else config.ive_expansion
     num_values, eps = config.memory_num_values, config.layer_norm_eps
-    permutation = layer.value_expansion.virtual_to_physical.tolist()
+    shuffle = layer.value_expansion.virtual_to_physical
+    permutation = shuffle.tolist() if shuffle is not None else list(range(n * n))
+    pool = config.value_pool_size
+    window_start = layer.memory_idx * pool // config.num_memory_layers if pool else 0
 
     x = F.layer_norm(hidden, (hidden_size,), params["norm.weight"], params["norm.bias"], eps)
-    kernel = config.query_conv_kernel_size
-    conv_weight = params["query.conv.weight"][:, 0, :]  # (D, k)
-    convolved = []
-    for t in range(length):
-        acc = params["query.conv.bias"].expand(batch, hidden_size)
-        for j in range(kernel):
-            source = t - (kernel - 1) + j
-            if source >= 0:
-                acc = acc + conv_weight[:, j] * x[:, source]
-        convolved.append(acc)
-    convolved = torch.stack(convolved, dim=1)
+    convolved = x
+    if config.use_query_conv:
+        kernel = config.query_conv_kernel_size
+        conv_weight = params["query.conv.weight"][:, 0, :]  # (D, k)
+        convolved = []
+        for t in range(length):
+            acc = params["query.conv.bias"].expand(batch, hidden_size)
+            for j in range(kernel):
+                source = t - (kernel - 1) + j
+                if source >= 0:
+                    acc = acc + conv_weight[:, j] * x[:, source]
+            convolved.append(acc)
+        convolved = torch.stack(convolved, dim=1)
     num_queries = 1 if config.share_query else 2
     query = (convolved @ params["query.proj.weight"].T).view(batch, length, heads, num_queries, rank, part)
     query = F.layer_norm(query, (part,), params["query.norm.weight"], params["query.norm.bias"], eps)
     key_norm = (params["retrieval.key_norm.weight"], params["retrieval.key_norm.bias"])
     row_keys = F.layer_norm(params["retrieval.row_keys"], (part,), *key_norm, eps)
     col_keys = F.layer_norm(params["retrieval.col_keys"], (part,), *key_norm, eps)
-    cores = params["retrieval.cores"]
-    values = params["values.weight"]
+    values = tables["values.weight"]
     chunk = value_dim // cores_n
 
     outputs = []
@@ -152,29 +165,50 @@ def _reference_memory_layer(layer, hidden: torch.Tensor, params: dict[str, torch
             for h in range(heads):
                 s_row = torch.stack([row_keys[h, a] @ query[b, t, h, 0, a] for a in range(rank)])  # (r, n)
                 s_col = torch.stack([col_keys[h, a] @ query[b, t, h, -1, a] for a in range(rank)])
-                core = cores[h].sum(0).detach().numpy()
-                left, _, right_h = np.linalg.svd(core)
-                proj_row, proj_col = left[:, 0] @ s_row.detach().numpy(), right_h[0] @ s_col.detach().numpy()
-                # the quadrant (both large or both very negative) with the higher best rank-1 score
-                if proj_row.max() * proj_col.max() < proj_row.min() * proj_col.min():
-                    proj_row, proj_col = -proj_row, -proj_col
-                rows = np.argsort(-proj_row, kind="stable")[:m]
-                cols = np.argsort(-proj_col, kind="stable")[:m]
                 candidates = []
-                for i in rows:
-                    for j in cols:
-                        per_core = [s_row[:, i] @ cores[h, c] @ s_col[:, j] for c in range(cores_n)]
-                        candidates.append((sum(per_core).item(), int(i), int(j), per_core))
+                if config.retrieval_mode == "product_key":
+                    rows = np.argsort(-s_row[0].detach().numpy(), kind="stable")[:m]
+                    cols = np.argsort(-s_col[0].detach().numpy(), kind="stable")[:m]
+                    for i in rows:
+                        for j in cols:
+                            score = s_row[0, i] + s_col[0, j]
+                            candidates.append((score.item(), int(i), int(j), [score]))
+                else:
+                    cores = params["retrieval.cores"]
+                    core = cores[h].sum(0).detach().numpy()
+                    left, _, right_h = np.linalg.svd(core)
+                    proj_row, proj_col = left[:, 0] @ s_row.detach().numpy(), right_h[0] @ s_col.detach().numpy()
+                    # the quadrant (both large or both very negative) with the higher best rank-1 score
+                    if proj_row.max() * proj_col.max() < proj_row.min() * proj_col.min():
+                        proj_row, proj_col = -proj_row, -proj_col
+                    rows = np.argsort(-proj_row, kind="stable")[:m]
+                    cols = np.argsort(-proj_col, kind="stable")[:m]
+                    for i in rows:
+                        for j in cols:
+                            per_core = [s_row[:, i] @ cores[h, c] @ s_col[:, j] for c in range(cores_n)]
+                            candidates.append((sum(per_core).item(), int(i), int(j), per_core))
                 candidates.sort(key=lambda item: -item[0])
-                for _, i, j, per_core in candidates[:m]:
+                selected = candidates[:m]
+                weights = [per_core for *_, per_core in selected]
+                if config.memory_score_softmax:  # PKM / Memory+: softmax over the head's m scores (one core)
+                    weights = [[w] for w in torch.softmax(torch.stack([w[0] for w in weights]), 0)]
+                for (_, i, j, _), per_core in zip(selected, weights):
                     shuffled = permutation[i * n + j]
                     row, group = shuffled % num_values, shuffled // num_values
-                    pooled[group].append(
+                    if pool:
+                        row = (row + window_start) % pool
+                    if config.value_gate in ("peer", "peer_gelu"):  # g = <W_p x, P[row]> multiplies every core
+                        gate = (params["pre_value_gate.proj.weight"] @ x[b, t]) @ tables["pre_values.weight"][row]
+                        gate = F.gelu(gate) if config.value_gate == "peer_gelu" else gate
+                        per_core = [w * gate for w in per_core]
+                    pooled[group if groups > 1 else 0].append(
                         torch.cat([per_core[c] * values[row, c * chunk : (c + 1) * chunk] for c in range(cores_n)])
                     )
             stacked = torch.cat(
                 [torch.stack(p).sum(0) if p else values.new_zeros(value_dim) for p in pooled]
             )  # (E * Dv,)
+            if config.value_gate == "swilu":  # Memory+: y * silu(W_1 x) before the projector
+                stacked = stacked * F.silu(params["value_expansion.gate.proj.weight"] @ x[b, t])
             outputs.append(params["value_expansion.projector.weight"] @ stacked)
     return torch.stack(outputs).view(batch, length, hidden_size)
 
