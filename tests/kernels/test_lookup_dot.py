@@ -15,8 +15,8 @@ from ultramem.memory_implementations import EMBEDDING_BAG_MEMORY_OPS, TORCH_MEMO
 # atol is relative to the largest expected magnitude: a bfloat16 table gradient sums dozens of rounded contributions
 # per row, in bfloat16 (as in test_embedding_bag_ops)
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1e-2, atol=3e-2)}
-LONG = memory_ops.EMBEDDING_BAG_MIN_TOKENS + 5  # runs embedding_bag
-SHORT = 3  # falls back to the reference
+LONG = memory_ops.EMBEDDING_BAG_MIN_TOKENS + 5
+SHORT = 3  # embedding_bag with autograd, the reference without (decoding)
 
 
 def _inputs(num_tokens: int, dtype: torch.dtype, num_rows: int = 7, dim: int = 12, num_slots: int = 10, seed: int = 0):
@@ -76,6 +76,8 @@ def test_embedding_bag_path_matches_reference(num_tokens, dtype):
     reference = _output_and_grads(memory_ops.lookup_dot, table.float(), rows, query.float())
     assert fast[0].shape == rows.shape
     _assert_close_to(fast, reference, dtype)
+    with torch.no_grad():
+        _assert_close_to([memory_ops.lookup_dot_embedding_bag(table, rows, query)], reference[:1], dtype)
 
 
 def test_embedding_bag_table_gradient_accumulates_and_leaves_unread_rows_zero():
