@@ -1,15 +1,21 @@
 """UltraMemV2's tables on 2 gloo processes: a V2 model (PEER pre-values, a memory layer beside every MLP, with a
 shared value pool or per-layer tables) sharded number-wise (pooling at the source or owner) or dimension-wise gives
 one process's logits, loss and every gradient; `lookup_dot` of each store against the whole table; a pool's cyclic
-rows in the lookup-reduce, and written (safetensors, DCP) in the table's own order."""
+rows in the lookup-reduce, and written (safetensors, DCP) in the table's own order; `ultramem-train
+--memory_parallel number` on a V2 config trains as one process and saves the pools in table order."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 import torch.multiprocessing as mp
+from launch_support import LAUNCHERS, base_args, losses, python_module, run_command, write_config, write_corpus
 from memory_parallel_v2_worker import MODEL_STORES, MODELS, STORES, run
+from transformers import AutoConfig
+
+from ultramem import UltraMemForCausalLM
 
 WORLD, TOLERANCE = 2, 1e-5
 MODEL_TOLERANCE = 2e-5  # fp32, relative to the largest magnitude above 1: the reduction order differs
@@ -51,3 +57,44 @@ def test_sharded_v2_model_matches_one_process(ranks, model, store):
         assert found["sharded_tables"] == found["table_names"]  # values and pre-values, or the two pools
         pools = ["model.pre_value_pool.weight", "model.value_pool.weight"]
         assert (found["table_names"] == pools) == (model == "pool"), found["table_names"]
+
+
+# `ultramem-train --memory_parallel` with a V2 config: the trainer's plan, value-LR group, and the final checkpoint
+# written from the shards (a pool's cyclic rows in table order) against one process from the same checkpoint
+V2_TRAINING = dict(memory_layers=[[0, 0], [1, 1]], memory_site="mlp", value_gate="peer", pre_value_dim=4,
+                   ive_single_projector=True, value_pool_size=96)  # fmt: skip
+STEPS, GLOBAL_BATCH = 6, 4
+PROBE = torch.arange(64).reshape(2, 32) * 97 % 50000
+
+
+@pytest.fixture(scope="module")
+def training(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mp-v2-training")
+    config, corpus = write_config(folder, **V2_TRAINING), write_corpus(folder)
+    torch.manual_seed(7)
+    UltraMemForCausalLM(AutoConfig.for_model(**json.loads(config.read_text()))).save_pretrained(folder / "start")
+
+    def argv(name: str, batch: int, **flags) -> list[str]:
+        args = base_args(config, corpus, folder / name, max_steps=STEPS, per_device_train_batch_size=batch,
+                         diagnostics_batch_size=0, model_name_or_path=folder / "start", **flags)  # fmt: skip
+        at = args.index("--config_file")
+        return args[:at] + args[at + 2 :]
+
+    run_command(python_module("ultramem.training", *argv("single", GLOBAL_BATCH)))
+    return folder, argv
+
+
+def test_sharded_v2_training_matches_one_process(training):
+    """Number-wise, so the pools' rows are owned cyclically (dimension-wise: the model checks above)."""
+    folder, argv = training
+    command, flags = LAUNCHERS["torchrun"]
+    result = run_command([*command, "ultramem.training", *argv("number", GLOBAL_BATCH // 2, memory_parallel="number"),
+                          *flags])  # fmt: skip
+    assert "memory_parallel=number shards 2 of " in result.stdout, result.stdout[-3000:]  # the two pools
+    assert losses(folder / "number") == pytest.approx(losses(folder / "single"), abs=1e-5)
+    sharded, single = (UltraMemForCausalLM.from_pretrained(folder / run).eval() for run in ("number", "single"))
+    for name in ("model.value_pool.weight", "model.pre_value_pool.weight"):  # written from cyclic shards
+        torch.testing.assert_close(sharded.get_parameter(name), single.get_parameter(name), rtol=0, atol=5e-5)
+    # AdamW's normalised steps lift fp32 reduction-order noise in the LM head's rows of tokens never seen to ~2e-4
+    with torch.no_grad():
+        torch.testing.assert_close(sharded(input_ids=PROBE).logits, single(input_ids=PROBE).logits, rtol=0, atol=2e-3)
