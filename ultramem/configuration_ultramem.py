@@ -368,7 +368,7 @@ class UltraMemConfig(PreTrainedConfig):
         """
         saved = {key: value for key, value in config_dict.items() if key not in _NEVER_LOADED}
         for key, default in _VALUE_LR_DEFAULTS.items():  # saved by older versions; the default changes nothing
-            if key in saved and saved[key] == default and type(saved[key]) is type(default):
+            if key in saved and saved[key] == default and isinstance(saved[key], bool) == isinstance(default, bool):
                 del saved[key]
         keywords = {name: kwargs.pop(name) for name in list(kwargs) if name in _KEYWORDS}
         return super().from_dict({**saved, **keywords}, **kwargs)
