@@ -27,7 +27,7 @@ import torch
 from ..configuration_ultramem import UltraMemConfig
 from ..modeling_ultramem import UltraMemForCausalLM
 from ..quantized.format import FORMATS, QuantizationError, quantize, quantized_width, resolve_group_size
-from ..quantized.stores import METADATA_FORMAT, METADATA_GROUP
+from ..quantized.stores import METADATA_FORMAT, METADATA_GROUP, TABLE_KEY
 from ..tokenization import load_tokenizer
 from .safetensors_file import INDEX_FILE
 
@@ -81,7 +81,9 @@ def write_random_checkpoint(
     model = build_without_tables(config, dtype)
     dense = {k: v for k, v in model.state_dict().items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
     tables = {name: model.get_submodule(name.removesuffix(".weight")) for name in model.get_value_table_names()}
-    writers = {name: _TableWriter(table, dtype, config.mcs_cores, memory_quantization, group_size)
+    # the tables `memory_quantization` applies to are quantized (as the converter does); any other stays in `dtype`
+    formats = {name: memory_quantization if TABLE_KEY.search(name) else None for name in tables}
+    writers = {name: _TableWriter(table, dtype, config.mcs_cores, formats[name], group_size)
                for name, table in tables.items()}  # fmt: skip
     table_metadata = {}
     if memory_quantization is not None:
