@@ -1,13 +1,13 @@
-"""The paper's ablation ladder (Table "Ablation study of model improvements") as configs of this model, and the
-training arguments of its one training row."""
+"""The paper's ablation ladder (Table "Ablation study of model improvements") as configs of this model, the
+training arguments of its one training row, and the ladder from UltraMem to UltraMemV2."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from .configuration_ultramem import TUCKER, UltraMemConfig
-from .presets import BACKBONES, PKM_SWITCHES, PKM_TRAINING, VOCAB_SIZE
+from .configuration_ultramem import MLP_SITE, PEER, TUCKER, UltraMemConfig
+from .presets import BACKBONES, PKM_SWITCHES, PKM_TRAINING, VOCAB_SIZE, get_config
 
 # The paper's ablation ladder (Table "Ablation study of model improvements"): each row changes exactly
 # one improvement of the previous row. Sizes that an improvement changes are derived from the row above.
@@ -107,3 +107,56 @@ def ladder_training_arguments(row: str) -> dict[str, Any]:
     if row not in LADDER_ROWS:
         raise ValueError(f"ablation ladder row={row!r}: allowed values are {', '.join(LADDER_ROWS)}")
     return {} if LADDER_ROWS.index(row) >= LADDER_ROWS.index("+value lr decay") else dict(PKM_TRAINING)
+
+
+# From UltraMem to UltraMemV2 (V2 paper, section 3.2), one change a row, from `{scale}-ultramem` to
+# `{scale}-ultramemv2`. A memory in every block and the shared pool come in one row: with the tables' rows kept,
+# per-layer tables of half or a quarter the rows have no whole number of keys per axis at these sizes, while a pool
+# of the same rows read through windows of the V1 table's size does (rings of blocks / V1 layers).
+V2_LADDER_ROWS: tuple[str, ...] = (
+    "UltraMem",
+    "+single projector",
+    "+per-rank queries",
+    "-query conv",
+    "-Tucker penalty",
+    "+every block, shared pool",
+    "+PEER (Dp:Dv = 1:3)",
+    "+MLP rebalanced",
+)
+V2_LADDER_SCALES = ("tiny", "small")
+
+
+def ultramemv2_ladder(scale: str = "tiny") -> list[tuple[str, UltraMemConfig]]:
+    """The ladder from `{scale}-ultramem` (first row) to `{scale}-ultramemv2` (last row), as (row name, config)."""
+    if scale not in V2_LADDER_SCALES:
+        raise ValueError(f"UltraMemV2 ladder scale={scale!r}: allowed values are {', '.join(V2_LADDER_SCALES)}")
+    config = get_config(f"{scale}-ultramem").to_dict()
+    final = get_config(f"{scale}-ultramemv2")
+    ladder = []
+    for row in V2_LADDER_ROWS:
+        if row == "+single projector":
+            config["ive_single_projector"] = True
+        elif row == "+per-rank queries":
+            config["share_query"] = False
+        elif row == "-query conv":
+            config["use_query_conv"] = False
+        elif row == "-Tucker penalty":
+            config["aux_loss_alpha"] = 0.0
+        elif row == "+every block, shared pool":  # the same slots per token and value rows
+            slots = config["memory_heads"] * config["memory_topk"] * len(config["memory_layers"])
+            rows = config["memory_num_values"] * len(config["memory_layers"])
+            blocks = config["num_hidden_layers"]
+            config.update(
+                memory_layers=[[block, block] for block in range(blocks)],
+                memory_site=MLP_SITE,
+                memory_heads=1,
+                memory_topk=slots // blocks,
+                value_pool_size=rows,
+            )
+        elif row == "+PEER (Dp:Dv = 1:3)":  # the same floats per row
+            config.update(value_gate=PEER, pre_value_dim=config["memory_value_dim"] // 4)
+            config["memory_value_dim"] -= config["pre_value_dim"]
+        elif row == "+MLP rebalanced":  # V1's activated parameters
+            config["intermediate_size"] = final.intermediate_size
+        ladder.append((row, UltraMemConfig(**config)))
+    return ladder

@@ -32,7 +32,7 @@ from typing import Any
 
 from transformers import MixtralConfig, PreTrainedConfig
 
-from .configuration_ultramem import PRODUCT_KEY, UltraMemConfig
+from .configuration_ultramem import INSTEAD_OF_MLP_SITE, MLP_SITE, PEER, PRODUCT_KEY, SWILU, UltraMemConfig
 from .sizing import count_parameters
 
 VOCAB_SIZE = 50432
@@ -100,6 +100,69 @@ def _ultramem(scale: str, topk: int, key_dim: int, knum: int, layers: list[list[
     )
 
 
+# UltraMemV2 (Huang et al. 2025, section 3.2): a memory beside the MLP in every block, PEER pre-values (Dp:Dv = 1:3),
+# per-rank queries without a conv, the IVE groups into one projector, a value pool shared as rings of g layers'
+# tables, no Tucker penalty
+V2_SWITCHES: dict[str, Any] = dict(
+    memory_site=MLP_SITE,
+    memory_heads=1,
+    share_query=False,
+    use_query_conv=False,
+    value_gate=PEER,
+    ive_single_projector=True,
+    aux_loss_alpha=0.0,
+)
+
+
+def _ultramemv2(
+    scale: str, topk: int, key_dim: int, value_dim: int, window_keys: int, ring: int, inner: int, expansion: int = 4
+) -> dict[str, Any]:
+    """V2 in every block of `scale`; `window_keys` keys per axis, each layer's window the tables of `ring` layers.
+
+    `inner` is the MLP width that gives the V1 preset's activated parameters (found with `count_parameters`).
+    """
+    backbone = BACKBONES[scale]
+    blocks = backbone.num_hidden_layers
+    window = window_keys**2 // expansion
+    return dict(
+        **{**backbone.kwargs(), "intermediate_size": inner},
+        **V2_SWITCHES,
+        memory_layers=[[block, block] for block in range(blocks)],
+        memory_topk=topk,
+        memory_key_dim=key_dim,
+        memory_num_keys=window_keys,
+        memory_value_dim=value_dim * 3 // 4,
+        pre_value_dim=value_dim // 4,
+        ive_expansion=expansion,
+        value_pool_size=blocks * window // ring,
+    )
+
+
+# Memory+ (Berges et al. 2024): PKM with softmax in place of a few blocks' MLPs, one table shared by them, values of
+# the model's width, the silu gate before the projector
+MEMORY_PLUS_SWITCHES: dict[str, Any] = {
+    **PKM_SWITCHES,
+    "memory_site": INSTEAD_OF_MLP_SITE,
+    "value_projection": True,
+    "value_gate": SWILU,
+}
+
+
+def _memory_plus(scale: str, blocks: list[int], heads: int, topk: int, knum: int) -> dict[str, Any]:
+    backbone = BACKBONES[scale]
+    return dict(
+        **backbone.kwargs(),
+        **MEMORY_PLUS_SWITCHES,
+        memory_layers=[[block, block] for block in blocks],
+        memory_heads=heads,
+        memory_topk=topk,
+        memory_key_dim=backbone.hidden_size // 2,
+        memory_num_keys=knum,
+        memory_value_dim=backbone.hidden_size,
+        value_pool_size=knum**2,  # each layer's window is the whole table
+    )
+
+
 def _pkm(scale: str, topk: int, heads: int, key_dim: int, knum: int, block: int) -> dict[str, Any]:
     backbone = BACKBONES[scale]
     return dict(
@@ -135,6 +198,10 @@ def _skip_layers(num_layers: int, span: int) -> list[list[int]]:
     """Paper placement a:a+span (1-based), every span+1 blocks from block 3 -> 0-based (a-1, a-1+span)."""
     return [[2 + i * (span + 1), 2 + i * (span + 1) + span] for i in range(num_layers)]
 
+
+# MLP widths of the V2 presets that give the activated parameters of tiny-/small-ultramem (`count_parameters`)
+TINY_V2_INNER = 1056
+SMALL_V2_INNER = 1776
 
 # Context of the tiny and small presets. Rotary positions have no weights, so the context is free: it changes no
 # weight, loss or FLOP, only the longest sequence the model accepts. 2048 (lm-eval's default length) leaves room for
@@ -176,13 +243,54 @@ _PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "small-pkm": ("ultramem", dict(**_pkm("small", 16, 4, 128, 704, 4), max_position_embeddings=SMALL_CONTEXT)),
     "small-moe": ("mixtral", dict(**_moe("small", 33, 1024), max_position_embeddings=SMALL_CONTEXT)),
+    # The successors, each with the total and activated parameters of the UltraMem preset of its scale (the MLP
+    # width balances the activated count): UltraMemV2 and Memory+
+    "tiny-ultramemv2": (
+        "ultramem",
+        dict(
+            **_ultramemv2("tiny", 16, 64, 128, 512, ring=2, inner=TINY_V2_INNER), max_position_embeddings=TINY_CONTEXT
+        ),
+    ),
+    "small-ultramemv2": (
+        "ultramem",
+        dict(**_ultramemv2("small", 8, 128, 256, 1408, 4, SMALL_V2_INNER), max_position_embeddings=SMALL_CONTEXT),
+    ),
+    "ultramemv2-151m": ("ultramem", _ultramemv2("151m", 8, 256, 512, 2200, 4, 3632)),
+    # The paper's 227M/1.2B row (V2 Table 10, the official 227M recipe) on this project's backbone: GeLU MLP of 1.5x
+    # the SwiGLU width (the same parameters), LayerNorm, untied head; no IVE, windows of half the pool
+    "ultramemv2-227m": (
+        "ultramem",
+        dict(
+            **{**Backbone(768, 3744, 12, 20).kwargs(), **V2_SWITCHES},
+            memory_layers=[[block, block] for block in range(20)],
+            memory_topk=32,
+            memory_key_dim=384,
+            memory_num_keys=1138,
+            memory_value_dim=192,
+            pre_value_dim=192,
+            ive_expansion=1,
+            value_pool_size=20 * 360**2,
+        ),
+    ),
+    "tiny-memoryplus": (
+        "ultramem",
+        dict(**_memory_plus("tiny", [1, 3], 2, 16, 262), max_position_embeddings=TINY_CONTEXT),
+    ),
+    "small-memoryplus": (
+        "ultramem",
+        dict(**_memory_plus("small", [2, 5], 4, 16, 704), max_position_embeddings=SMALL_CONTEXT),
+    ),
 }
 
 PRESETS: tuple[str, ...] = tuple(_PRESETS)
 
 # name -> the `UltraMemTrainingArguments` fields its recipe sets beyond their defaults (the paper's UltraMem recipe)
 _TRAINING_ARGUMENTS: dict[str, dict[str, Any]] = {
-    name: PKM_TRAINING for name in ("pkm-151m-x12", "pkm-680m-x12", "pkm-1.6b-x12", "tiny-pkm", "small-pkm")
+    **{name: PKM_TRAINING for name in ("pkm-151m-x12", "pkm-680m-x12", "pkm-1.6b-x12", "tiny-pkm", "small-pkm")},
+    # Memory+ trains its table at a fixed rate (1e-3 at a base rate of 1e-4 in its 373M recipe)
+    **{name: PKM_TRAINING for name in ("tiny-memoryplus", "small-memoryplus")},
+    # The official 227M recipe: values at 4x decaying to 1x over the run
+    "ultramemv2-227m": dict(value_lr_multiplier=4.0),
 }
 
 # The paper's "Param (B)" and "FLOPs (G)" columns, embeddings and head excluded.

@@ -164,7 +164,10 @@ def test_presets_save_no_training_settings_and_recommend_them_apart():
     for name in PRESETS:
         saved = get_config(name).to_json_string(use_diff=False)
         assert "value_lr" not in saved, name
-        expected = {"value_lr_decay": False} if name.startswith("pkm-") or name.endswith("-pkm") else {}
+        constant = name.startswith("pkm-") or name.endswith(("-pkm", "-memoryplus"))  # PKM's and Memory+'s recipes
+        expected = {"value_lr_decay": False} if constant else {}
+        if name == "ultramemv2-227m":  # the official 227M recipe: 4x decaying to 1x
+            expected = {"value_lr_multiplier": 4.0}
         assert get_training_arguments(name) == expected, name
     with pytest.raises(KeyError, match="Unknown preset 'nope'"):
         get_training_arguments("nope")

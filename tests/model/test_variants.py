@@ -16,7 +16,9 @@ from conftest import VARIANTS, small_config
 from test_modeling import _left_padded_batch, _model, _reference_memory_layer
 
 from ultramem import UltraMemConfig, UltraMemConfigError, UltraMemForCausalLM
+from ultramem.ablation import V2_LADDER_ROWS, ultramemv2_ladder
 from ultramem.memory_ops import key_balance_loss, with_loss_gradient
+from ultramem.presets import get_config
 from ultramem.sizing import count_parameters
 
 
@@ -247,3 +249,44 @@ def test_save_and_load_in_a_fresh_process_with_and_without_the_package(variant, 
     for mode in ("package", "remote"):
         subprocess.run([sys.executable, "-c", script, str(tmp_path), mode], check=True, env=environment, cwd=tmp_path)
         torch.testing.assert_close(torch.load(tmp_path / f"{mode}.pt"), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "v1, successor",
+    [
+        ("tiny-ultramem", "tiny-ultramemv2"),
+        ("small-ultramem", "small-ultramemv2"),
+        ("ultramem-151m-x12", "ultramemv2-151m"),
+        ("tiny-ultramem", "tiny-memoryplus"),
+        ("small-ultramem", "small-memoryplus"),
+    ],
+)
+def test_successor_presets_match_their_ultramem_preset_in_parameters(v1, successor):
+    ours, theirs = count_parameters(get_config(successor)), count_parameters(get_config(v1))
+    assert ours["total"] == pytest.approx(theirs["total"], rel=0.005)
+    if "v2" in successor:  # the MLP width balances the activated parameters; Memory+ replaces MLPs, it has fewer
+        assert ours["activated"] == pytest.approx(theirs["activated"], rel=0.001)
+
+
+@pytest.mark.parametrize("scale", ["tiny", "small"])
+def test_v2_ladder_changes_one_thing_a_row_from_v1_to_v2(scale):
+    ladder = ultramemv2_ladder(scale)
+    assert [row for row, _ in ladder] == list(V2_LADDER_ROWS)
+    assert ladder[0][1].to_dict() == get_config(f"{scale}-ultramem").to_dict()
+    assert ladder[-1][1].to_dict() == get_config(f"{scale}-ultramemv2").to_dict()
+    derived = {"layer_types", "number_of_conv_states", "memory_num_values"}
+    expected_changes = {
+        "+single projector": {"ive_single_projector"},
+        "+per-rank queries": {"share_query"},
+        "-query conv": {"use_query_conv"},
+        "-Tucker penalty": {"aux_loss_alpha"},
+        "+every block, shared pool": {"memory_layers", "memory_site", "memory_heads", "memory_topk", "value_pool_size"},
+        "+PEER (Dp:Dv = 1:3)": {"value_gate", "pre_value_dim", "memory_value_dim"},
+        "+MLP rebalanced": {"intermediate_size"},
+    }
+    for (_, before), (row, after) in zip(ladder, ladder[1:]):
+        first, second = before.to_dict(), after.to_dict()
+        changed = {key for key in {*first, *second} if first.get(key) != second.get(key)} - derived
+        assert changed and changed <= expected_changes[row], row  # (m stays where blocks = 2 x V1's layers)
+        slots = [c.memory_heads * c.memory_topk * c.num_memory_layers for c in (before, after)]
+        assert slots[0] == slots[1], row  # every row reads as many value rows per token
