@@ -12,10 +12,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from launch_support import LAUNCHERS, base_args, losses, python_module, run_command, write_config, write_corpus
-from memory_parallel_v2_worker import MODEL_STORES, MODELS, STORES, run
+from memory_parallel_v2_worker import MODEL_STORES, MODELS, STORES, run, v2_config
 from transformers import AutoConfig
 
 from ultramem import UltraMemForCausalLM
+from ultramem.parallel import plan_memory_parallel
 
 WORLD, TOLERANCE = 2, 1e-5
 MODEL_TOLERANCE = 2e-5  # fp32, relative to the largest magnitude above 1: the reduction order differs
@@ -98,3 +99,12 @@ def test_sharded_v2_training_matches_one_process(training):
     # AdamW's normalised steps lift fp32 reduction-order noise in the LM head's rows of tokens never seen to ~2e-4
     with torch.no_grad():
         torch.testing.assert_close(sharded(input_ids=PROBE).logits, single(input_ids=PROBE).logits, rtol=0, atol=2e-3)
+
+
+def test_the_plan_checks_the_pre_value_width_and_the_pools_rows():
+    with pytest.raises(ValueError, match=r"splits pre_value_dim=6 over 4 ranks: the size must divide 6; choose"):
+        plan_memory_parallel(v2_config(pre_value_dim=6, memory_value_dim=16), "dimension", 4, 64)
+    assert plan_memory_parallel(v2_config(pre_value_dim=6), "dimension", 2, 64)[0] == "dimension"
+    with pytest.raises(ValueError, match="splits the 72 value rows over 5 ranks"):  # the pool's, not a window's 36
+        plan_memory_parallel(v2_config(), "number", 5, 64)
+    assert plan_memory_parallel(v2_config(), "number", 8, 64)[0] == "number"  # 72 rows, 8 ranks
