@@ -22,6 +22,7 @@ from triton.compiler import ASTSource
 
 from ultramem.kernels import _triton_candidate_topk as candidates
 from ultramem.kernels import _triton_lookup_reduce as lookup
+from ultramem.kernels import _triton_quantized_lookup as quantized
 
 PRESETS = {"151m": "ultramem-151m-x12", "680m": "ultramem-680m-x12", "1.6b": "ultramem-1.6b-x12"}
 TRITON_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -29,7 +30,7 @@ TRITON_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 def resource_usage(fn, arguments: dict[str, str], constants: dict[str, int], arch: int, num_warps: int) -> dict:
     """Compile `fn` for sm_<arch> and read its registers, stack and local memory from the cubin."""
-    signature = {**arguments, **{name: "constexpr" for name in constants}}
+    signature = {name: "constexpr" if name in constants else arguments[name] for name in fn.arg_names}  # in order
     kernel = triton.compile(
         ASTSource(fn, signature, constants), target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps}
     )
@@ -77,7 +78,9 @@ def kernel_launches(config_name: str, dtype: str) -> dict[str, tuple]:
         launches[f"lookup_reduce.backward_{mode}"] = (
             lookup._backward_kernel,
             backward_arguments,
-            dict(NUM_GROUPS=groups, ACCUMULATE_VALUES=atomic, BLOCK_K=block_k, BLOCK_D=block_d),
+            dict(
+                NUM_GROUPS=groups, ACCUMULATE_VALUES=atomic, BLOCK_K=block_k, BLOCK_D=block_d, COMPUTE_SCORE_GRAD=True
+            ),
             warps,
         )
     block_p, block_d, warps = lookup.segment_tile(2**20, chunk)
@@ -97,11 +100,111 @@ def kernel_launches(config_name: str, dtype: str) -> dict[str, tuple]:
         dict(NUM_GROUPS=groups, BLOCK_P=block_p, BLOCK_D=block_d),
         warps,
     )
+    launches.update(lookup_dot_launches(slots, config.memory_value_dim, t))
+    quantized_sizes = dict(num_slots="i32", width="i32", group_size="i32", group_bytes="i32", groups_per_core="i32",
+                           num_cores="i32", value_dim="i32")  # fmt: skip
+    for format, group_size in (("int8", chunk), ("int4", 64 if chunk % 64 == 0 else chunk)):  # the formats' defaults
+        block_k, block_d, warps = quantized.forward_tile(slots, group_size)
+        launches[f"quantized_lookup_reduce.forward_{format}"] = (
+            quantized._forward_kernel,
+            dict(
+                weight_ptr="*u8",
+                rows_ptr="*i64",
+                groups_ptr="*i64",
+                scores_ptr=f"*{t}",
+                out_ptr="*fp32",
+                **quantized_sizes,
+            ),
+            dict(
+                INT4=format == "int4",
+                NUM_GROUPS=groups,
+                GROUPS_PAD=triton.next_power_of_2(groups),
+                BLOCK_K=block_k,
+                BLOCK_D=block_d,
+            ),
+            warps,
+        )
+        block_k, block_d, _ = quantized.backward_tile(slots, group_size)
+        launches[f"quantized_lookup_reduce.score_grad_{format}"] = (
+            quantized._score_grad_kernel,
+            dict(
+                grad_out_ptr="*fp32",
+                weight_ptr="*u8",
+                rows_ptr="*i64",
+                groups_ptr="*i64",
+                grad_scores_ptr=f"*{t}",
+                **quantized_sizes,
+            ),
+            dict(INT4=format == "int4", NUM_GROUPS=groups, BLOCK_K=block_k, BLOCK_D=block_d),
+            quantized.SCORE_GRAD_WARPS,
+        )
     padded, topk_padded, warps = candidates.candidate_tile(config.memory_topk, config.memory_topk)
     launches["tucker_candidate_topk"] = (
         candidates._candidate_index_kernel,
         dict(row_ptr=f"*{t}", col_ptr=f"*{t}", core_ptr=f"*{t}", out_ptr="*i64", num_candidates="i32", topk="i32"),
         dict(RANK=config.tucker_rank, M_PAD=padded, K_PAD=topk_padded),
+        warps,
+    )
+    return launches
+
+
+def lookup_dot_launches(slots: int, dim: int, t: str) -> dict[str, tuple]:
+    """`lookup_dot`'s launches of the lookup-reduce kernels (`_triton_lookup_dot`): E = h = 1, with the pointers it
+    passes as None (constexpr); `dim` stands for the pre-value width Dp (the tiles are the same for every Dp >= 128)."""
+    sizes = dict(num_slots="i32", value_dim="i32", chunk="i32", num_cores="i32")
+    one_group = dict(groups_ptr=None, NUM_GROUPS=1)
+    block_k, block_d, warps = lookup.backward_tile(slots, dim)
+    tile = dict(BLOCK_K=block_k, BLOCK_D=block_d)
+    pointers = dict(grad_out_ptr=f"*{t}", rows_ptr="*i64")
+    launches = {
+        "lookup_dot.forward": (
+            lookup._backward_kernel,
+            dict(**pointers, values_ptr=f"*{t}", grad_scores_ptr=f"*{t}", **sizes),
+            dict(
+                **one_group,
+                scores_ptr=None,
+                grad_values_ptr=None,
+                ACCUMULATE_VALUES=False,
+                COMPUTE_SCORE_GRAD=True,
+                **tile,
+            ),
+            warps,
+        ),
+        "lookup_dot.table_grad_atomic": (
+            lookup._backward_kernel,
+            dict(**pointers, scores_ptr=f"*{t}", grad_values_ptr="*fp32", **sizes),
+            dict(
+                **one_group,
+                values_ptr=None,
+                grad_scores_ptr=None,
+                ACCUMULATE_VALUES=True,
+                COMPUTE_SCORE_GRAD=False,
+                **tile,
+            ),
+            warps,
+        ),
+    }
+    block_k, block_d, warps = lookup.forward_tile(slots, dim)
+    launches["lookup_dot.query_grad"] = (
+        lookup._forward_kernel,
+        dict(values_ptr=f"*{t}", rows_ptr="*i64", scores_ptr=f"*{t}", out_ptr=f"*{t}", **sizes),
+        dict(**one_group, GROUPS_PAD=1, BLOCK_K=block_k, BLOCK_D=block_d),
+        warps,
+    )
+    block_p, block_d, warps = lookup.segment_tile(2**20, dim)
+    launches["lookup_dot.table_grad_segments"] = (
+        lookup._value_grad_segment_kernel,
+        dict(
+            grad_out_ptr=f"*{t}",
+            sorted_rows_ptr="*i32",
+            order_ptr="*i64",
+            segment_end_ptr="*i64",
+            scores_ptr=f"*{t}",
+            grad_values_ptr=f"*{t}",
+            num_entries="i32",
+            **sizes,
+        ),
+        dict(**one_group, BLOCK_P=block_p, BLOCK_D=block_d),
         warps,
     )
     return launches

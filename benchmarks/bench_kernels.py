@@ -82,21 +82,22 @@ def memory_shape(name: str, num_rows: int | None) -> MemoryShape:
                        c.ive_expansion, c.mcs_cores, c.tucker_rank)  # fmt: skip
 
 
-def lookup_impls(interpreted: bool) -> dict:
-    """The implementations that run on this device (Triton only compiled, not interpreted), by name."""
+def lookup_impls(interpreted: bool, op: str = "lookup_reduce") -> dict:
+    """The implementations of `op` (lookup_reduce or lookup_dot) that run on this device (Triton only compiled, not
+    interpreted), by name."""
 
     def triton_mode(deterministic: bool):
         def run(*args):
             previous = torch.are_deterministic_algorithms_enabled()
             torch.use_deterministic_algorithms(deterministic)
             try:
-                return kernels.lookup_reduce(*args)
+                return getattr(kernels, op)(*args)
             finally:
                 torch.use_deterministic_algorithms(previous)
 
         return run
 
-    impls = {"torch": memory_ops.lookup_reduce, "embedding_bag": memory_ops.lookup_reduce_embedding_bag}
+    impls = {"torch": getattr(memory_ops, op), "embedding_bag": getattr(memory_ops, f"{op}_embedding_bag")}
     if kernels.triton_available() and not interpreted:
         impls["triton"] = triton_mode(False)
         impls["triton-deterministic"] = triton_mode(True)
@@ -110,17 +111,18 @@ def lookup_bytes(shape: MemoryShape, tokens: int, groups: int, cores: int, eleme
     return slots * shape.value_dim * element + slots * (16 + cores * element) + pooled * element
 
 
-def time_lookup(fn, args: tuple, grad_out: torch.Tensor, device: torch.device, repeats: int) -> tuple[float, ...]:
-    """(forward, backward, forward+backward) ms of one implementation; gradients w.r.t. values and scores."""
-    values, scores = args[0], args[3]
+def time_lookup(
+    fn, args: tuple, grad_out: torch.Tensor, device: torch.device, repeats: int, wrt: tuple[int, ...] = (0, 3)
+) -> tuple[float, ...]:
+    """(forward, backward, forward+backward) ms of one implementation; gradients w.r.t. the arguments at `wrt`
+    (lookup_reduce: values and scores)."""
+    inputs = tuple(args[i] for i in wrt)
     with torch.no_grad():
         forward = timing.median_ms(lambda: fn(*args), device, repeats)
     out = fn(*args)
-    backward = timing.median_ms(
-        lambda: torch.autograd.grad(out, (values, scores), grad_out, retain_graph=True), device, repeats
-    )
+    backward = timing.median_ms(lambda: torch.autograd.grad(out, inputs, grad_out, retain_graph=True), device, repeats)
     out = None  # free the graph before the next measurement
-    both = timing.median_ms(lambda: torch.autograd.grad(fn(*args), (values, scores), grad_out), device, repeats)
+    both = timing.median_ms(lambda: torch.autograd.grad(fn(*args), inputs, grad_out), device, repeats)
     return forward, backward, both
 
 
@@ -211,13 +213,11 @@ def bench_candidates(
     return results
 
 
-def summary(results: list[Result]) -> list[dict]:
+def summary(results: list[Result], op: str = "lookup_reduce") -> list[dict]:
     """The issue's targets per (config, E, h, dtype, tokens >= 4096): Triton's forward as % of the copy bandwidth,
     and its forward+backward speed-up over the PyTorch path and embedding_bag."""
     ok = {
-        (r.config, r.groups, r.cores, r.dtype, r.tokens, r.impl): r
-        for r in results
-        if r.op == "lookup_reduce" and r.status == "ok"
+        (r.config, r.groups, r.cores, r.dtype, r.tokens, r.impl): r for r in results if r.op == op and r.status == "ok"
     }
     rows = []
     for (config, groups, cores, dtype, tokens, impl), triton in ok.items():
@@ -231,9 +231,9 @@ def summary(results: list[Result]) -> list[dict]:
     return rows
 
 
-def plot(results: list[Result], path: Path, title: str) -> None:
+def plot(results: list[Result], path: Path, title: str, op: str = "lookup_reduce") -> None:
     """Per (config, E, h, dtype): forward % of copy bandwidth (top) and forward+backward ms (bottom) against tokens."""
-    lookups = [r for r in results if r.op == "lookup_reduce" and r.status == "ok"]
+    lookups = [r for r in results if r.op == op and r.status == "ok"]
     keys = list(dict.fromkeys((r.config, r.groups, r.cores, r.dtype) for r in lookups))  # run order
     top, bottom = [], []
     for key in keys:

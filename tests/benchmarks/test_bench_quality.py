@@ -39,18 +39,27 @@ SMOKE = [
 
 @pytest.mark.parametrize("scale", sorted(bench_quality.COMPARISON))
 def test_committed_configs_are_the_presets(scale):
-    """Each committed row config builds what ultramem.presets builds today (rerun --write-configs after changing them)."""
+    """Each committed row config builds what ultramem.presets builds today, and the committed training arguments are
+    what the presets and the ladder recommend (rerun --write-configs after changing them)."""
     for _, _, config, path in bench_quality.row_files(scale):
         committed = bench_quality.built_config(json.loads(path.read_text()))
         assert bench_quality.config_dict(committed) == bench_quality.config_dict(config), f"{path} is stale"
+    stored = bench_quality.CONFIG_DIR / scale / bench_quality.TRAINING_ARGUMENTS_FILE
+    assert json.loads(stored.read_text()) == bench_quality.row_training_arguments(scale), f"{stored} is stale"
 
 
 def test_tiny_ladder_ends_are_the_comparison_models():
-    """At "tiny" the ladder's first and last rows are the PKM and UltraMem presets, so their runs are shared."""
-    rows = {row.name: bench_quality.config_key(row.config) for row in bench_quality.load_rows("tiny", "all")}
+    """At "tiny" the ladder's first and last rows are the PKM and UltraMem presets, so their runs are shared; every
+    other row trains something of its own ("+value lr decay": the model of the row above, with the value LR decaying)."""
+    loaded = {row.name: row for row in bench_quality.load_rows("tiny", "all")}
+    rows = {name: row.key for name, row in loaded.items()}
     assert rows["PKM x10"] == rows["PKM"]
     assert rows["+query conv"] == rows["UltraMem"]
     assert len(set(rows.values())) == len(ablation.LADDER_ROWS) + 2  # + Dense and MoE
+    decay, before = loaded["+value lr decay"], loaded["+improved init"]
+    assert decay.config == before.config
+    assert before.training_arguments == {**decay.training_arguments, "value_lr_decay": False}
+    assert decay.training_arguments["value_lr_decay"] is True
 
 
 def test_two_rows_train_and_report(tmp_path):
@@ -78,6 +87,8 @@ def test_two_rows_train_and_report(tmp_path):
         files["Dense"],
         files["UltraMem"],
     ]
+    ultramem_argv = result["runs"][1]["argv"]  # the row's training arguments are flags of its command line
+    assert ultramem_argv[ultramem_argv.index("--value_lr_decay") + 1] == "true"
     assert result["runs"][1]["final_diagnostics"]["memory/slot_usage"] > 0
 
     markdown = (out / "quality_tiny.md").read_text()

@@ -356,7 +356,16 @@ def test_kernels_compile_for_ampere_and_hopper():
             "lookup_reduce.backward_atomic",
             "lookup_reduce.backward_scores",
             "lookup_reduce.value_grad_segments",
+            "lookup_dot.forward",
+            "lookup_dot.table_grad_atomic",
+            "lookup_dot.query_grad",
+            "lookup_dot.table_grad_segments",
             "tucker_candidate_topk",
+            *(
+                f"quantized_lookup_reduce.{kernel}_{format}"
+                for kernel in ("forward", "score_grad")
+                for format in ("int8", "int4")
+            ),
         )
         for arch in ("sm_80", "sm_90")
     }
