@@ -25,6 +25,7 @@ stores when the `ultramem` package is installed.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from contextvars import ContextVar
@@ -240,6 +241,28 @@ def value_tables(model: nn.Module) -> dict[str, nn.Module]:
     return {name: model.get_submodule(name.removesuffix(".weight")) for name in model.get_value_table_names()}
 
 
+# Module names of the value tables (per memory layer, pre-value tables and shared pools included), as the
+# `modules_to_not_convert` patterns of Transformers' quantizers
+VALUE_TABLE_MODULES = r".*memory_layers\.\d+\.(pre_)?values|.*(pre_)?value_pool"
+
+
+def leave_value_tables_alone(quantization_config: Any) -> Any:
+    """The backbone's quantization config (torchao, bitsandbytes, ...) with the value tables kept out of it.
+
+    Quantizers replace `nn.Linear` weights; torchao's `include_input_output_embeddings=True` also lets a
+    `FqnToConfig`'s default reach every `nn.Embedding`, which a float value table is. Its tensor subclasses would
+    dequantize a whole table per lookup: the tables' own format is `memory_quantization`. With that flag the
+    quantizer's default skips are the input/output embeddings it removes again, so the tables' pattern replaces
+    nothing. Returns a copy; other configs unchanged.
+    """
+    if not getattr(quantization_config, "include_input_output_embeddings", False):
+        return quantization_config
+    quantization_config = copy.copy(quantization_config)
+    skipped = quantization_config.modules_to_not_convert or []
+    quantization_config.modules_to_not_convert = [*skipped, VALUE_TABLE_MODULES]
+    return quantization_config
+
+
 class ValueStoreMixin:
     """The `PreTrainedModel` side of value stores: `set_value_store`, and `memory_offload=` in `from_pretrained`."""
 
@@ -276,6 +299,8 @@ class ValueStoreMixin:
         config = kwargs.get("config")
         offload = kwargs.pop("memory_offload", None) or getattr(config, "memory_offload", None)
         implementation = kwargs.pop("memory_implementation", None)
+        if "quantization_config" in kwargs:  # the backbone's: the value tables stay as they are
+            kwargs["quantization_config"] = leave_value_tables_alone(kwargs["quantization_config"])
         quantization = kwargs.pop("memory_quantization", None) or getattr(config, "memory_quantization", None)
         group_size = kwargs.pop("memory_quantization_group_size", None)
         if offload not in MEMORY_OFFLOADS:
