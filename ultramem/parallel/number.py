@@ -16,7 +16,7 @@ that permuted order; checkpoints are written in the table's own order (`shard_vi
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -85,6 +85,30 @@ class NumberShardedValues(ShardedValueStore):
         slots = torch.arange(rows.numel(), device=rows.device).view_as(rows)
         return ops.lookup_reduce(gathered, slots, groups, scores, num_groups)
 
+    def _route_cells(
+        self, owner: torch.Tensor, order: torch.Tensor, local_rows: torch.Tensor, cell: torch.Tensor, num_cells: int
+    ) -> _Routing:
+        """Send each slot's row (in `order`) to its owner, tagged with its (owner, cell) pair: a cell, in
+        [0, num_cells), is what an owner returns one result for (a token's IVE group, or a token)."""
+        pairs, slot_pair = torch.unique(owner * num_cells + cell, return_inverse=True)  # grouped by owner
+        pair_counts = torch.bincount(torch.div(pairs, num_cells, rounding_mode="floor"), minlength=self.size)
+        first_pair = torch.cumsum(pair_counts, 0) - pair_counts
+        pair_in_owner = (slot_pair - first_pair[owner])[order]
+        send = torch.stack([torch.bincount(owner, minlength=self.size), pair_counts], dim=1)  # (P, 2)
+        receive = exchange_counts(send, self.group)
+        send_slots, send_pairs = send.T.tolist()
+        receive_slots, receive_pairs = receive.T.tolist()
+        packed = pair_in_owner * self.rows_per_shard + local_rows
+        packed = all_to_all(packed, receive_slots, send_slots, self.group, "indices")
+        # pair id inside this rank's output: offset of the source's block + the id the source gave
+        source = torch.repeat_interleave(
+            torch.arange(self.size, device=owner.device), receive[:, 0], output_size=len(packed)
+        )  # the repeats on the device too: a CPU tensor there fails index_select on CUDA
+        first_received = torch.cumsum(receive[:, 1], 0) - receive[:, 1]
+        received_pair = first_received[source] + torch.div(packed, self.rows_per_shard, rounding_mode="floor")
+        return _Routing(pairs % num_cells, send_slots, send_pairs, receive_slots, receive_pairs,
+                        packed % self.rows_per_shard, received_pair)  # fmt: skip
+
     def _pool_at_owner(
         self,
         num_tokens: int,
@@ -98,32 +122,17 @@ class NumberShardedValues(ShardedValueStore):
         """Send (row, partial-sum id, scores) to the owners; they return one pooled row per (token, group) served."""
         token = torch.arange(num_tokens, device=owner.device).repeat_interleave(groups.shape[1])
         buckets = num_tokens * num_groups
-        pairs, slot_pair = torch.unique(owner * buckets + token * num_groups + groups.reshape(-1), return_inverse=True)
-        pair_counts = torch.bincount(torch.div(pairs, buckets, rounding_mode="floor"), minlength=self.size)
-        first_pair = torch.cumsum(pair_counts, 0) - pair_counts
-        pair_in_owner = (slot_pair - first_pair[owner])[order]
-        send = torch.stack([torch.bincount(owner, minlength=self.size), pair_counts], dim=1)  # (P, 2)
-        receive = exchange_counts(send, self.group)
-        send_slots, send_pairs = send.T.tolist()
-        receive_slots, receive_pairs = receive.T.tolist()
-        packed = pair_in_owner * self.rows_per_shard + local_rows
-        packed = all_to_all(packed, receive_slots, send_slots, self.group, "indices")
+        routing = self._route_cells(owner, order, local_rows, token * num_groups + groups.reshape(-1), buckets)
         num_cores = scores.shape[-1]
         slot_scores = scores.reshape(-1, num_cores)[order]
-        received_scores = all_to_all(slot_scores, receive_slots, send_slots, self.group, "scores")
-        # pair id inside this rank's output: offset of the source's block + the id the source gave
-        source = torch.repeat_interleave(
-            torch.arange(self.size, device=owner.device), receive[:, 0], output_size=len(packed)
-        )  # the repeats on the device too: a CPU tensor there fails index_select on CUDA
-        first_received = torch.cumsum(receive[:, 1], 0) - receive[:, 1]
-        target = first_received[source] + torch.div(packed, self.rows_per_shard, rounding_mode="floor")
+        received_scores = all_to_all(slot_scores, routing.receive_slots, routing.send_slots, self.group, "scores")
         weight = self.local_weight()
-        values = F.embedding(packed % self.rows_per_shard, weight).float()  # (R, Dv)
+        values = F.embedding(routing.rows, weight).float()  # (R, Dv)
         chunks = values.view(len(values), num_cores, weight.shape[1] // num_cores)
         weighted = (chunks * received_scores.float().unsqueeze(-1)).flatten(1)
-        partial = weighted.new_zeros(sum(receive_pairs), weight.shape[1]).index_add(0, target, weighted)
-        returned = all_to_all(partial, send_pairs, receive_pairs, self.group, "pooled")  # (pairs, Dv)
-        pooled = returned.new_zeros(buckets, weight.shape[1]).index_add(0, pairs % buckets, returned)
+        partial = weighted.new_zeros(sum(routing.receive_pairs), weight.shape[1]).index_add(0, routing.pair, weighted)
+        returned = all_to_all(partial, routing.send_pairs, routing.receive_pairs, self.group, "pooled")  # (pairs, Dv)
+        pooled = returned.new_zeros(buckets, weight.shape[1]).index_add(0, routing.cells, returned)
         return pooled.view(num_tokens, num_groups, -1).to(weight.dtype)
 
     def lookup_dot(self, rows: torch.Tensor, query: torch.Tensor, ops: MemoryOps) -> torch.Tensor:
@@ -134,27 +143,24 @@ class NumberShardedValues(ShardedValueStore):
         owner, local_rows = self._owners(rows.reshape(-1))  # (T*K,)
         order = torch.argsort(owner, stable=True)  # slots grouped by owner, in rank order
         token = torch.arange(num_tokens, device=rows.device).repeat_interleave(num_slots)
-        pairs, slot_pair = torch.unique(owner * num_tokens + token, return_inverse=True)  # grouped by owner
-        pair_counts = torch.bincount(torch.div(pairs, num_tokens, rounding_mode="floor"), minlength=self.size)
-        first_pair = torch.cumsum(pair_counts, 0) - pair_counts
-        pair_in_owner = (slot_pair - first_pair[owner])[order]
-        send = torch.stack([torch.bincount(owner, minlength=self.size), pair_counts], dim=1)  # (P, 2)
-        receive = exchange_counts(send, self.group)
-        send_slots, send_pairs = send.T.tolist()
-        receive_slots, receive_pairs = receive.T.tolist()
-        packed = all_to_all(pair_in_owner * self.rows_per_shard + local_rows[order], receive_slots, send_slots,
-                            self.group, "indices")  # fmt: skip
-        queries = all_to_all(query[pairs % num_tokens], receive_pairs, send_pairs, self.group, "queries")
-        # each received slot's query: the offset of its source's pairs + the pair id the source gave
-        source = torch.repeat_interleave(
-            torch.arange(self.size, device=rows.device), receive[:, 0], output_size=len(packed)
-        )
-        first_received = torch.cumsum(receive[:, 1], 0) - receive[:, 1]
-        slot_query = queries[first_received[source] + torch.div(packed, self.rows_per_shard, rounding_mode="floor")]
-        local = (packed % self.rows_per_shard).unsqueeze(1)  # (R, 1): one slot per received "token"
-        dots = ops.lookup_dot(self.local_weight(), local, slot_query).squeeze(1)  # (R,)
-        returned = all_to_all(dots, send_slots, receive_slots, self.group, "dots")  # (T*K,), grouped by owner
+        routing = self._route_cells(owner, order, local_rows[order], token, num_tokens)
+        queries = all_to_all(query[routing.cells], routing.receive_pairs, routing.send_pairs, self.group, "queries")
+        # (R, 1) rows, each with its own query: the received slots as R one-slot "tokens"
+        dots = ops.lookup_dot(self.local_weight(), routing.rows.unsqueeze(1), queries[routing.pair]).squeeze(1)
+        returned = all_to_all(dots, routing.send_slots, routing.receive_slots, self.group, "dots")  # grouped by owner
         return returned[torch.argsort(order)].view(num_tokens, num_slots)
+
+
+class _Routing(NamedTuple):
+    """Slots sent to their owners in (owner, cell) pairs (`NumberShardedValues._route_cells`)."""
+
+    cells: torch.Tensor  # (pairs,) the cell of each pair this rank sent, grouped by owner
+    send_slots: list[int]  # slots sent to each rank
+    send_pairs: list[int]  # pairs sent to each rank
+    receive_slots: list[int]
+    receive_pairs: list[int]
+    rows: torch.Tensor  # (R,) the local row of each slot received
+    pair: torch.Tensor  # (R,) its pair among all pairs received, grouped by source rank
 
 
 def _cyclic_and_blocks(rows_per_shard: int, size: int, rank: int, device: torch.device):
