@@ -102,6 +102,8 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--batch-sizes", type=cli.int_list, default=[1, 8])
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="passes over --runs, interleaved (a shared machine's load drifts); medians reported")  # fmt: skip
     args = parser.parse_args(argv)
     args.dtype = args.dtype or "bfloat16"
     args.statistic = args.statistic or "median"  # wall clock: waiting for the disk is the cost measured here
@@ -225,9 +227,17 @@ SCALING_SERIES = {
 }
 
 
+def medians(rows: list[dict[str, Any]], key: str) -> dict[tuple[str, int], float]:
+    """(run, batch) -> the median of `key` over the repeats."""
+    values: dict[tuple[str, int], list[float]] = {}
+    for r in rows:
+        values.setdefault((r["run"], r["batch"]), []).append(r[key])
+    return {point: statistics.median(v) for point, v in values.items()}
+
+
 def summary_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per batch: UltraMem (disk) / dense, the async overlap, and the spread of times as the table grows."""
-    by = {(r["run"], r["batch"]): r["ms"] for r in rows}
+    by = medians(rows, "ms")
     table = []
     for batch in sorted({r["batch"] for r in rows}):
         ratio = lambda a, b: by[(a, batch)] / by[(b, batch)] if (a, batch) in by and (b, batch) in by else None  # noqa: E731
@@ -259,10 +269,8 @@ def plot(args, rows: list[dict[str, Any]]) -> None:
     runs = list(dict.fromkeys(r["run"] for r in rows))
     panels = []
     for key, what in (("median_ms", "wall clock"), ("cpu_ms", "process CPU time")):
-        series = {
-            run: ([r["batch"] for r in rows if r["run"] == run], [r[key] for r in rows if r["run"] == run])
-            for run in runs
-        }
+        by = medians(rows, key)
+        series = {run: ([b for r, b in by if r == run], [ms for (r, _), ms in by.items() if r == run]) for run in runs}
         panels.append(report.Panel(f"decode step, {what}", "ms / step", series, xlabel="batch size"))
     scaling = {}
     for series, series_runs in SCALING_SERIES.items():
@@ -279,23 +287,27 @@ def plot(args, rows: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    rows = []
-    for label in args.runs:
-        folder, built = ensure_checkpoint(RUNS[label], args)
+    rows, built = [], set()
+    passes = [(repeat, label) for repeat in range(args.repeats) for label in args.runs]
+    for index, (repeat, label) in enumerate(passes):
+        folder, new = ensure_checkpoint(RUNS[label], args)
+        if new:
+            built.add(folder)
         for batch in args.batch_sizes:
-            row = run_isolated(label, folder, batch, args)
+            row = {**run_isolated(label, folder, batch, args), "repeat": repeat}
             print(report.format_table([row], COLUMNS))
             rows.append(row)
         if (
-            built
+            folder in built
             and args.cleanup
-            and not any(RUNS[r].checkpoint == RUNS[label].checkpoint for r in args.runs[args.runs.index(label) + 1 :])
+            and not any(RUNS[r].checkpoint == RUNS[label].checkpoint for _, r in passes[index + 1 :])
         ):
             shutil.rmtree(folder)
     payload = {
         "settings": {
             "runs": {label: vars(RUNS[label]) for label in args.runs},
             "batch_sizes": args.batch_sizes,
+            "repeats": args.repeats,
             "new_tokens": args.new_tokens,
             "prompt_tokens": args.prompt_tokens,
             "cache": "DynamicCache",
