@@ -63,13 +63,17 @@ class DimensionShardedValues(ShardedValueStore):
         core = self.rank // (self.size // num_cores)
         return scores[..., core : core + 1]
 
+    def _padded_tokens(self, rows: torch.Tensor) -> int:
+        """The most tokens any rank of the group holds (ranks may hold different counts, e.g. in eval)."""
+        counts = all_gather(torch.tensor([rows.shape[0]], device=rows.device), self.group, "counts")
+        return int(counts.max())
+
     def forward(
         self, rows: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor, num_groups: int, ops: MemoryOps
     ) -> torch.Tensor:
         """rows, groups (T, K), scores (T, K, h) -> (T, E, Dv), as `memory_ops.lookup_reduce` on the whole table."""
         num_tokens = rows.shape[0]
-        counts = all_gather(torch.tensor([num_tokens], device=rows.device), self.group, "counts")
-        padded = int(counts.max())  # ranks may hold different token counts (eval); pad with zero scores
+        padded = self._padded_tokens(rows)  # pad with zero scores
         slots = F.pad(groups * self.num_rows + rows, (0, 0, 0, padded - num_tokens))
         all_slots = all_gather(slots, self.group, "indices")  # (P*T', K)
         all_scores = all_gather(F.pad(scores, (0, 0, 0, 0, 0, padded - num_tokens)), self.group, "scores")
@@ -84,8 +88,7 @@ class DimensionShardedValues(ShardedValueStore):
     def lookup_dot(self, rows: torch.Tensor, query: torch.Tensor, ops: MemoryOps) -> torch.Tensor:
         """rows (T, K), query (T, Dp) -> (T, K), as `memory_ops.lookup_dot` on the whole table."""
         num_tokens, num_slots = rows.shape
-        counts = all_gather(torch.tensor([num_tokens], device=rows.device), self.group, "counts")
-        padded = int(counts.max())  # padded tokens have zero queries
+        padded = self._padded_tokens(rows)  # pad with zero queries
         all_rows = all_gather(F.pad(rows, (0, 0, 0, padded - num_tokens)), self.group, "indices")  # (P*T', K)
         width = query.shape[1] // self.size
         slices = F.pad(query, (0, 0, 0, padded - num_tokens)).view(padded, self.size, width).transpose(0, 1)
