@@ -1,0 +1,108 @@
+"""Tiny UltraMem checkpoints, Transformers' greedy reference, and vLLM engines run in a child process.
+
+Each engine runs in its own process (`python serving_support.py request.json`), so the test process never holds an
+engine and each engine's workers are gone when the call returns. Also run as that child process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
+BASE_ENGINE = dict(dtype="float32", max_model_len=512, enforce_eager=True, seed=0, disable_log_stats=False)
+
+
+def build_checkpoint(path: Path, **overrides) -> torch.nn.Module:
+    """Save a tiny UltraMem (head dim 32: vLLM's CPU attention needs >= 32) with the shipped tokenizer; return it.
+
+    The conv weights and the values are redrawn at random: the init makes the conv the identity on the current token
+    (a lost conv state would not change a single token) and the values small.
+    """
+    from ultramem import UltraMemConfig, UltraMemForCausalLM
+    from ultramem.tokenization import load_tokenizer
+
+    kwargs = dict(
+        vocab_size=50304,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        max_position_embeddings=512,
+        memory_layers=[[0, 2], [1, 1], [3, 3]],  # skip-layer and same-block placements, two reading one block
+        memory_heads=2,
+        memory_topk=4,
+        memory_key_dim=32,
+        memory_num_keys=16,
+        memory_value_dim=32,
+        tucker_rank=2,
+        mcs_cores=2,
+        ive_expansion=4,
+        query_conv_kernel_size=5,
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(0)
+    model = UltraMemForCausalLM(UltraMemConfig(**kwargs)).eval()
+    with torch.no_grad():
+        for layer in model.model.memory_layers:
+            if layer.query.conv is not None:
+                layer.query.conv.weight.normal_(0.0, 0.5)
+                layer.query.conv.bias.normal_(0.0, 0.1)
+            layer.values.weight.normal_(0.0, 1.0)
+    model.save_pretrained(path)
+    load_tokenizer().save_pretrained(path)
+    return model
+
+
+def prompts(lengths: list[int], seed: int, prefix: list[int] | None = None) -> list[list[int]]:
+    """Random token ids of the given lengths (after a shared `prefix`)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [(prefix or []) + torch.randint(10, 50000, (n,), generator=generator).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def reference_ids(model: torch.nn.Module, batch: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Transformers' greedy `generate`, one prompt at a time (no padding), float32."""
+    outputs = []
+    for ids in batch:
+        generated = model.generate(
+            torch.tensor([ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False
+        )
+        outputs.append(generated[0, len(ids) :].tolist())
+    return outputs
+
+
+def run_engine(path: Path, batches: list[list[list[int]]], max_tokens: int, **engine) -> dict:
+    """Greedy token ids of every prompt of every batch (one `generate` call per batch, in order, on one engine), and
+    the engine's counters (`vllm:prefix_cache_hits`, `vllm:num_preemptions`, ...)."""
+    request = path.parent / f"{path.name}-request.json"
+    result = path.parent / f"{path.name}-result.json"
+    request.write_text(json.dumps(dict(model=str(path), batches=batches, max_tokens=max_tokens, engine=engine)))
+    subprocess.run(
+        [sys.executable, __file__, str(request), str(result)], check=True, timeout=400, env={**os.environ, **ENGINE_ENV}
+    )
+    return json.loads(result.read_text())
+
+
+def _serve_request(request_file: str, result_file: str) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    request = json.loads(Path(request_file).read_text())
+    llm = LLM(model=request["model"], **{**BASE_ENGINE, **request["engine"]})
+    sampling = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True)
+    ids = []
+    for batch in request["batches"]:
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sampling, use_tqdm=False)
+        ids.append([list(output.outputs[0].token_ids) for output in outputs])
+    counters = {metric.name: metric.value for metric in llm.get_metrics() if hasattr(metric, "value")}
+    Path(result_file).write_text(json.dumps(dict(ids=ids, counters=counters)))
+
+
+if __name__ == "__main__":
+    _serve_request(*sys.argv[1:3])

@@ -1,0 +1,133 @@
+"""vLLM's offline engine serving UltraMem gives exactly Transformers' greedy tokens (float32).
+
+Each engine runs in a child process (`serving_support.run_engine`); the checkpoints have random conv weights and values
+(a lost or mixed-up conv state changes the tokens). Runs in the vLLM environment (.ci/vllm_tests.sh); skipped where
+vLLM is not installed.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+
+# A submodule, not "vllm": without vLLM installed, "vllm" is found as this test folder (a namespace package on the
+# path pytest gives tests/conftest.py)
+pytest.importorskip(
+    "vllm.entrypoints.llm", reason="vLLM is not installed: .ci/vllm_tests.sh runs these in its own venv"
+)
+
+from serving_support import build_checkpoint, prompts, reference_ids, run_engine  # noqa: E402
+
+from ultramem import UltraMemConfig  # noqa: E402
+from ultramem.vllm.support import UnsupportedByVllm, check_supported  # noqa: E402
+
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def tucker(tmp_path_factory):
+    """TDQKR with IVE and multi-core scoring, query conv k=5, memory layers [[0, 2], [1, 1], [3, 3]]."""
+    path = tmp_path_factory.mktemp("vllm") / "tucker-k5"
+    return path, build_checkpoint(path)
+
+
+@pytest.fixture(scope="module")
+def pkm(tmp_path_factory):
+    """PKM (product keys, one score per slot, softmax), no IVE, query conv k=1 (no state), separate row and column
+    queries without LayerNorm, tied head."""
+    path = tmp_path_factory.mktemp("vllm") / "pkm-k1"
+    model = build_checkpoint(
+        path,
+        retrieval_mode="product_key",
+        tucker_rank=1,
+        mcs_cores=1,
+        ive_expansion=1,
+        memory_num_values=256,
+        memory_score_softmax=True,
+        share_query=False,
+        qk_layernorm=False,
+        query_conv_kernel_size=1,
+        tie_word_embeddings=True,
+    )
+    return path, model
+
+
+def assert_same_ids(got: list[list[int]], expected: list[list[int]], batch: list[list[int]]) -> None:
+    for ids, want, prompt in zip(got, expected, batch, strict=True):
+        assert ids == want, f"prompt of {len(prompt)} tokens: vLLM {ids} != Transformers {want}"
+
+
+def test_batching_chunked_prefill_prefix_caching_and_preemption(tucker):
+    """One engine, every scheduling path a conv state must survive:
+    - continuous batching: 9 prompts of 1..200 tokens through 6 sequence slots;
+    - chunked prefill: chunks of 64 tokens, so long prompts continue their conv state across steps;
+    - preemption: 8 KV blocks, and prompts that cross a 128-token block while decoding, so requests are evicted and
+      recomputed;
+    - prefix caching ("align" mode copies conv states): a second call of 2 prompts sharing the first 160 tokens of
+      the longest prompt."""
+    path, model = tucker
+    first = prompts([1, 2, 7, 33, 64, 120, 122, 124, 200], seed=1)
+    second = prompts([5, 20], seed=2, prefix=first[-1][:160])
+    result = run_engine(
+        path,
+        [first, second],
+        MAX_TOKENS,
+        max_num_seqs=6,
+        max_num_batched_tokens=64,
+        enable_chunked_prefill=True,
+        enable_prefix_caching=True,
+        max_model_len=256,
+        num_gpu_blocks_override=8,
+    )
+    for got, batch in zip(result["ids"], (first, second), strict=True):
+        assert_same_ids(got, reference_ids(model, batch, MAX_TOKENS), batch)
+    counters = result["counters"]
+    assert counters["vllm:prefix_cache_hits"] > 0 and counters["vllm:num_preemptions"] > 0, counters
+
+
+def test_pkm_without_conv_state(pkm):
+    path, model = pkm
+    batch = prompts([1, 9, 40, 150], seed=4)
+    result = run_engine(path, [batch], MAX_TOKENS, max_num_seqs=2)
+    assert_same_ids(result["ids"][0], reference_ids(model, batch, MAX_TOKENS), batch)
+
+
+def _engine_config(hf_config, tensor_parallel_size=1, pipeline_parallel_size=1, speculative_config=None):
+    return SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=hf_config),
+        parallel_config=SimpleNamespace(
+            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size
+        ),
+        speculative_config=speculative_config,
+    )
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("value_gate", "peer"),
+        ("ive_single_projector", True),
+        ("value_pool_size", 1024),
+        ("memory_site", "mlp"),
+        ("memory_quantization", "int8"),
+    ],
+)
+def test_unverified_variants_are_refused(field, value):
+    config = UltraMemConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=2, memory_layers=[[0, 1]])
+    object.__setattr__(config, field, value)  # past the config's own checks: the variant's other fields are moot
+    with pytest.raises(UnsupportedByVllm, match=rf"UltraMemConfig\.{field}=.* is not served by ultramem\.vllm"):
+        check_supported(_engine_config(config))
+
+
+@pytest.mark.parametrize(
+    "setting, match",
+    [
+        (dict(tensor_parallel_size=2), "tensor_parallel_size=2"),
+        (dict(pipeline_parallel_size=2), "pipeline_parallel_size=2"),
+        (dict(speculative_config=object()), "speculative decoding"),
+    ],
+)
+def test_unverified_engine_settings_are_refused(setting, match):
+    config = UltraMemConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=2, memory_layers=[[0, 1]])
+    with pytest.raises(UnsupportedByVllm, match=match):
+        check_supported(_engine_config(config, **setting))
+    check_supported(_engine_config(config))  # the defaults are served

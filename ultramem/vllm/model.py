@@ -1,0 +1,229 @@
+"""UltraMem for vLLM: the GPT-NeoX-shaped backbone on vLLM's layers (paged attention with rotary embeddings,
+parallel linear layers, vocab-parallel embedding and head) and the memory layers of `ultramem.vllm.memory`.
+
+vLLM hands the model every scheduled request's tokens as one flat batch (T,) with their positions; attention and the
+query convolutions find each request's past in vLLM's caches (KV pages, conv states), the rest is per token. The
+memory layer [a, b] reads the stream entering block a and its output is added to the stream leaving block b, as in
+`modeling_ultramem.UltraMemModel`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.config import CacheConfig, VllmConfig
+from vllm.model_executor.layers.activation import get_act_fn
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.mamba.mamba_utils import (
+    MambaStateCopyFuncCalculator,
+    MambaStateDtypeCalculator,
+    MambaStateShapeCalculator,
+)
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
+from vllm.sequence import IntermediateTensors
+
+from .memory import UltraMemMemoryLayer
+from .support import check_supported
+
+
+class UltraMemAttention(nn.Module):
+    """Multi-head causal self-attention, rotate-half RoPE over the full head (Llama's, no grouped KV heads)."""
+
+    def __init__(self, config, cache_config: CacheConfig | None, prefix: str):
+        super().__init__()
+        num_heads, self.head_dim = config.num_attention_heads, config.hidden_size // config.num_attention_heads
+        self.q_size = num_heads * self.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            num_heads,
+            num_heads,
+            bias=config.attention_bias,
+            prefix=f"{prefix}.qkv_proj",
+        )
+        self.o_proj = RowParallelLinear(
+            self.q_size, config.hidden_size, bias=config.attention_bias, prefix=f"{prefix}.o_proj"
+        )
+        self.rotary_emb = get_rope(
+            self.head_dim,
+            max_position=config.max_position_embeddings,
+            is_neox_style=True,
+            rope_parameters=config.rope_parameters,
+        )
+        self.attn = Attention(
+            num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads=num_heads, cache_config=cache_config,
+            prefix=f"{prefix}.attn",
+        )  # fmt: skip
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size] * 3, dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        output, _ = self.o_proj(self.attn(q, k, v))
+        return output
+
+
+class UltraMemMLP(nn.Module):
+    """up -> activation (exact GeLU by default) -> down."""
+
+    def __init__(self, config, prefix: str):
+        super().__init__()
+        size, inner = config.hidden_size, config.intermediate_size
+        self.up_proj = ColumnParallelLinear(size, inner, bias=config.mlp_bias, prefix=f"{prefix}.up_proj")
+        self.down_proj = RowParallelLinear(inner, size, bias=config.mlp_bias, prefix=f"{prefix}.down_proj")
+        self.act = get_act_fn(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up, _ = self.up_proj(x)
+        down, _ = self.down_proj(self.act(up))
+        return down
+
+
+class UltraMemDecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(LN(x)), then + mlp(LN(x)), then + the memory outputs that write after it."""
+
+    def __init__(self, config, cache_config: CacheConfig | None, prefix: str):
+        super().__init__()
+        self.self_attn = UltraMemAttention(config, cache_config, f"{prefix}.self_attn")
+        self.mlp = UltraMemMLP(config, f"{prefix}.mlp")
+        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, memory_output: torch.Tensor | None
+    ) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(positions, self.input_layernorm(hidden_states))
+        hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        return hidden_states if memory_output is None else hidden_states + memory_output
+
+
+class UltraMemModel(nn.Module):
+    """Embedding, the blocks with their memory layers, final LayerNorm: token ids (T,) -> hidden states (T, D)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config, cache_config = vllm_config.model_config.hf_config, vllm_config.cache_config
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [
+                UltraMemDecoderLayer(config, cache_config, f"{prefix}.layers.{i}")
+                for i in range(config.num_hidden_layers)
+            ]
+        )
+        self.memory_layers = nn.ModuleList(
+            [
+                UltraMemMemoryLayer(config, vllm_config.model_config, cache_config, f"{prefix}.memory_layers.{j}")
+                for j in range(len(config.memory_layers))
+            ]
+        )
+        for layer, (read_block, write_block) in zip(self.memory_layers, config.memory_layers, strict=True):
+            layer.read_block, layer.write_block = read_block, write_block
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds: torch.Tensor | None):
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        outputs: dict[int, torch.Tensor] = {}  # memory layer -> its output, until its write block
+        for block_idx, block in enumerate(self.layers):
+            for j, memory_layer in enumerate(self.memory_layers):
+                if memory_layer.read_block == block_idx:
+                    outputs[j] = memory_layer(hidden_states)
+            writes = [outputs.pop(j) for j, layer in enumerate(self.memory_layers) if layer.write_block == block_idx]
+            hidden_states = block(positions, hidden_states, torch.stack(writes).sum(0) if writes else None)
+        return self.norm(hidden_states)
+
+
+class UltraMemForCausalLM(nn.Module, HasInnerState, IsHybrid):
+    """vLLM's UltraMem causal LM. Hybrid: each memory layer's query convolution keeps a (D, k-1) state per request.
+
+    Tensor and pipeline parallelism, speculative decoding and the UltraMem variants listed in
+    `ultramem.vllm.support` are refused with one line (`check_supported`).
+    """
+
+    # checkpoint name -> (this model's parameter, shard of the fused QKV projection)
+    stacked_params_mapping = (
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+    )
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        check_supported(vllm_config)
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        self.model = UltraMemModel(vllm_config=vllm_config, prefix=_join(prefix, "model"))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=_join(prefix, "lm_head"))
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    # The conv state of one memory layer: (D, k-1) in the model's dtype, copied by vLLM as a short conv's is
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> tuple[tuple[int, ...]]:
+        check_supported(vllm_config)  # the main process asks this first, before any worker starts
+        config = vllm_config.model_config.hf_config
+        kernel_size = config.query_conv_kernel_size if config.use_query_conv and config.memory_layers else 1
+        return MambaStateShapeCalculator.short_conv_state_shape(1, config.hidden_size, kernel_size)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, ...]:
+        return MambaStateDtypeCalculator.short_conv_state_dtype(
+            vllm_config.model_config.dtype, vllm_config.cache_config.mamba_cache_dtype
+        )
+
+    @classmethod
+    def get_mamba_state_copy_func(cls):
+        return MambaStateCopyFuncCalculator.short_conv_state_copy_func()
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load a checkpoint by its Transformers names (buffers included: the IVE shuffle), then derive what
+        inference needs from the loaded weights (LayerNorm'd keys, the cores' leading singular vectors)."""
+        targets = dict(self.named_parameters())
+        targets.update((name, buffer) for name, buffer in self.named_buffers() if buffer is not None)
+        loaded: set[str] = set()
+        for name, weight in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            for fused, part, shard in self.stacked_params_mapping:
+                if part in name and ".self_attn." in name:
+                    name = name.replace(part, fused)
+                    targets[name].weight_loader(targets[name], weight, shard)
+                    break
+            else:
+                if name not in targets:
+                    raise ValueError(f"checkpoint weight {name!r} has no place in ultramem.vllm's UltraMemForCausalLM")
+                target = targets[name]
+                getattr(target, "weight_loader", default_weight_loader)(target, weight)
+            loaded.add(name)
+        for layer in self.model.memory_layers:
+            layer.retrieval.prepare()
+        return loaded
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name

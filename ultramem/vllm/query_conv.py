@@ -1,0 +1,129 @@
+"""A memory layer's causal query convolution as a vLLM state layer: its last k-1 inputs per request live in vLLM's
+hybrid cache, as LFM2's short convolution does, so continuous batching, chunked prefill and prefix caching ("align"
+mode) keep each request's history.
+
+The layer is a `MambaBase` of type SHORT_CONV: vLLM allocates one (D, k-1) state per request and block, and builds the
+short-conv metadata (decode tokens first, then the prefills with their start offsets, state slots and whether each
+prefill continues a cached state). The convolution itself is vLLM's: the CPU kernels on CPU, the Triton ones on CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from vllm.config import CacheConfig, ModelConfig, get_current_vllm_config
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.mamba.mamba_utils import (
+    MambaStateDtypeCalculator,
+    MambaStateShapeCalculator,
+    is_conv_state_dim_first,
+)
+from vllm.platforms import CpuArchEnum, current_platform
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+
+class QueryConv(MambaBase, nn.Module):
+    """Depthwise causal Conv1d over each request's tokens, (T, D) -> (T, D), with the checkpoint's parameter names
+    (`weight` (D, 1, k), `bias` (D,)) of `modeling_ultramem.CausalDepthwiseConv`."""
+
+    def __init__(
+        self,
+        channels: int,
+        kernel_size: int,
+        model_config: ModelConfig | None,
+        cache_config: CacheConfig | None,
+        prefix: str,
+    ):
+        super().__init__()
+        self.channels, self.kernel_size = channels, kernel_size
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
+        self.bias = nn.Parameter(torch.empty(channels))
+        self.model_config, self.cache_config, self.prefix = model_config, cache_config, prefix
+        # vLLM binds this layer's state pages by its name, as it does an attention layer's KV cache
+        context = get_current_vllm_config().compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        context[prefix] = self
+        self.kv_cache = (torch.tensor([]),)
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return MambaAttentionBackendEnum.SHORT_CONV
+
+    def get_state_shape(self) -> tuple[tuple[int, ...]]:
+        return MambaStateShapeCalculator.short_conv_state_shape(
+            tp_world_size=1, intermediate_size=self.channels, conv_kernel=self.kernel_size
+        )
+
+    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
+        return MambaStateDtypeCalculator.short_conv_state_dtype(
+            self.model_config.dtype, self.cache_config.mamba_cache_dtype
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, D): the flat batch, decode tokens first, as vLLM orders it."""
+        metadata = (get_forward_context().attn_metadata or {}).get(self.prefix)
+        weight = self.weight[:, 0]  # (D, k)
+        if metadata is None:  # the profiling run: no states yet, the values do not matter
+            return F.conv1d(F.pad(x.t(), (self.kernel_size - 1, 0)), self.weight, self.bias, groups=self.channels).t()
+        state = self.kv_cache[0] if is_conv_state_dim_first() else self.kv_cache[0].transpose(-1, -2)  # (S, D, k-1)
+        num_decodes, num_prefill_tokens = metadata.num_decode_tokens, metadata.num_prefill_tokens
+        decode_x, prefill_x = torch.split(x[: num_decodes + num_prefill_tokens], [num_decodes, num_prefill_tokens])
+        outputs = []
+        if num_decodes > 0:
+            outputs.append(self._decode(decode_x, weight, state, metadata.state_indices_tensor_d.flatten()))
+        if metadata.num_prefills > 0:
+            outputs.append(self._prefill(prefill_x, weight, state, metadata))
+        output = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+        if output.shape[0] < x.shape[0]:  # padding tokens past the scheduled ones (CUDA graphs): zeros
+            output = F.pad(output, (0, 0, 0, x.shape[0] - output.shape[0]))
+        return output
+
+    def _prefill(self, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, metadata) -> torch.Tensor:
+        """Each prefill request's tokens, continuing its cached state where it has one (chunked prefill, prefix hit)."""
+        if current_platform.is_cpu():
+            from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_fn_cpu as conv_fn
+        else:
+            from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn as conv_fn
+        output = conv_fn(
+            x.t(),
+            weight,
+            self.bias,
+            conv_states=state,
+            query_start_loc=metadata.query_start_loc_p,
+            cache_indices=metadata.state_indices_tensor_p.flatten(),
+            has_initial_state=metadata.has_initial_states_p,
+            activation=None,
+            metadata=metadata,
+        )  # (D, T)
+        return output.t()[: x.shape[0]]
+
+    def _decode(self, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One token per request: the state's k-1 inputs and the token, then the state shifts by one."""
+        if current_platform.is_cpu() and current_platform.get_cpu_architecture() == CpuArchEnum.ARM:
+            from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_update_torch
+
+            window = state[slots]  # (n, D, k-1), a copy: updated, then written back (as vLLM's ShortConv on Arm)
+            output = causal_conv1d_update_torch(x.unsqueeze(-1), window, weight, self.bias, activation=None)
+            state[slots] = window
+            return output.squeeze(-1)
+        if current_platform.is_cpu():
+            from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_update_cpu as update
+        else:
+            from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update as update
+        return update(x.contiguous(), state, weight, self.bias, activation=None, conv_state_indices=slots)
+
+
+class TokenwiseConv(nn.Module):
+    """The query convolution with kernel size 1: a per-channel scale and shift of the current token, no state (a
+    stateless layer must not be a `MambaBase`: vLLM gives no state pages to a zero-width state)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, 1))
+        self.bias = nn.Parameter(torch.empty(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight[:, 0, 0] + self.bias
