@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from lib import env, report
 from transformers import AutoConfig, MixtralConfig, PreTrainedConfig, TrainerCallback
 
-from ultramem import ablation, presets, sizing
+from ultramem import UltraMemConfig, ablation, presets, sizing
 from ultramem.tokenization import load_tokenizer
 from ultramem.training import DataArguments, ModelArguments, UltraMemTrainingArguments, train
 from ultramem.training.data import embedded_corpus_files, pack_blocks
@@ -59,11 +59,34 @@ COMPARISON = {
     "151m": {"Dense": "dense-151m", "PKM": "pkm-151m-x12", "MoE": "moe-151m-2in32", "UltraMem": "ultramem-151m-x12"},
 }
 SEEDED_ROWS = ("Dense", "PKM", "MoE", "UltraMem")
+# The memory-layer family at equal total parameters (docs/variants.md): UltraMem (V1) is the reference row; "w/o PEER"
+# is UltraMemV2 with its pre-value rows folded into the values (the same floats per row). Rows of other groups with the
+# same config (UltraMem, Dense, MoE) share their runs.
+VARIANTS = {
+    scale: {
+        "UltraMem (V1)": (f"{scale}-ultramem", {}),
+        "UltraMemV2": (f"{scale}-ultramemv2", {}),
+        "UltraMemV2 w/o PEER": (f"{scale}-ultramemv2", "no_peer"),
+        "Memory+": (f"{scale}-memoryplus", {}),
+        "Dense baseline": (f"{scale}-dense", {}),
+        "MoE baseline": (f"{scale}-moe", {}),
+    }
+    for scale in ("tiny", "small")
+}
+GROUPS = ("comparison", "ladder", "variants")
+
+
+def _variant_config(preset: str, overrides: dict[str, Any] | str) -> PreTrainedConfig:
+    config = presets.get_config(preset)
+    if overrides == "no_peer":
+        width = config.memory_value_dim + config.pre_value_dim
+        return presets.get_config(preset, value_gate="none", pre_value_dim=0, memory_value_dim=width)
+    return presets.get_config(preset, **overrides)
 
 
 @dataclass(frozen=True)
 class Row:
-    """One line of a table: its group ("comparison" or "ladder"), its name, the config file it trains, and the
+    """One line of a table: its group ("comparison", "ladder" or "variants"), its name, the config file it trains, and the
     training arguments it sets (`ultramem-train` flags)."""
 
     group: str
@@ -90,14 +113,16 @@ def row_configs(scale: str) -> list[tuple[str, str, PreTrainedConfig, dict[str, 
     for name, preset in COMPARISON[scale].items():
         config = presets.get_config(preset)
         rows.append(("comparison", name, config, _value_lr(config, presets.get_training_arguments(preset))))
-    if scale not in ablation.LADDER_SCALES:
-        return rows
-    # the ladder shares the presets' position limit, so its first and last rows are the PKM and UltraMem rows
-    positions = rows[-1][2].max_position_embeddings
-    rows += [
-        ("ladder", name, config, _value_lr(config, ablation.ladder_training_arguments(name)))
-        for name, config in ablation.ablation_ladder(scale, max_position_embeddings=positions)
-    ]
+    if scale in ablation.LADDER_SCALES:
+        # the ladder shares the presets' position limit, so its first and last rows are the PKM and UltraMem rows
+        positions = rows[-1][2].max_position_embeddings
+        rows += [
+            ("ladder", name, config, _value_lr(config, ablation.ladder_training_arguments(name)))
+            for name, config in ablation.ablation_ladder(scale, max_position_embeddings=positions)
+        ]
+    for name, (preset, overrides) in VARIANTS.get(scale, {}).items():
+        config = _variant_config(preset, overrides)
+        rows.append(("variants", name, config, _value_lr(config, presets.get_training_arguments(preset))))
     return rows
 
 
@@ -157,7 +182,7 @@ def write_configs(scale: str) -> list[Path]:
 
 
 def load_rows(scale: str, selection: str) -> list[Row]:
-    """Rows whose config files exist, filtered by `--rows` (comparison, ladder, all, or comma-separated names)."""
+    """Rows whose config files exist, filtered by `--rows` (a group of GROUPS, all, or comma-separated names)."""
     rows = []
     stored = CONFIG_DIR / scale / TRAINING_ARGUMENTS_FILE
     for group, name, _, path in row_files(scale):
@@ -170,19 +195,26 @@ def load_rows(scale: str, selection: str) -> list[Row]:
         rows.append(Row(group, name, path, json.loads(path.read_text()), training))
     if selection == "all":
         return rows
-    if selection in ("comparison", "ladder"):
+    if selection in GROUPS:
         return [row for row in rows if row.group == selection]
     wanted = [name.strip() for name in selection.split(",")]
     unknown = [name for name in wanted if name not in {row.name for row in rows}]
     if unknown:
         raise ValueError(
-            f"--rows: unknown row(s) {unknown}; allowed: all, comparison, ladder or {[r.name for r in rows]}"
+            f"--rows: unknown row(s) {unknown}; allowed: all, {', '.join(GROUPS)} or {[r.name for r in rows]}"
         )
     return [row for row in rows if row.name in wanted]
 
 
 def config_key(config: dict[str, Any], training_arguments: dict[str, Any]) -> str:
-    """Rows with the same key train the same model the same way: their runs are shared."""
+    """Rows with the same key train the same model the same way: their runs are shared.
+
+    The config counts by its fields that differ from the config class's defaults, so a field added later with a
+    default that keeps the old behaviour leaves the recorded runs' keys valid.
+    """
+    kind = MixtralConfig if config.get("model_type") == MixtralConfig.model_type else UltraMemConfig
+    defaults = config_dict(kind())
+    config = {name: value for name, value in config.items() if name not in defaults or defaults[name] != value}
     trained = {"config": config, "training_arguments": training_arguments}
     return hashlib.sha256(json.dumps(trained, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -470,6 +502,7 @@ def markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     groups = (
         ("comparison", "Model comparison", "Diff to Dense"),
         ("ladder", "Ablation ladder (each row adds one change)", "Diff to previous"),
+        ("variants", "The memory-layer family at equal parameters", "Diff to UltraMem (V1)"),
     )
     for group, title, diff_title in groups:
         entries = [e for e in table if e["group"] == group]
@@ -553,6 +586,7 @@ def write_results(output_dir: Path, rows: list[Row], runs: list[dict[str, Any]],
     Path(f"{stem}.md").write_text(markdown(table, meta))
     plot(table, runs, "comparison", Path(f"{stem}_comparison.png"), f"Dense / PKM / MoE / UltraMem ({meta['scale']})")
     plot(table, runs, "ladder", Path(f"{stem}_ladder.png"), f"Ablation ladder ({meta['scale']})")
+    plot(table, runs, "variants", Path(f"{stem}_variants.png"), f"UltraMem, UltraMemV2, Memory+ ({meta['scale']})")
 
 
 def planned_runs(rows: list[Row], seeds: int, seeded: set[str]) -> list[tuple[Row, int]]:
@@ -571,7 +605,7 @@ def planned_runs(rows: list[Row], seeds: int, seeded: set[str]) -> list[tuple[Ro
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scale", default="tiny", choices=sorted(COMPARISON))
-    parser.add_argument("--rows", default="all", help="all, comparison, ladder, or comma-separated row names")
+    parser.add_argument("--rows", default="all", help="all, comparison, ladder, variants, or comma-separated row names")
     parser.add_argument("--seeds", type=int, default=2, help="seeds of the --seeded-rows (others get seed 0 only)")
     parser.add_argument(
         "--seeded-rows", default=",".join(SEEDED_ROWS), help="comma-separated row names given --seeds seeds, or all"

@@ -55,7 +55,8 @@ def test_tiny_ladder_ends_are_the_comparison_models():
     rows = {name: row.key for name, row in loaded.items()}
     assert rows["PKM x10"] == rows["PKM"]
     assert rows["+query conv"] == rows["UltraMem"]
-    assert len(set(rows.values())) == len(ablation.LADDER_ROWS) + 2  # + Dense and MoE
+    assert len(set(rows.values())) == len(ablation.LADDER_ROWS) + 2 + 3  # + Dense and MoE, + V2, V2 w/o PEER, Memory+
+    assert rows["UltraMem (V1)"] == rows["UltraMem"] and rows["Dense baseline"] == rows["Dense"]
     decay, before = loaded["+value lr decay"], loaded["+improved init"]
     assert decay.config == before.config
     assert before.training_arguments == {**decay.training_arguments, "value_lr_decay": False}
