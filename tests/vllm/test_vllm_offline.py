@@ -5,9 +5,11 @@ Each engine runs in a child process (`serving_support.run_engine`); the checkpoi
 vLLM is not installed.
 """
 
+import copy
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 # A submodule, not "vllm": without vLLM installed, "vllm" is found as this test folder (a namespace package on the
 # path pytest gives tests/conftest.py)
@@ -82,6 +84,19 @@ def test_batching_chunked_prefill_prefix_caching_and_preemption(tucker):
         assert_same_ids(got, reference_ids(model, batch, MAX_TOKENS), batch)
     counters = result["counters"]
     assert counters["vllm:prefix_cache_hits"] > 0 and counters["vllm:num_preemptions"] > 0, counters
+
+
+def test_control_a_lost_conv_state_changes_the_tokens(tucker):
+    """The equalities above can fail: with the conv's past taps zeroed, what a model that loses its state computes,
+    Transformers' own greedy tokens change."""
+    path, model = tucker
+    batch = prompts([33, 130], seed=1)
+    expected = reference_ids(model, batch, MAX_TOKENS)
+    stateless = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in stateless.model.memory_layers:
+            layer.query.conv.weight[..., :-1] = 0.0
+    assert all(got != want for got, want in zip(reference_ids(stateless, batch, MAX_TOKENS), expected, strict=True))
 
 
 def test_pkm_without_conv_state(pkm):

