@@ -38,7 +38,7 @@ from lib import env, targets
 TIMED_OUT = 124
 # Seconds of the call's device limit the driver may spend (the rest: the kit's install, interpreter start-up, copying
 # the results back).
-CALL_BUDGETS = {1: 500, 2: 220, 3: 540, 4: 540, 5: 540}
+CALL_BUDGETS = {1: 500, 2: 220, 3: 540, 4: 500, 5: 540, 6: 540}
 
 
 @dataclass(frozen=True)
@@ -90,10 +90,19 @@ def gpu_steps() -> list[Step]:
              f"--eval-blocks 64 {QUALITY}", resumable=True),
         Step("decode_1.6b", 4, 280, f"bench_decode.py {DECODE} --sizes 1.6b --batch-sizes 1,4,16 --analytic-sizes 1.6b "
              "--name decode_1.6b"),
+        Step("bench_quantized_kernel", 4, 120, "bench_quantized_kernel.py --device cuda --configs 680m 1.6b --tokens "
+             "1024 4096 16384 --out-dir {results}"),
+        Step("bench_lookup_dot", 4, 90, "bench_lookup_dot.py --device cuda --configs 680m --pre-value-dims 256 "
+             "--dtypes bfloat16 --tokens 4096 16384 65536 --repeats 10 --out-dir {results}"),
         # issue 11 on a GPU: ultramem-1.6b-x12 (a 44 GB checkpoint, built here, deleted after) with its tables in
         # pinned host memory against the same model fully on the GPU; a rerun reuses a checkpoint left by a cut one
         Step("offload_1.6b", 5, 540, "bench_offload.py --device cuda --checkpoints /tmp/ultramem_offload_checkpoints "
              f"--build --cleanup --runs gpu-resident,cpu-offload --batch-sizes 1,8 --name offload {OUT}"),
+        # the memory-layer family at equal parameters (docs/variants.md): the comparison rows are call 3's runs (the
+        # results are shared and resumed), so this trains UltraMemV2, V2 without PEER and Memory+
+        Step("quality_variants_small", 6, 540, "bench_quality.py --scale small --rows all --seeds 2 --seeded-rows "
+             "all --bf16 --max-steps 300 --batch-size 32 --block-size 512 --learning-rate 1e-3 --eval-points 6 "
+             f"--eval-blocks 64 {QUALITY}", resumable=True),
     ]  # fmt: skip
 
 
@@ -104,6 +113,9 @@ def smoke_steps() -> list[Step]:
     return [
         Step("check_gpu", 1, 600, f"check_gpu.py --smoke {OUT}", {"TRITON_INTERPRET": "1"}),
         Step("bench_kernels", 1, 300, "bench_kernels.py --device cpu --smoke --out-dir {results}"),
+        Step("bench_quantized_kernel", 1, 300, "bench_quantized_kernel.py --smoke --out-dir {results}",
+             {"TRITON_INTERPRET": "1"}),
+        Step("bench_lookup_dot", 1, 300, "bench_lookup_dot.py --device cpu --smoke --out-dir {results}"),
         Step("decode_tiny", 1, 300, f"bench_decode.py {timing} --sizes tiny --batch-sizes 1 --context 8 "
              "--analytic-sizes tiny --name decode_tiny"),
         Step("train_tiny", 2, 300, f"bench_train.py {timing} --batch 1 --seq-len 16 --name train_tiny"),
