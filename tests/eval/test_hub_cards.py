@@ -453,3 +453,16 @@ def test_the_cards_value_lr_record_is_the_trainers():
 
     assert VALUE_LR_RECORD == ValueLearningRate.__name__
     assert set(ValueLearningRate().state()["args"]) == {"value_lr_multiplier", "value_lr_decay"}
+
+
+def test_card_names_the_successor_variant_and_its_switches():
+    """A card of an UltraMemV2 or Memory+ config says which design it is and lists the switches that are on."""
+    from ultramem.hub_cards.card import _kind, _memory_section
+    from ultramem.presets import get_config
+
+    v2, memory_plus, v1 = (get_config(name) for name in ("tiny-ultramemv2", "tiny-memoryplus", "tiny-ultramem"))
+    assert _kind(v2).startswith("UltraMemV2") and _kind(memory_plus).startswith("Memory+")
+    assert "| Value gate / pre-value dim | peer / 32 |" in _memory_section(v2)
+    assert "| Value pool shared by the memory layers (rows) | 131,072 |" in _memory_section(v2)
+    assert "| Site | instead_of_mlp |" in _memory_section(memory_plus)
+    assert "Site" not in _memory_section(v1) and _kind(v1) == "UltraMem memory layers"

@@ -15,7 +15,15 @@ from typing import Any
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from transformers import PreTrainedConfig
 
-from ultramem.configuration_ultramem import PRODUCT_KEY, UltraMemConfig
+from ultramem.configuration_ultramem import (
+    BLOCK_SITE,
+    NO_GATE,
+    PEER,
+    PEER_GELU,
+    PRODUCT_KEY,
+    SWILU,
+    UltraMemConfig,
+)
 from ultramem.eval.benchmarks import BENCHMARKS, group_entries
 from ultramem.eval.checkpoint import (
     CheckpointError,
@@ -51,6 +59,10 @@ def require_ultramem(folder: Path) -> Path:
 
 def _kind(config: PreTrainedConfig) -> str:
     if isinstance(config, UltraMemConfig) and config.memory_layers:
+        if config.value_gate == SWILU:
+            return "Memory+ memory layers (Berges et al. 2024)"
+        if config.value_gate in (PEER, PEER_GELU) or config.memory_site != BLOCK_SITE:
+            return "UltraMemV2 memory layers (Huang et al. 2025)"
         return "PKM memory-layer baseline" if config.retrieval_mode == PRODUCT_KEY else "UltraMem memory layers"
     if isinstance(config, UltraMemConfig):
         return "dense baseline: the UltraMem backbone without memory layers"
@@ -102,6 +114,14 @@ def _memory_section(config: PreTrainedConfig) -> str | None:
         ("Keys per axis n / IVE expansion E", f"{config.memory_num_keys} / {config.ive_expansion}"),
         ("Physical values N per layer / value dim", f"{config.memory_num_values:,} / {config.memory_value_dim}"),
     ]
+    successor = [  # the UltraMemV2 / Memory+ switches that are on (docs/variants.md)
+        ("Site", config.memory_site, config.memory_site != BLOCK_SITE),
+        ("Value gate / pre-value dim", f"{config.value_gate} / {config.pre_value_dim}", config.value_gate != NO_GATE),
+        ("IVE groups pooled into one projector", "yes", config.ive_single_projector),
+        ("Value pool shared by the memory layers (rows)", f"{config.value_pool_size or 0:,}", config.value_pool_size),
+        ("Key-balance loss coefficient", f"{config.key_balance_loss_coef:g}", config.key_balance_loss_coef),
+    ]
+    rows += [(name, value) for name, value, on in successor if on]
     return "## Memory layers\n\n| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n"
 
 
