@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 BASE_ENGINE = dict(dtype="float32", max_model_len=512, enforce_eager=True, seed=0, disable_log_stats=False)
 
 
