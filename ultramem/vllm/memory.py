@@ -113,9 +113,11 @@ class ValueExpansion(nn.Module):
 class UltraMemMemoryLayer(nn.Module):
     """Pre-norm, query, retrieval, IVE slots, lookup-reduce, projectors: (T, D) -> (T, D)."""
 
-    def __init__(self, config, model_config: ModelConfig | None, cache_config: CacheConfig | None, prefix: str):
+    def __init__(
+        self, config, memory_idx: int, model_config: ModelConfig | None, cache_config: CacheConfig | None, prefix: str
+    ):
         super().__init__()
-        self.read_block, self.write_block = None, None  # set by the model from `config.memory_layers`
+        self.read_block, self.write_block = config.memory_layers[memory_idx]
         self.softmax = config.memory_score_softmax
         self.implementation = getattr(config, "_memory_implementation", None)
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)

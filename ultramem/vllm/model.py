@@ -119,12 +119,10 @@ class UltraMemModel(nn.Module):
         )
         self.memory_layers = nn.ModuleList(
             [
-                UltraMemMemoryLayer(config, vllm_config.model_config, cache_config, f"{prefix}.memory_layers.{j}")
+                UltraMemMemoryLayer(config, j, vllm_config.model_config, cache_config, f"{prefix}.memory_layers.{j}")
                 for j in range(len(config.memory_layers))
             ]
         )
-        for layer, (read_block, write_block) in zip(self.memory_layers, config.memory_layers, strict=True):
-            layer.read_block, layer.write_block = read_block, write_block
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds: torch.Tensor | None):
