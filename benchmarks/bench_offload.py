@@ -265,7 +265,8 @@ SUMMARY_COLUMNS = ["batch", "ultramem/dense", "sync/async", *(f"spread, {series}
 
 
 def plot(args, rows: list[dict[str, Any]]) -> None:
-    """Step time against batch size (wall clock and process CPU time), and against the size of the tables."""
+    """Step time against batch size (wall clock and process CPU time) and against the size of the tables; peak
+    resident memory."""
     runs = list(dict.fromkeys(r["run"] for r in rows))
     panels = []
     for key, what in (("median_ms", "wall clock"), ("cpu_ms", "process CPU time")):
@@ -281,7 +282,11 @@ def plot(args, rows: list[dict[str, Any]]) -> None:
                 )
                 if points:
                     scaling[f"{series}, batch {batch}, {what}"] = ([p[0] for p in points], [p[1] for p in points])
-    panels.append(report.Panel("tables on disk growing 16x", "ms / step", scaling, xlabel="value-table GB"))
+    if scaling:
+        panels.append(report.Panel("tables on disk growing 16x", "ms / step", scaling, xlabel="value-table GB"))
+    by = medians(rows, "peak_rss_gb")
+    memory = {run: ([b for r, b in by if r == run], [gb for (r, _), gb in by.items() if r == run]) for run in runs}
+    panels.append(report.Panel("peak resident memory", "GB", memory, xlabel="batch size"))
     report.plot(args.results_dir / f"{args.name}.png", panels, f"memory_offload, {str(args.dtype)[6:]}, {args.device}")
 
 
