@@ -112,3 +112,19 @@ def test_bad_settings_are_one_line_before_anything_is_written(tmp_path, capsys):
         main(["--preset", "tiny-ultramem", "--output", str(tmp_path / "c"), "--memory-quantization", "int4",
               "--group-size", "48"])  # fmt: skip
     assert not any(tmp_path.iterdir())
+
+
+def test_table_shapes_come_from_the_model_and_tables_no_store_quantizes_are_refused(tmp_path):
+    """PEER's pre-value tables are narrower than the values: each table is written at its own width; quantizing a
+    model that has them is one line before anything is written (no quantized store serves them)."""
+    peer = config().__class__(**{**config().to_dict(), "value_gate": "peer", "pre_value_dim": 8})
+    write_random_checkpoint(peer, tmp_path / "float", torch.bfloat16)
+    checkpoint = QuantizedCheckpoint(sorted((tmp_path / "float").glob("*.safetensors")))
+    model = UltraMemForCausalLM.from_pretrained(tmp_path / "float").eval()
+    names = model.get_value_table_names()
+    assert any(".pre_values." in name for name in names)
+    for name in names:
+        assert checkpoint.read(name).shape == model.get_parameter(name).shape, name
+    with pytest.raises(QuantizationError, match="covers each memory layer's value table, not the pre-value tables"):
+        write_random_checkpoint(peer, tmp_path / "q", torch.bfloat16, memory_quantization="int8")
+    assert not (tmp_path / "q").exists()

@@ -27,7 +27,7 @@ import torch
 from ..configuration_ultramem import UltraMemConfig
 from ..modeling_ultramem import UltraMemForCausalLM
 from ..quantized.format import FORMATS, QuantizationError, quantize, quantized_width, resolve_group_size
-from ..quantized.stores import METADATA_FORMAT, METADATA_GROUP, TABLE_KEY
+from ..quantized.stores import METADATA_FORMAT, METADATA_GROUP, TABLE_KEY, check_quantizable
 from ..tokenization import load_tokenizer
 from .safetensors_file import INDEX_FILE
 
@@ -74,6 +74,7 @@ def write_random_checkpoint(
     if memory_quantization is not None:  # checked (one line) before any model is built
         if not config.memory_layers:
             raise QuantizationError(f"memory_quantization={memory_quantization!r}: this config has no value tables")
+        check_quantizable(config, memory_quantization)
         group_size = resolve_group_size(memory_quantization, config.memory_value_dim, config.mcs_cores, group_size)
     torch.manual_seed(seed)
     folder = Path(folder)
