@@ -205,7 +205,8 @@ def test_bench_kernels_times_with_the_shared_timer(bench, monkeypatch):
 
 
 def test_bench_offload_builds_loads_offloaded_and_cleans_up(bench, tmp_path):
-    args = ["--device", "cpu", "--runs", "tiny-dense,tiny-disk", "--batch-sizes", "1", "--new-tokens", "2", "--no-plot"]
+    runs = "tiny-dense,tiny-disk,tiny-cpu-int4,tiny-disk-int8"
+    args = ["--device", "cpu", "--runs", runs, "--batch-sizes", "1", "--new-tokens", "2", "--no-plot"]
     checkpoints = tmp_path / "checkpoints"
     payload = bench("bench_offload").main(
         [
@@ -222,6 +223,8 @@ def test_bench_offload_builds_loads_offloaded_and_cleans_up(bench, tmp_path):
     )
     rows = {r["run"]: r for r in read(tmp_path, "o")["rows"]}
     assert rows["tiny-disk"]["offload"] == "disk" and rows["tiny-disk"]["rows_read_per_step"] > 0
+    assert (rows["tiny-cpu-int4"]["offload"], rows["tiny-cpu-int4"]["tables"]) == ("cpu", "int4")
+    assert rows["tiny-disk-int8"]["tables"] == "int8" and rows["tiny-disk-int8"]["rows_read_per_step"] > 0
     assert all(r["ms"] > 0 and r["peak_rss_gb"] > 0 for r in rows.values()) and payload["summary"]
     assert not any(checkpoints.iterdir())  # built by the run, deleted after it
 
