@@ -371,7 +371,7 @@ def counts(config: dict[str, Any]) -> dict[str, float]:
         experts, k = built.num_local_experts, built.num_experts_per_tok
         sparse = (result["total"] - result["activated"]) * experts / (experts - k)
     else:
-        sparse = result["physical_values"] * built.memory_value_dim
+        sparse = result["physical_values"] * (built.memory_value_dim + built.pre_value_dim)  # values and pre-values
     result.update(sparse=sparse, dense=result["total"] - sparse)
     return result
 
