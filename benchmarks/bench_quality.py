@@ -73,7 +73,7 @@ VARIANTS = {
     }
     for scale in ("tiny", "small")
 }
-GROUPS = ("comparison", "ladder", "variants")
+GROUPS = ("comparison", "ladder", "variants", "v2_ladder")  # v2_ladder: from UltraMem to UltraMemV2, one change a row
 
 
 def _variant_config(preset: str, overrides: dict[str, Any] | str) -> PreTrainedConfig:
@@ -123,6 +123,11 @@ def row_configs(scale: str) -> list[tuple[str, str, PreTrainedConfig, dict[str, 
     for name, (preset, overrides) in VARIANTS.get(scale, {}).items():
         config = _variant_config(preset, overrides)
         rows.append(("variants", name, config, _value_lr(config, presets.get_training_arguments(preset))))
+    if scale in ablation.V2_LADDER_SCALES:
+        rows += [
+            ("v2_ladder", f"V2 ladder: {name}", config, _value_lr(config, {}))
+            for name, config in ablation.ultramemv2_ladder(scale)
+        ]
     return rows
 
 
@@ -447,7 +452,7 @@ def summarize(rows: list[Row], runs: list[dict[str, Any]]) -> list[dict[str, Any
                 for name in mine[0]["final_diagnostics"]
             },
         }
-        if row.group == "ladder" or row.group not in reference:
+        if row.group in ("ladder", "v2_ladder") or row.group not in reference:
             reference[row.group] = by_seed
         table.append(entry)
     return table
@@ -503,6 +508,7 @@ def markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         ("comparison", "Model comparison", "Diff to Dense"),
         ("ladder", "Ablation ladder (each row adds one change)", "Diff to previous"),
         ("variants", "The memory-layer family at equal parameters", "Diff to UltraMem (V1)"),
+        ("v2_ladder", "From UltraMem to UltraMemV2 (each row adds one change)", "Diff to previous"),
     )
     for group, title, diff_title in groups:
         entries = [e for e in table if e["group"] == group]
@@ -587,6 +593,7 @@ def write_results(output_dir: Path, rows: list[Row], runs: list[dict[str, Any]],
     plot(table, runs, "comparison", Path(f"{stem}_comparison.png"), f"Dense / PKM / MoE / UltraMem ({meta['scale']})")
     plot(table, runs, "ladder", Path(f"{stem}_ladder.png"), f"Ablation ladder ({meta['scale']})")
     plot(table, runs, "variants", Path(f"{stem}_variants.png"), f"UltraMem, UltraMemV2, Memory+ ({meta['scale']})")
+    plot(table, runs, "v2_ladder", Path(f"{stem}_v2_ladder.png"), f"From UltraMem to UltraMemV2 ({meta['scale']})")
 
 
 def planned_runs(rows: list[Row], seeds: int, seeded: set[str]) -> list[tuple[Row, int]]:
@@ -605,7 +612,7 @@ def planned_runs(rows: list[Row], seeds: int, seeded: set[str]) -> list[tuple[Ro
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scale", default="tiny", choices=sorted(COMPARISON))
-    parser.add_argument("--rows", default="all", help="all, comparison, ladder, variants, or comma-separated row names")
+    parser.add_argument("--rows", default="all", help=f"all, {', '.join(GROUPS)}, or comma-separated row names")
     parser.add_argument("--seeds", type=int, default=2, help="seeds of the --seeded-rows (others get seed 0 only)")
     parser.add_argument(
         "--seeded-rows", default=",".join(SEEDED_ROWS), help="comma-separated row names given --seeds seeds, or all"

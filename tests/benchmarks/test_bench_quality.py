@@ -55,7 +55,9 @@ def test_tiny_ladder_ends_are_the_comparison_models():
     rows = {name: row.key for name, row in loaded.items()}
     assert rows["PKM x10"] == rows["PKM"]
     assert rows["+query conv"] == rows["UltraMem"]
-    assert len(set(rows.values())) == len(ablation.LADDER_ROWS) + 2 + 3  # + Dense and MoE, + V2, V2 w/o PEER, Memory+
+    # + Dense and MoE, + V2, V2 w/o PEER, Memory+, + the V2 ladder's rows between UltraMem and UltraMemV2
+    assert len(set(rows.values())) == len(ablation.LADDER_ROWS) + 2 + 3 + len(ablation.V2_LADDER_ROWS) - 2
+    assert rows["V2 ladder: UltraMem"] == rows["UltraMem"] and rows["V2 ladder: +MLP rebalanced"] == rows["UltraMemV2"]
     assert rows["UltraMem (V1)"] == rows["UltraMem"] and rows["Dense baseline"] == rows["Dense"]
     decay, before = loaded["+value lr decay"], loaded["+improved init"]
     assert decay.config == before.config
