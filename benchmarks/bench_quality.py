@@ -187,7 +187,7 @@ def write_configs(scale: str) -> list[Path]:
 
 
 def load_rows(scale: str, selection: str) -> list[Row]:
-    """Rows whose config files exist, filtered by `--rows` (a group of GROUPS, all, or comma-separated names)."""
+    """Rows whose config files exist, filtered by `--rows` (all, or comma-separated groups of GROUPS or row names)."""
     rows = []
     stored = CONFIG_DIR / scale / TRAINING_ARGUMENTS_FILE
     for group, name, _, path in row_files(scale):
@@ -200,9 +200,9 @@ def load_rows(scale: str, selection: str) -> list[Row]:
         rows.append(Row(group, name, path, json.loads(path.read_text()), training))
     if selection == "all":
         return rows
-    if selection in GROUPS:
-        return [row for row in rows if row.group == selection]
     wanted = [name.strip() for name in selection.split(",")]
+    if set(wanted) <= set(GROUPS):
+        return [row for row in rows if row.group in wanted]
     unknown = [name for name in wanted if name not in {row.name for row in rows}]
     if unknown:
         raise ValueError(
@@ -612,7 +612,9 @@ def planned_runs(rows: list[Row], seeds: int, seeded: set[str]) -> list[tuple[Ro
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scale", default="tiny", choices=sorted(COMPARISON))
-    parser.add_argument("--rows", default="all", help=f"all, {', '.join(GROUPS)}, or comma-separated row names")
+    parser.add_argument(
+        "--rows", default="all", help=f"all, or comma-separated groups ({', '.join(GROUPS)}) or row names"
+    )
     parser.add_argument("--seeds", type=int, default=2, help="seeds of the --seeded-rows (others get seed 0 only)")
     parser.add_argument(
         "--seeded-rows", default=",".join(SEEDED_ROWS), help="comma-separated row names given --seeds seeds, or all"
