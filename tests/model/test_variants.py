@@ -290,3 +290,21 @@ def test_v2_ladder_changes_one_thing_a_row_from_v1_to_v2(scale):
         assert changed and changed <= expected_changes[row], row  # (m stays where blocks = 2 x V1's layers)
         slots = [c.memory_heads * c.memory_topk * c.num_memory_layers for c in (before, after)]
         assert slots[0] == slots[1], row  # every row reads as many value rows per token
+
+
+@pytest.mark.parametrize("variant", ["ultramemv2", "peer_gelu"])
+def test_pre_value_tables_and_pools_train_in_the_value_group(variant, tmp_path):
+    """The optimizer's value group (its own LR schedule) holds the value and pre-value tables, a shared pool's
+    included, and nothing else."""
+    from transformers import TrainingArguments
+
+    from ultramem.training.schedule import VALUE_GROUP
+    from ultramem.training.trainer import UltraMemTrainer
+
+    model = UltraMemForCausalLM(small_config(**VARIANTS[variant]))
+    trainer = UltraMemTrainer(model=model, args=TrainingArguments(tmp_path, report_to=[], use_cpu=True))
+    group = next(g for g in trainer.create_optimizer().param_groups if g["ultramem_group"] == VALUE_GROUP)
+    tables = dict(model.named_parameters())
+    expected = {id(tables[name]) for name in model.get_value_table_names()}
+    assert {id(param) for param in group["params"]} == expected
+    assert any("pre_value" in name for name in model.get_value_table_names())
