@@ -149,7 +149,6 @@ class MemoryInitScales:
         else:
             query_gain = 1.0 / (math.sqrt(2.0) * top_mean)  # Var(s_row + s_col) = 2 g^2
         target = 1.0 / (2 * config.num_hidden_layers)  # the output variance, per dimension
-        value_std = core_scale * math.sqrt(num_groups * target / activated)
         if config.value_gate in (PEER, PEER_GELU) and config.retrieval_mode == TUCKER:
             # UltraMemV2's rule: the selected scores' spread counted, sampled, not taken as 1 (see the docstring)
             second_moment = query_gain**4 * core_score_second_moment(
@@ -160,6 +159,8 @@ class MemoryInitScales:
                 config.tdqkr_signed_candidates,
             )
             value_std = math.sqrt(num_groups * target / (activated * second_moment * gate_moment))
+        else:
+            value_std = core_scale * math.sqrt(num_groups * target / activated)
         return cls(
             value_std=value_std,
             projector_std=(num_groups * config.memory_value_dim) ** -0.5,
@@ -852,7 +853,9 @@ class UltraMemModel(UltraMemPreTrainedModel):
             else:
                 cores = tuple(retrieval.cores for retrieval in retrievals)
                 loss = self.inference_cache.get("aux_loss", cores, lambda: self._aux_loss_by_device(cores))
-        balance = [layer.retrieval.last_balance_loss for layer in self.memory_layers if self.training]
+        if not self.training:
+            return loss
+        balance = [layer.retrieval.last_balance_loss for layer in self.memory_layers]
         return sum((value.to(loss.device) for value in balance if value is not None), loss)
 
     def _aux_loss_by_device(self, cores: tuple[torch.Tensor, ...]) -> torch.Tensor:
