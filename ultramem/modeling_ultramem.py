@@ -630,7 +630,7 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         self.pre_value_gate = PreValueGate(config, scales) if config.pre_value_dim else None
         self.values = self.pre_values = None
         if config.value_pool_size is None:
-            self.values, self.pre_values = value_tables(config, config.memory_num_values, scales)
+            self.values, self.pre_values = build_value_tables(config, config.memory_num_values, scales)
         self.value_expansion = ImplicitValueExpansion(config, scales, memory_idx)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
@@ -731,7 +731,9 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         return self.dropout(self.value_expansion(pooled, x))  # not a view: FSDP2 warns about views leaving a module
 
 
-def value_tables(config: UltraMemConfig, num_rows: int, scales: MemoryInitScales) -> tuple[nn.Module, nn.Module | None]:
+def build_value_tables(
+    config: UltraMemConfig, num_rows: int, scales: MemoryInitScales
+) -> tuple[nn.Module, nn.Module | None]:
     """The value table (num_rows, Dv) and, with a PEER gate, the pre-value table (num_rows, Dp): local stores, or
     placeholders a store fills when the tables are left out of the load."""
     table_cls = DeferredValueTable if tables_deferred(config) else MemoryValueTable
@@ -823,7 +825,7 @@ class UltraMemModel(UltraMemPreTrainedModel):
         self.value_pool = self.pre_value_pool = None  # a value table shared by all memory layers (value_pool_size)
         if config.value_pool_size is not None:
             scales = MemoryInitScales.from_config(config)
-            self.value_pool, self.pre_value_pool = value_tables(config, config.value_pool_size, scales)
+            self.value_pool, self.pre_value_pool = build_value_tables(config, config.value_pool_size, scales)
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.inference_cache = InferenceCache()
