@@ -62,31 +62,31 @@ SEEDED_ROWS = ("Dense", "PKM", "MoE", "UltraMem")
 # The memory-layer family at equal total parameters (docs/variants.md): UltraMem (V1) is the reference row; "w/o PEER"
 # is UltraMemV2 with its pre-value rows folded into the values (the same floats per row). Rows of other groups with the
 # same config (UltraMem, Dense, MoE) share their runs.
-VARIANTS = {
+VARIANTS = {  # row name -> (preset, whether its PEER pre-values are folded into the values)
     scale: {
-        "UltraMem (V1)": (f"{scale}-ultramem", {}),
-        "UltraMemV2": (f"{scale}-ultramemv2", {}),
-        "UltraMemV2 w/o PEER": (f"{scale}-ultramemv2", "no_peer"),
-        "Memory+": (f"{scale}-memoryplus", {}),
-        "Dense baseline": (f"{scale}-dense", {}),
-        "MoE baseline": (f"{scale}-moe", {}),
+        "UltraMem (V1)": (f"{scale}-ultramem", False),
+        "UltraMemV2": (f"{scale}-ultramemv2", False),
+        "UltraMemV2 w/o PEER": (f"{scale}-ultramemv2", True),
+        "Memory+": (f"{scale}-memoryplus", False),
+        "Dense baseline": (f"{scale}-dense", False),
+        "MoE baseline": (f"{scale}-moe", False),
     }
     for scale in ("tiny", "small")
 }
 GROUPS = ("comparison", "ladder", "variants", "v2_ladder")  # v2_ladder: from UltraMem to UltraMemV2, one change a row
 
 
-def _variant_config(preset: str, overrides: dict[str, Any] | str) -> PreTrainedConfig:
+def _variant_config(preset: str, fold_pre_values: bool) -> PreTrainedConfig:
     config = presets.get_config(preset)
-    if overrides == "no_peer":
-        width = config.memory_value_dim + config.pre_value_dim
-        return presets.get_config(preset, value_gate="none", pre_value_dim=0, memory_value_dim=width)
-    return presets.get_config(preset, **overrides)
+    if not fold_pre_values:
+        return config
+    width = config.memory_value_dim + config.pre_value_dim
+    return presets.get_config(preset, value_gate="none", pre_value_dim=0, memory_value_dim=width)
 
 
 @dataclass(frozen=True)
 class Row:
-    """One line of a table: its group ("comparison", "ladder" or "variants"), its name, the config file it trains, and the
+    """One line of a table: its group (one of GROUPS), its name, the config file it trains, and the
     training arguments it sets (`ultramem-train` flags)."""
 
     group: str
@@ -120,8 +120,8 @@ def row_configs(scale: str) -> list[tuple[str, str, PreTrainedConfig, dict[str, 
             ("ladder", name, config, _value_lr(config, ablation.ladder_training_arguments(name)))
             for name, config in ablation.ablation_ladder(scale, max_position_embeddings=positions)
         ]
-    for name, (preset, overrides) in VARIANTS.get(scale, {}).items():
-        config = _variant_config(preset, overrides)
+    for name, (preset, fold_pre_values) in VARIANTS.get(scale, {}).items():
+        config = _variant_config(preset, fold_pre_values)
         rows.append(("variants", name, config, _value_lr(config, presets.get_training_arguments(preset))))
     if scale in ablation.V2_LADDER_SCALES:
         rows += [
