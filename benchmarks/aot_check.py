@@ -44,6 +44,16 @@ def resource_usage(fn, arguments: dict[str, str], constants: dict[str, int], arc
     return {key: int(value) for key, value in re.findall(r"(REG|STACK|LOCAL):(\d+)", listing)}
 
 
+def forward_tiles(slots: int, chunk: int) -> dict[str, tuple[int, int, int]]:
+    """The forward's heuristic tile (the interpreter's, labelled '') and each tile `triton.autotune` may choose on a
+    GPU (labelled '[BLOCK_K x BLOCK_D, warps]'): all of them must build without spills."""
+    tiles = {"": lookup.forward_tile(slots, chunk)}
+    for config in lookup.tuned_forward_configs():
+        block_k, block_d = config.kwargs["BLOCK_K"], config.kwargs["BLOCK_D"]
+        tiles[f"[{block_k}x{block_d}, {config.num_warps} warps]"] = (block_k, block_d, config.num_warps)
+    return tiles
+
+
 def kernel_launches(config_name: str, dtype: str) -> dict[str, tuple]:
     """(kernel, argument types, constexprs, warps) of every launch at one configuration, by name."""
     from ultramem.presets import get_config
@@ -54,14 +64,16 @@ def kernel_launches(config_name: str, dtype: str) -> dict[str, tuple]:
     groups = config.ive_expansion
     t = TRITON_DTYPES[dtype]
     sizes = dict(num_slots="i32", value_dim="i32", chunk="i32", num_cores="i32")
-    block_k, block_d, warps = lookup.forward_tile(slots, chunk)
+    forward_arguments = dict(values_ptr=f"*{t}", rows_ptr="*i64", groups_ptr="*i64", scores_ptr=f"*{t}",
+                             out_ptr=f"*{t}", **sizes, size_class="i32")  # fmt: skip
     launches = {
-        "lookup_reduce.forward": (
-            lookup._forward_kernel,
-            dict(values_ptr=f"*{t}", rows_ptr="*i64", groups_ptr="*i64", scores_ptr=f"*{t}", out_ptr=f"*{t}", **sizes),
+        f"lookup_reduce.forward{label}": (
+            lookup._forward_kernel.fn,
+            forward_arguments,
             dict(NUM_GROUPS=groups, GROUPS_PAD=triton.next_power_of_2(groups), BLOCK_K=block_k, BLOCK_D=block_d),
             warps,
         )
+        for label, (block_k, block_d, warps) in forward_tiles(slots, chunk).items()
     }
     block_k, block_d, warps = lookup.backward_tile(slots, chunk)
     backward_arguments = dict(
@@ -184,13 +196,13 @@ def lookup_dot_launches(slots: int, dim: int, t: str) -> dict[str, tuple]:
             warps,
         ),
     }
-    block_k, block_d, warps = lookup.forward_tile(slots, dim)
-    launches["lookup_dot.query_grad"] = (
-        lookup._forward_kernel,
-        dict(values_ptr=f"*{t}", rows_ptr="*i64", scores_ptr=f"*{t}", out_ptr=f"*{t}", **sizes),
-        dict(**one_group, GROUPS_PAD=1, BLOCK_K=block_k, BLOCK_D=block_d),
-        warps,
-    )
+    for label, (block_k, block_d, warps) in forward_tiles(slots, dim).items():
+        launches[f"lookup_dot.query_grad{label}"] = (
+            lookup._forward_kernel.fn,
+            dict(values_ptr=f"*{t}", rows_ptr="*i64", scores_ptr=f"*{t}", out_ptr=f"*{t}", **sizes, size_class="i32"),
+            dict(**one_group, GROUPS_PAD=1, BLOCK_K=block_k, BLOCK_D=block_d),
+            warps,
+        )
     block_p, block_d, warps = lookup.segment_tile(2**20, dim)
     launches["lookup_dot.table_grad_segments"] = (
         lookup._value_grad_segment_kernel,

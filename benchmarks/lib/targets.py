@@ -64,7 +64,7 @@ def fwd_bwd_speedup(folder: Path) -> Reading:
 
 
 def _ratios(folder: Path) -> list[dict[str, Any]]:
-    report = _load(folder, "decode_680m", "decode_tiny")
+    report = _load(folder, "decode_680m_graphs", "decode_680m", "decode_tiny")  # CUDA graphs first, eager else
     return [r for r in report["ratios"] if r["ultramem/dense"] is not None] if report else []
 
 

@@ -224,36 +224,72 @@ def model_on(device: torch.device, dtype: torch.dtype, preset: str, **overrides)
         torch.set_default_dtype(previous)
 
 
+def model_outputs(model, implementation: str, input_ids: torch.Tensor) -> tuple:
+    """(logits, loss, {parameter: gradient}) of one training-mode forward and backward, gradients cleared after."""
+    use_memory_implementation(model, implementation).train()
+    out = model(input_ids=input_ids, labels=input_ids)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out.logits.detach(), out.loss.detach(), grads
+
+
+def token_errors(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """Each token's max |actual - expected| / max |expected| over its logits (float64), flattened over the batch."""
+    actual, expected = actual.double().flatten(0, -2), expected.double().flatten(0, -2)
+    return (actual - expected).abs().amax(-1) / expected.abs().amax(-1).clamp_min(1e-30)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
 def test_model_forward_backward_triton_vs_torch(device, check, dtype):
     """One model, run with the reference and with the Triton kernels: logits, loss and every parameter's gradient.
-    A 151M-shaped UltraMem with two of its memory layers (1.2M value rows each) at 2 x 2048 tokens on the GPU."""
+    A 151M-shaped UltraMem with two of its memory layers (1.2M value rows each) at 2 x 2048 tokens on the GPU.
+
+    float32: Triton against PyTorch directly, logits and loss within 1e-5, every gradient within 1e-4.
+
+    bfloat16: the two paths round differently, and two things make their logits disagree far beyond the kernels'
+    3e-3: the top-k is discrete (a near-tie picks another slot on one path), and a randomly initialised model's
+    logits are sums with heavy cancellation. The first GPU runs (H200) measured, between the two bfloat16 paths, the
+    loss within 5e-5 but the median token's logits 12% apart. So each bfloat16 path is measured against the float32
+    model with the same weights, and Triton must be as accurate as PyTorch: its median-token logit error and its
+    loss error at most 1.25x PyTorch's + 1e-3. Gradients: float32 here, and every kernel's in bfloat16 above."""
     if SMOKE:
-        model, shape = model_on(device, dtype, "tiny-ultramem"), (1, 8)
+        model, shape = model_on(device, torch.float32, "tiny-ultramem"), (2, 64)
     else:
         model, shape = (
-            model_on(device, dtype, "ultramem-151m-x12", num_hidden_layers=4, memory_layers=[[0, 2], [1, 3]]),
+            model_on(device, torch.float32, "ultramem-151m-x12", num_hidden_layers=4, memory_layers=[[0, 2], [1, 3]]),
             (2, 2048),
         )
     input_ids = torch.randint(
         0, model.config.vocab_size, shape, device=device, generator=torch.Generator(device=device).manual_seed(2)
     )
-    results = {}
-    for implementation in ("torch", "triton"):
-        use_memory_implementation(model, implementation).train()
-        out = model(input_ids=input_ids, labels=input_ids)
-        out.loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        results[implementation] = (out.logits.detach(), out.loss.detach(), grads)
-        model.zero_grad(set_to_none=True)
-    (logits, loss, grads), (ref_logits, ref_loss, ref_grads) = results["triton"], results["torch"]
-    tolerance = TOLERANCE[dtype]
     detail = dict(config=model.config.model_type, dtype=dtype_name(dtype), tokens=shape[0] * shape[1])
-    check("model triton vs torch: logits", relative_error(logits, ref_logits), tolerance, **detail)
-    check("model triton vs torch: loss", relative_error(loss, ref_loss), tolerance, **detail)
-    worst = max(ref_grads, key=lambda n: relative_error(grads[n], ref_grads[n]))
-    check("model triton vs torch: worst parameter gradient", relative_error(grads[worst], ref_grads[worst]), 10 * tolerance,
-          parameter=worst, **detail)  # fmt: skip
+    reference = model_outputs(model, "torch", input_ids)
+    if dtype == torch.float32:
+        logits, loss, grads = model_outputs(model, "triton", input_ids)
+        ref_logits, ref_loss, ref_grads = reference
+        check("model triton vs torch: logits", relative_error(logits, ref_logits), 1e-5, **detail)
+        check("model triton vs torch: loss", relative_error(loss, ref_loss), 1e-5, **detail)
+        worst = max(ref_grads, key=lambda n: relative_error(grads[n], ref_grads[n]))
+        check("model triton vs torch: worst parameter gradient", relative_error(grads[worst], ref_grads[worst]), 1e-4,
+              parameter=worst, **detail)  # fmt: skip
+        return
+    model.to(dtype)
+    outputs = {name: model_outputs(model, name, input_ids) for name in ("triton", "torch")}
+    errors = {
+        name: {
+            "median_token": token_errors(out[0], reference[0]).median().item(),
+            "loss": relative_error(out[1], reference[1]),
+        }
+        for name, out in outputs.items()
+    }
+    check("model bf16 triton vs torch: median token's logits (recorded)",
+          token_errors(outputs["triton"][0], outputs["torch"][0]).median().item(), float("inf"), **detail)  # fmt: skip
+    for metric in ("median_token", "loss"):
+        triton_error, torch_error = errors["triton"][metric], errors["torch"][metric]
+        check(f"model bf16 vs the fp32 model: {metric} error, triton / (1.25 x torch + 1e-3)",
+              triton_error / (1.25 * torch_error + 1e-3), 1.0, triton_error=triton_error, torch_error=torch_error,
+              **detail)  # fmt: skip
 
 
 def test_cached_greedy_generation_triton_vs_torch(device, check):

@@ -349,7 +349,8 @@ def test_kernels_compile_for_ampere_and_hopper():
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert {(row["kernel"], row["arch"]) for row in report} == {
+    # a kernel `triton.autotune` tunes appears once per candidate tile, as "name[tile]"
+    assert {(row["kernel"].split("[")[0], row["arch"]) for row in report} == {
         (kernel, arch)
         for kernel in (
             "lookup_reduce.forward",

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ultramem.kernels import _device
+
 # Tile sizes: about 8 elements per thread, which keeps every kernel at <= ~110 registers per thread
 # and without spills on sm_80 and sm_90 (`python benchmarks/aot_check.py` compiles and reports).
 FORWARD_TILE = (2048, 8)  # (elements per program, warps)
@@ -58,6 +60,32 @@ def _load_groups(groups_ptr, entries, mask, NUM_GROUPS: tl.constexpr):
     return groups
 
 
+def tuned_forward_configs() -> list[triton.Config]:
+    """The forward's tile candidates (BLOCK_K slots x BLOCK_D columns, warps), timed once per shape class by
+    `triton.autotune` on a GPU."""
+    tiles = [
+        (8, 128, 4),
+        (16, 128, 8),
+        (32, 128, 16),
+        (8, 64, 2),
+        (16, 64, 4),
+        (32, 64, 8),
+    ]  # <= 32 accumulators a thread at E = 4
+    return [triton.Config({"BLOCK_K": k, "BLOCK_D": d}, num_warps=w) for k, d, w in tiles]
+
+
+def _forward_configs() -> list[triton.Config]:
+    """On a GPU the tuned candidates; in the interpreter one config whose tile the launcher passes (`forward_tile`),
+    so nothing is timed there."""
+    return [triton.Config({}, num_warps=FORWARD_TILE[1])] if _device.interpreting() else tuned_forward_configs()
+
+
+def forward_size_class(num_tokens: int) -> int:
+    """Decode (<= 64 tokens), prefill or short training batches, long batches: one tuned tile each."""
+    return 0 if num_tokens <= 64 else 1 if num_tokens <= 1024 else 2
+
+
+@triton.autotune(configs=_forward_configs(), key=["num_slots", "value_dim", "chunk", "NUM_GROUPS", "size_class"])
 @triton.jit
 def _forward_kernel(
     values_ptr,
@@ -69,19 +97,24 @@ def _forward_kernel(
     value_dim,
     chunk,
     num_cores,
+    size_class,
     NUM_GROUPS: tl.constexpr,
     GROUPS_PAD: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """out[t, e, chunk c] = sum_k [groups[t,k]==e] scores[t,k,c] values[rows[t,k], chunk c]."""
+    """out[t, e, chunk c] = sum_k [groups[t,k]==e] scores[t,k,c] values[rows[t,k], chunk c].
+
+    Each program keeps one float32 accumulator per (group, slot lane, column) and sums the slot lanes once at the
+    end: inside the loop every thread only multiplies and adds its own elements (no cross-warp reduction), so the
+    loop is the row reads. `size_class` only keys the tuning."""
     token = tl.program_id(0).to(tl.int64)
     core = tl.program_id(1)
     in_chunk = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_mask = in_chunk < chunk
     cols = core * chunk + in_chunk
     group_ids = tl.arange(0, GROUPS_PAD)
-    acc = tl.zeros((GROUPS_PAD, BLOCK_D), dtype=tl.float32)
+    acc = tl.zeros((GROUPS_PAD, BLOCK_K, BLOCK_D), dtype=tl.float32)
     for k0 in range(0, num_slots, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         slot_mask = ks < num_slots
@@ -94,13 +127,12 @@ def _forward_kernel(
             mask=slot_mask[:, None] & col_mask[None, :],
             other=0.0,
         ).to(tl.float32)
-        weighted = tile * scores[:, None]
-        for group in tl.static_range(NUM_GROUPS):
-            pooled = tl.sum(tl.where(groups[:, None] == group, weighted, 0.0), axis=0)
-            acc += tl.where(group_ids[:, None] == group, pooled[None, :], 0.0)
+        weighted = tile * scores[:, None]  # (BLOCK_K, BLOCK_D)
+        acc += tl.where(groups[None, :, None] == group_ids[:, None, None], weighted[None, :, :], 0.0)
+    pooled = tl.sum(acc, axis=1)  # (GROUPS_PAD, BLOCK_D)
     out_offsets = (token * NUM_GROUPS + group_ids[:, None]) * value_dim + cols[None, :]
     out_mask = (group_ids[:, None] < NUM_GROUPS) & col_mask[None, :]
-    tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(out_ptr + out_offsets, pooled.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -298,8 +330,12 @@ def forward(
     out = torch.empty((num_tokens, num_groups, value_dim), dtype=out_dtype or values.dtype, device=values.device)
     if num_tokens == 0:
         return out
-    block_k, block_d, warps = forward_tile(num_slots, chunk)
-    grid = (num_tokens, num_cores, triton.cdiv(chunk, block_d))
+    heuristic = dict(zip(("BLOCK_K", "BLOCK_D"), forward_tile(num_slots, chunk)[:2]))
+    tiles = {} if len(_forward_kernel.configs) > 1 else heuristic  # tuned on a GPU, fixed in the interpreter
+
+    def grid(tile: dict) -> tuple[int, int, int]:
+        return (num_tokens, num_cores, triton.cdiv(chunk, tile["BLOCK_D"]))
+
     _forward_kernel[grid](
         values,
         rows,
@@ -310,11 +346,10 @@ def forward(
         value_dim,
         chunk,
         num_cores,
+        forward_size_class(num_tokens),
         NUM_GROUPS=num_groups,
         GROUPS_PAD=triton.next_power_of_2(num_groups),
-        BLOCK_K=block_k,
-        BLOCK_D=block_d,
-        num_warps=warps,
+        **tiles,
     )
     return out
 
