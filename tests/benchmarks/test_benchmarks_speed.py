@@ -351,3 +351,15 @@ def test_gpu_kit_carries_what_the_image_cannot_satisfy(bench):
     assert not marker.evaluate(kit.marker_environment("3.12")) and marker.evaluate(kit.marker_environment("3.10"))
     line = kit.install_command(kit.KIT, call=2)
     assert "--no-index --no-deps --target" in line and ".whl/*.whl" in line and line.endswith("--call 2")
+
+
+def test_campaign_readme_keeps_its_reading_when_a_step_rewrites_it(bench, tmp_path):
+    """The targets table is rewritten after every step; the written reading under `## Reading` stays."""
+    targets = bench("lib.targets")
+    state = {"device": "cpu-smoke", "environment": {"torch": torch.__version__}, "steps": {}}
+    path = targets.write_readme(tmp_path, state)
+    path.write_text(path.read_text() + "\n## Reading\n\nWhy the kernel missed its target.\n")
+    state["steps"]["check_gpu"] = dict(call=1, returncode=0, seconds=1.0, limit_s=200, command="python check_gpu.py")
+    text = targets.write_readme(tmp_path, state).read_text()
+    assert "| check_gpu | 1 | 0 |" in text and text.endswith("\n## Reading\n\nWhy the kernel missed its target.\n")
+    assert text.count("\n## Reading\n") == 1
