@@ -37,11 +37,12 @@ def table_grad(
     grad: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, query: torch.Tensor, deterministic: bool
 ) -> torch.Tensor:
     """(N, Dp) in the table's dtype: every row gets the queries of the slots that selected it, weighted by the output
-    gradient. deterministic: the sorted-segment kernel (identical bits every run); else float32 atomics."""
+    gradient. deterministic: the sorted-segment kernel (identical bits every run); else float32 atomics, unless the
+    sorted kernel is the faster one here (`sorted_value_grad_is_faster`)."""
     if rows.numel() == 0:
         return torch.zeros_like(table)
     grad_out, scores = query.unsqueeze(1), grad.unsqueeze(-1)  # (T, E = 1, Dp), (T, K, h = 1)
-    if deterministic:
+    if deterministic or lookup_reduce.sorted_value_grad_is_faster(table, rows):
         return lookup_reduce.segment_value_grad(grad_out, table, rows, None, scores)
     value_acc = torch.zeros(table.shape, dtype=torch.float32, device=table.device)
     lookup_reduce.score_and_value_grad_pass(grad_out, None, rows, None, scores, value_acc=value_acc)

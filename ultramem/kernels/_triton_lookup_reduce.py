@@ -354,6 +354,15 @@ def forward(
     return out
 
 
+def sorted_value_grad_is_faster(values: torch.Tensor, rows: torch.Tensor) -> bool:
+    """For 16-bit tables, the sort/segment value gradient wins while the (token, slot) entries are fewer than the
+    table's rows: the atomic mode's fixed cost is zeroing, re-reading and casting a float32 (N, Dv) scratch, the
+    sorted mode's extra cost grows with the entries (both per column). Measured on an H200 at 2.66M rows x 768
+    (benchmarks/results/nvidia-h200): sorted 2.18 / 4.94 / 20.4 ms, atomic 5.71 / 7.91 / 16.9 ms at 0.29M / 1.1M /
+    4.6M entries, crossing near 2.2M. float32 tables have no scratch and keep the atomics."""
+    return values.element_size() == 2 and rows.numel() < values.shape[0]
+
+
 def backward(
     grad_out: torch.Tensor,
     values: torch.Tensor,
@@ -366,13 +375,14 @@ def backward(
 
     deterministic=True: sort/segment value gradient, no float atomics, identical bits every run, no
     table-sized float32 scratch. deterministic=False: float32 atomics fused into the score-gradient
-    pass (one pass over the gathered rows), plus a float32 (N, Dv) scratch when values are 16-bit.
+    pass (one pass over the gathered rows), plus a float32 (N, Dv) scratch when values are 16-bit,
+    unless `sorted_value_grad_is_faster` says the sort/segment kernel costs less for this lookup.
     """
     num_tokens, num_slots = rows.shape
     grad_scores = torch.empty_like(scores)
     if num_tokens == 0 or num_slots == 0:
         return torch.zeros_like(values), grad_scores.zero_()
-    if deterministic:
+    if deterministic or sorted_value_grad_is_faster(values, rows):
         score_and_value_grad_pass(grad_out, values, rows, groups, scores, grad_scores=grad_scores)
         return segment_value_grad(grad_out, values, rows, groups, scores), grad_scores
     value_acc = torch.zeros(values.shape, dtype=torch.float32, device=values.device)
