@@ -5,9 +5,9 @@ campaign is a fixed list of steps, each with its own time limit, grouped into ca
 command (see benchmarks/README.md for the plan and the seconds per step):
 
     python benchmarks/gpu_kit.py          # here, once: the wheels the GPU image lacks, into .whl/ (it prints the line)
-    python -m pip install --no-index --no-deps --target /tmp/ultramem-kit .whl/*.whl \
-        && PYTHONPATH=/tmp/ultramem-kit:$PWD python benchmarks/gpu_campaign.py --call 1   # on the GPU: 540 s
-    PYTHONPATH=/tmp/ultramem-kit:$PWD python benchmarks/gpu_campaign.py --call 2          # the next call: 240 s
+    python3 -m pip install --no-index --no-deps --target /tmp/ultramem-kit .whl/*.whl \
+        && PYTHONPATH=/tmp/ultramem-kit:$PWD python3 benchmarks/gpu_campaign.py --call 1   # on the GPU: 540 s
+    PYTHONPATH=/tmp/ultramem-kit:$PWD python3 benchmarks/gpu_campaign.py --call 2          # the next call: 240 s
     python benchmarks/gpu_campaign.py --smoke      # the same driver on CPU at tiny sizes, kernels interpreted (CI)
 
 Call 1: correctness (never skipped), kernel bandwidth, decoding at 680M. Call 2: the 151M training step and decode

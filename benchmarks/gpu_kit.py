@@ -191,8 +191,10 @@ def install_command(kit: Path = KIT, call: int = 1, target: str = "/tmp/ultramem
     """The one line to run on the GPU machine from the repository root: unpack the kit (again, harmlessly, on a warm
     machine), run one call of the campaign."""
     wheels = f"{kit.relative_to(REPO)}/*.whl" if kit.is_relative_to(REPO) else f"{kit}/*.whl"
-    return (f"python -m pip install --quiet --no-index --no-deps --target {target} {wheels} && "
-            f"PYTHONPATH={target}:$PWD python benchmarks/gpu_campaign.py --call {call}")  # fmt: skip
+    # python3: the GPU image's interpreter with PyTorch (`python` may be another); --upgrade: a warm machine's next
+    # call replaces the kit quietly instead of warning once per package
+    return (f"python3 -m pip install --quiet --upgrade --no-index --no-deps --target {target} {wheels} && "
+            f"PYTHONPATH={target}:$PWD python3 benchmarks/gpu_campaign.py --call {call}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:
