@@ -116,26 +116,27 @@ def kernel_launches(config_name: str, dtype: str) -> dict[str, tuple]:
     quantized_sizes = dict(num_slots="i32", width="i32", group_size="i32", group_bytes="i32", groups_per_core="i32",
                            num_cores="i32", value_dim="i32")  # fmt: skip
     for format, group_size in (("int8", chunk), ("int4", 64 if chunk % 64 == 0 else chunk)):  # the formats' defaults
-        block_k, block_d, warps = quantized.forward_tile(slots, group_size)
-        launches[f"quantized_lookup_reduce.forward_{format}"] = (
-            quantized._forward_kernel,
-            dict(
-                weight_ptr="*u8",
-                rows_ptr="*i64",
-                groups_ptr="*i64",
-                scores_ptr=f"*{t}",
-                out_ptr="*fp32",
-                **quantized_sizes,
-            ),
-            dict(
-                INT4=format == "int4",
-                NUM_GROUPS=groups,
-                GROUPS_PAD=triton.next_power_of_2(groups),
-                BLOCK_K=block_k,
-                BLOCK_D=block_d,
-            ),
-            warps,
-        )
+        for label, (block_k, block_d, warps) in forward_tiles(slots, group_size).items():
+            launches[f"quantized_lookup_reduce.forward_{format}{label}"] = (
+                quantized._forward_kernel.fn,
+                dict(
+                    weight_ptr="*u8",
+                    rows_ptr="*i64",
+                    groups_ptr="*i64",
+                    scores_ptr=f"*{t}",
+                    out_ptr="*fp32",
+                    **quantized_sizes,
+                    size_class="i32",
+                ),  # fmt: skip
+                dict(
+                    INT4=format == "int4",
+                    NUM_GROUPS=groups,
+                    GROUPS_PAD=triton.next_power_of_2(groups),
+                    BLOCK_K=block_k,
+                    BLOCK_D=block_d,
+                ),  # fmt: skip
+                warps,
+            )
         block_k, block_d, _ = quantized.backward_tile(slots, group_size)
         launches[f"quantized_lookup_reduce.score_grad_{format}"] = (
             quantized._score_grad_kernel,

@@ -74,10 +74,18 @@ def tuned_forward_configs() -> list[triton.Config]:
     return [triton.Config({"BLOCK_K": k, "BLOCK_D": d}, num_warps=w) for k, d, w in tiles]
 
 
-def _forward_configs() -> list[triton.Config]:
-    """On a GPU the tuned candidates; in the interpreter one config whose tile the launcher passes (`forward_tile`),
-    so nothing is timed there."""
+def forward_configs() -> list[triton.Config]:
+    """On a GPU the tuned candidates; in the interpreter one config whose tile the launcher passes (`forward_tiles`),
+    so nothing is timed there. Shared by the quantized forward."""
     return [triton.Config({}, num_warps=FORWARD_TILE[1])] if _device.interpreting() else tuned_forward_configs()
+
+
+def forward_tiles(kernel: triton.runtime.Autotuner, num_slots: int, chunk: int) -> dict[str, int]:
+    """The tile arguments a forward launch passes: none where `triton.autotune` picks them (a GPU), the heuristic
+    tile in the interpreter."""
+    if len(kernel.configs) > 1:
+        return {}
+    return dict(zip(("BLOCK_K", "BLOCK_D"), forward_tile(num_slots, chunk)[:2]))
 
 
 def forward_size_class(num_tokens: int) -> int:
@@ -85,7 +93,7 @@ def forward_size_class(num_tokens: int) -> int:
     return 0 if num_tokens <= 64 else 1 if num_tokens <= 1024 else 2
 
 
-@triton.autotune(configs=_forward_configs(), key=["num_slots", "value_dim", "chunk", "NUM_GROUPS", "size_class"])
+@triton.autotune(configs=forward_configs(), key=["num_slots", "value_dim", "chunk", "NUM_GROUPS", "size_class"])
 @triton.jit
 def _forward_kernel(
     values_ptr,
@@ -330,8 +338,6 @@ def forward(
     out = torch.empty((num_tokens, num_groups, value_dim), dtype=out_dtype or values.dtype, device=values.device)
     if num_tokens == 0:
         return out
-    heuristic = dict(zip(("BLOCK_K", "BLOCK_D"), forward_tile(num_slots, chunk)[:2]))
-    tiles = {} if len(_forward_kernel.configs) > 1 else heuristic  # tuned on a GPU, fixed in the interpreter
 
     def grid(tile: dict) -> tuple[int, int, int]:
         return (num_tokens, num_cores, triton.cdiv(chunk, tile["BLOCK_D"]))
@@ -349,7 +355,7 @@ def forward(
         forward_size_class(num_tokens),
         NUM_GROUPS=num_groups,
         GROUPS_PAD=triton.next_power_of_2(num_groups),
-        **tiles,
+        **forward_tiles(_forward_kernel, num_slots, chunk),
     )
     return out
 

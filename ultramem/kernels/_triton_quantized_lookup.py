@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ultramem.kernels._triton_lookup_reduce import backward_tile, forward_tile
+from ultramem.kernels._triton_lookup_reduce import backward_tile, forward_configs, forward_size_class, forward_tiles
 
 # The float kernels' tiles; the score gradient with 8 warps instead of 4 (4 elements a thread): at 4 warps it takes
 # 167 registers a thread on sm_90, at 8 it takes 80 (no spills either way; `triton.compile` + cuobjdump, 151M-1.6B).
@@ -61,6 +61,9 @@ def _payload(weight_ptr, group_starts, cols, mask, INT4: tl.constexpr):
     return tl.load(weight_ptr + group_starts[:, None] + cols[None, :], mask=mask, other=0).to(tl.float32)
 
 
+@triton.autotune(
+    configs=forward_configs(), key=["num_slots", "width", "group_size", "INT4", "NUM_GROUPS", "size_class"]
+)
 @triton.jit
 def _forward_kernel(
     weight_ptr,
@@ -75,6 +78,7 @@ def _forward_kernel(
     groups_per_core,
     num_cores,
     value_dim,
+    size_class,
     INT4: tl.constexpr,
     NUM_GROUPS: tl.constexpr,
     GROUPS_PAD: tl.constexpr,
@@ -192,8 +196,10 @@ def forward(
         return out
     if num_slots == 0:
         return out.zero_()
-    block_k, block_d, warps = forward_tile(num_slots, group_size)
-    grid = (num_tokens, sizes["value_dim"] // group_size, triton.cdiv(group_size, block_d))
+
+    def grid(tile: dict) -> tuple[int, int, int]:
+        return (num_tokens, sizes["value_dim"] // group_size, triton.cdiv(group_size, tile["BLOCK_D"]))
+
     _forward_kernel[grid](
         weight,
         rows,
@@ -202,12 +208,11 @@ def forward(
         out,
         num_slots,
         **sizes,
+        size_class=forward_size_class(num_tokens),
         INT4=format == "int4",
         NUM_GROUPS=num_groups,
         GROUPS_PAD=triton.next_power_of_2(num_groups),
-        BLOCK_K=block_k,
-        BLOCK_D=block_d,
-        num_warps=warps,
+        **forward_tiles(_forward_kernel, num_slots, group_size),
     )
     return out
 
