@@ -1,13 +1,23 @@
-"""The quality cost of quantized value tables: validation loss and per-token KL to fp32, fp32 vs int8 vs int4.
+"""The quality cost of quantized value tables: validation loss, per-token KL to fp32 and lm-eval task scores, fp32 vs
+int8 vs int4.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_quantized.py --checkpoint runs/tiny-ultramem \
-        [--int4-group-sizes 64 32] [--blocks 32 --block-size 128] [--output results/quantized.json]
+        [--int4-group-sizes 64 32] [--blocks 32 --block-size 128] [--output results/quantized.json] \
+        [--tasks boolq,winogrande --eval-data /path/to/eval --limit 100]
 
 Every variant is the same checkpoint with its value tables quantized at load (`ultramem.quantized`, the "local"
 store, CPU op), run on the same fixed validation blocks (the package's embedded Gutenberg valid split by default,
 blocks taken evenly across it). Reported per variant: the language-model loss (mean next-token cross entropy), its
 change against fp32 (absolute and relative), the mean per-token KL(fp32 || variant) in nats, the table bytes and
 the tables' relative rms error. The KL is computed from the two models' log-probabilities at every position.
+
+With `--tasks` (benchmark keys of `ultramem.eval.benchmarks`, comma-separated), each variant is also scored by the
+`lm_eval` command line (`--model hf`, the format in `--model_args` as `memory_quantization=...` /
+`memory_quantization_group_size=...`, which reach `from_pretrained`), on the local copies in `--eval-data` (the
+`ultramem_<key>_offline` tasks) or the Hub's datasets. Reported per variant and benchmark: lm-eval's score (the
+metric the paper's table uses), the share of documents whose answer equals fp32's, and the mean absolute change of
+the log-likelihoods lm-eval scored against fp32's (zero for a quantized variant means the format never reached the
+model: the benchmark stops there).
 """
 
 from __future__ import annotations
@@ -15,14 +25,25 @@ from __future__ import annotations
 import argparse
 import json
 import lzma
+import os
+import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO / "ultramem" / "data" / "corpus" / "valid.jsonl.xz"
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+Variant = tuple[str, str | None, int | None]  # name, format (None: float), int4 group size (None: the default)
+# lm-eval's command line (its own entry point, argv unchanged) with the installed package imported first: the Auto
+# classes then build `ultramem`'s model classes. The checkpoint's remote-code copy (trust_remote_code=True) cannot
+# load quantized tables: ultramem.quantized.loading calls super() with the installed package's ValueStoreMixin.
+LM_EVAL = "import sys, ultramem; from lm_eval.__main__ import cli_evaluate; sys.argv[0] = 'lm_eval'; cli_evaluate()"
 
 
 def validation_blocks(tokenizer, data: Path, blocks: int, block_size: int) -> torch.Tensor:
@@ -56,7 +77,7 @@ def table_error(model, reference) -> tuple[int, float]:
 def measure(
     checkpoint: str | Path,
     blocks: torch.Tensor,
-    variants: list[tuple[str, str | None, int | None]],
+    variants: list[Variant],
     batch_size: int = 8,
 ) -> list[dict]:
     """One row per (name, format, group size) variant; the first must be the float model (format None).
@@ -111,6 +132,105 @@ def measure(
     return rows
 
 
+@dataclass
+class TaskRun:
+    """How lm-eval scores every variant: the benchmarks (keys of `ultramem.eval.benchmarks`), where their local
+    copies are (None: the Hub), documents per task, batch size and the generation budget (None: the task's)."""
+
+    keys: str
+    data_dir: Path | None = None
+    limit: int = 100
+    batch_size: int = 8
+    max_gen_toks: int | None = None
+
+
+def lm_eval_command(checkpoint: str | Path, variant: Variant, tasks: list[str], run: TaskRun, out: Path) -> list[str]:
+    """The `lm_eval` command line scoring one variant: the table format travels in `--model_args`."""
+    from ultramem.eval import tasks_path
+
+    _, format, group_size = variant
+    model_args = f"pretrained={checkpoint},dtype=float32"
+    model_args += f",memory_quantization={format}" if format else ""
+    model_args += f",memory_quantization_group_size={group_size}" if group_size else ""
+    command = [
+        sys.executable, "-c", LM_EVAL, "--model", "hf", "--model_args", model_args,
+        "--include_path", tasks_path(), "--tasks", ",".join(tasks), "--limit", str(run.limit),
+        "--batch_size", str(run.batch_size), "--device", "cpu", "--output_path", str(out), "--log_samples",
+    ]  # fmt: skip
+    if run.data_dir is not None:
+        command += ["--metadata", json.dumps({"data_dir": str(run.data_dir.resolve())})]
+    if run.max_gen_toks:
+        command += ["--gen_kwargs", f"max_gen_toks={run.max_gen_toks}"]
+    return command
+
+
+def leaf_tasks(group_subtasks: dict[str, list[str]], name: str) -> list[str]:
+    """The lm-eval tasks (those that log samples) under a task or group name."""
+    if name not in group_subtasks:
+        return [name]
+    return [leaf for sub in group_subtasks[name] for leaf in leaf_tasks(group_subtasks, sub)]
+
+
+def answers(out: Path, leaves: list[str]) -> dict[tuple[str, int], tuple[Any, list[float]]]:
+    """{(task, doc_id): (answer, log-likelihoods)} from lm-eval's samples: a log-likelihood task's answer is the
+    argmax over its choices, a generation task's the filtered text (no log-likelihoods)."""
+    files = {path.stem.removeprefix("samples_").rsplit("_", 1)[0]: path for path in out.rglob("samples_*.jsonl")}
+    found = {}
+    for task in leaves:
+        for line in files[task].read_text(encoding="utf-8").splitlines():
+            sample = json.loads(line)
+            scored = sample["filtered_resps"]
+            if scored and isinstance(scored[0], list):  # [log-likelihood, is-greedy] per choice
+                lls = [float(choice[0]) for choice in scored]
+                found[task, sample["doc_id"]] = (lls.index(max(lls)), lls)
+            else:
+                found[task, sample["doc_id"]] = (scored[0], [])
+    return found
+
+
+def score_tasks(checkpoint: str | Path, variants: list[Variant], run: TaskRun) -> list[dict]:
+    """One row per variant: lm-eval's score of each benchmark, agreement with fp32 and the log-likelihood change.
+    The first variant must be the float model; each runs in its own `lm_eval` process."""
+    import tempfile
+
+    from ultramem.eval.benchmarks import select, task_name
+    from ultramem.eval.report import scores_from_lm_eval
+
+    benchmarks = select(run.keys)
+    tasks = [task_name(b, offline=run.data_dir is not None) for b in benchmarks]
+    rows, reference = [], {}
+    with tempfile.TemporaryDirectory(prefix="bench_quantized_") as tmp:
+        for variant in variants:
+            out = Path(tmp) / variant[0]
+            start = time.perf_counter()
+            command = lm_eval_command(checkpoint, variant, tasks, run, out)
+            done = subprocess.run(command, env={**os.environ, **OFFLINE_ENV}, capture_output=True, text=True)
+            if done.returncode != 0:
+                sys.exit(f"error: lm_eval failed on {variant[0]} ({' '.join(command)}):\n{done.stderr[-3000:]}")
+            seconds = time.perf_counter() - start
+            (results_file,) = out.rglob("results_*.json")
+            output = json.loads(results_file.read_text(encoding="utf-8"))
+            row: dict[str, Any] = dict(
+                variant=variant[0], seconds=seconds, scores=scores_from_lm_eval(output, benchmarks)
+            )
+            row.update(documents={}, agreement={}, loglikelihood_change={})
+            for bench, task in zip(benchmarks, tasks, strict=True):
+                found = answers(out, leaf_tasks(output.get("group_subtasks", {}), task))
+                reference.setdefault(bench.key, found)
+                base = reference[bench.key]
+                changes = [
+                    abs(a - b) for key, (_, lls) in found.items() for a, b in zip(lls, base[key][1], strict=True)
+                ]
+                row["documents"][bench.key] = len(found)
+                row["agreement"][bench.key] = sum(found[k][0] == base[k][0] for k in found) / len(found)
+                row["loglikelihood_change"][bench.key] = sum(changes) / len(changes) if changes else None
+                if variant[1] is not None and changes and max(changes) == 0:
+                    sys.exit(f"error: {variant[0]} scored exactly as fp32 on {bench.key}: the format never reached "
+                             "the model")  # fmt: skip
+            rows.append(row)
+    return rows
+
+
 def markdown(rows: list[dict], tokens: int, checkpoint: str) -> str:
     lines = [
         f"Checkpoint `{checkpoint}`, {tokens} predicted tokens.",
@@ -127,6 +247,51 @@ def markdown(rows: list[dict], tokens: int, checkpoint: str) -> str:
     return "\n".join(lines)
 
 
+def task_markdown(rows: list[dict], limit: int) -> str:
+    """lm-eval's score (percent) of each benchmark per variant, with its agreement with fp32 and log-likelihood
+    change."""
+    keys = list(rows[0]["scores"])
+    lines = [
+        f"lm-eval, at most {limit} documents per task; score in percent (agreement with fp32's answers, mean "
+        "|change| of the log-likelihoods).",
+        "",
+        "| variant | " + " | ".join(f"{k} (n={rows[0]['documents'][k]})" for k in keys) + " | lm_eval s |",
+        "| --- |" + " ---: |" * (len(keys) + 1),
+    ]
+    for r in rows:
+        cells = []
+        for k in keys:
+            change = r["loglikelihood_change"][k]
+            cells.append(
+                f"{r['scores'][k]:.1f} ({r['agreement'][k]:.1%}" + (f", {change:.1e})" if change is not None else ")")
+            )
+        lines.append(f"| {r['variant']} | " + " | ".join(cells) + f" | {r['seconds']:.0f} |")
+    return "\n".join(lines)
+
+
+def plot(path: Path, rows: list[dict], task_rows: list[dict]) -> None:
+    """Loss change and KL per variant; lm-eval scores per benchmark and variant."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' library, benchmarks/lib
+    from lib import report
+
+    names = [r["variant"] for r in rows]
+    xs = list(range(len(names)))
+
+    def labels(axis) -> None:
+        axis.set_xticks(xs, names)
+
+    panels = [
+        report.Panel("loss change against fp32", "relative change, %",
+                     {"loss": (xs, [100 * r["loss_change_relative"] for r in rows])}, xlog=False, draw=labels),
+        report.Panel("per-token KL(fp32 || variant)", "nats", {"KL": (xs, [r["kl_per_token"] for r in rows])},
+                     xlog=False, draw=labels),
+    ]  # fmt: skip
+    if task_rows:
+        series = {k: (xs, [r["scores"][k] for r in task_rows]) for k in task_rows[0]["scores"]}
+        panels.append(report.Panel("lm-eval score", "percent", series, xlog=False, draw=labels))
+    report.plot(path, panels, "quantized value tables: quality cost")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, help="a trained (float) UltraMem checkpoint folder")
@@ -135,8 +300,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--int4-group-sizes", type=int, nargs="+", default=[64, 32])
-    parser.add_argument("--output", type=Path, help="write the rows as JSON here (and the table beside it as .md)")
+    parser.add_argument("--output", type=Path, help="write the rows as JSON here (the tables as .md, a plot as .png)")
+    parser.add_argument(
+        "--tasks", help="also score lm-eval benchmarks: keys of ultramem.eval.benchmarks, e.g. boolq,arc"
+    )
+    parser.add_argument("--eval-data", type=Path, help="folder of the benchmarks' local copies (docs/evaluation.md)")
+    parser.add_argument("--limit", type=int, default=100, help="lm-eval documents per task")
+    parser.add_argument("--eval-batch-size", type=int, default=8, help="lm-eval's --batch_size")
+    parser.add_argument("--max-gen-toks", type=int, help="cap the generation tasks' budget (lm-eval's max_gen_toks)")
     args = parser.parse_args(argv)
+    if args.tasks:
+        from ultramem.eval.benchmarks import select
+
+        try:
+            select(args.tasks)
+        except ValueError as error:
+            parser.error(str(error))
+        if args.limit < 1:
+            parser.error(f"--limit must be >= 1, got {args.limit}")
+        if args.eval_data is not None and not args.eval_data.is_dir():
+            parser.error(f"--eval-data {args.eval_data} is not a folder")
     from transformers import AutoTokenizer
 
     torch.manual_seed(0)
@@ -147,10 +330,20 @@ def main(argv: list[str] | None = None) -> None:
     rows = measure(args.checkpoint, blocks, variants, args.batch_size)
     table = markdown(rows, blocks[:, 1:].numel(), args.checkpoint)
     print(table)
+    task_rows = []
+    if args.tasks:
+        run = TaskRun(args.tasks, args.eval_data, args.limit, args.eval_batch_size, args.max_gen_toks)
+        task_rows = score_tasks(args.checkpoint, variants, run)
+        tasks_table = task_markdown(task_rows, args.limit)
+        print("\n" + tasks_table)
+        table += "\n\n" + tasks_table
     if args.output:
+        settings = {k: v for k, v in vars(args).items() if k not in ("output",)}
+        payload = {"checkpoint": str(args.checkpoint), "settings": settings, "rows": rows, "task_rows": task_rows}
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps({"checkpoint": str(args.checkpoint), "rows": rows}, indent=2) + "\n")
+        args.output.write_text(json.dumps(payload, indent=2, default=str) + "\n")
         args.output.with_suffix(".md").write_text(table + "\n")
+        plot(args.output.with_suffix(".png"), rows, task_rows)
 
 
 if __name__ == "__main__":
