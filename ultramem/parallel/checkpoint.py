@@ -20,7 +20,13 @@ from ultramem.parallel.sharded import ShardedValueStore
 
 DENSE_FILE, TABLES_FILE = "model-dense.safetensors", "model-values.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.uint8: "U8",  # quantized tables (`ultramem.quantized`)
+}
 
 
 def sharded_tables(model: nn.Module) -> dict[str, ShardedValueStore]:

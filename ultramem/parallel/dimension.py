@@ -56,7 +56,7 @@ class DimensionShardedValues(ShardedValueStore):
     def _own_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """The scores of the MCS cores whose columns this rank holds."""
         num_cores = scores.shape[-1]
-        check_dimension_split(self.weight.shape[1], num_cores, self.size)
+        check_dimension_split(self.embedding_dim, num_cores, self.size)
         if num_cores % self.size == 0:
             width = num_cores // self.size
             return scores[..., self.rank * width : (self.rank + 1) * width]
@@ -79,7 +79,7 @@ class DimensionShardedValues(ShardedValueStore):
         all_scores = all_gather(F.pad(scores, (0, 0, 0, 0, 0, padded - num_tokens)), self.group, "scores")
         rows, groups = all_slots % self.num_rows, all_slots // self.num_rows
         # (P*T', E, Dv/P): this rank's columns for every rank's tokens
-        pooled = ops.lookup_reduce(self.local_weight(), rows, groups, self._own_scores(all_scores), num_groups)
+        pooled = self._pool(self.local_weight(), rows, groups, self._own_scores(all_scores), num_groups, ops)
         split = [padded * pooled[0].numel()] * self.size
         returned = all_to_all(pooled.reshape(-1), split, split, self.group, "pooled")
         columns = returned.view(self.size, padded, num_groups, -1).permute(1, 2, 0, 3)  # (T', E, P, Dv/P)

@@ -75,7 +75,7 @@ class NumberShardedValues(ShardedValueStore):
         order = torch.argsort(owner, stable=True)  # slots grouped by owner, in rank order
         local_rows = local_rows[order]
         if self.pool_at == "owner":
-            return self._pool_at_owner(rows.shape[0], owner, order, local_rows, groups, scores, num_groups)
+            return self._pool_at_owner(rows.shape[0], owner, order, local_rows, groups, scores, num_groups, ops)
         send = torch.bincount(owner, minlength=self.size)
         send_list, receive_list = send.tolist(), exchange_counts(send, self.group).tolist()
         received = all_to_all(local_rows, receive_list, send_list, self.group, "indices")
@@ -83,7 +83,7 @@ class NumberShardedValues(ShardedValueStore):
         returned = all_to_all(looked_up, send_list, receive_list, self.group, "values")  # (T*K, Dv), sorted
         gathered = returned[torch.argsort(order)]  # back in slot order
         slots = torch.arange(rows.numel(), device=rows.device).view_as(rows)
-        return ops.lookup_reduce(gathered, slots, groups, scores, num_groups)
+        return self._pool(gathered, slots, groups, scores, num_groups, ops)
 
     def _route_cells(
         self, owner: torch.Tensor, order: torch.Tensor, local_rows: torch.Tensor, cell: torch.Tensor, num_cells: int
@@ -118,22 +118,26 @@ class NumberShardedValues(ShardedValueStore):
         groups: torch.Tensor,
         scores: torch.Tensor,
         num_groups: int,
+        ops: MemoryOps,
     ) -> torch.Tensor:
         """Send (row, partial-sum id, scores) to the owners; they return one pooled row per (token, group) served."""
         token = torch.arange(num_tokens, device=owner.device).repeat_interleave(groups.shape[1])
         buckets = num_tokens * num_groups
         routing = self._route_cells(owner, order, local_rows, token * num_groups + groups.reshape(-1), buckets)
-        num_cores = scores.shape[-1]
-        slot_scores = scores.reshape(-1, num_cores)[order]
+        slot_scores = scores.reshape(-1, scores.shape[-1])[order]
         received_scores = all_to_all(slot_scores, routing.receive_slots, routing.send_slots, self.group, "scores")
-        weight = self.local_weight()
-        values = F.embedding(routing.rows, weight).float()  # (R, Dv)
-        chunks = values.view(len(values), num_cores, weight.shape[1] // num_cores)
-        weighted = (chunks * received_scores.float().unsqueeze(-1)).flatten(1)
-        partial = weighted.new_zeros(sum(routing.receive_pairs), weight.shape[1]).index_add(0, routing.pair, weighted)
+        weighted = self._weighted_rows(routing.rows, received_scores, ops)  # (R, Dv) float32
+        partial = weighted.new_zeros(sum(routing.receive_pairs), self.embedding_dim)
+        partial = partial.index_add(0, routing.pair, weighted)
         returned = all_to_all(partial, routing.send_pairs, routing.receive_pairs, self.group, "pooled")  # (pairs, Dv)
-        pooled = returned.new_zeros(buckets, weight.shape[1]).index_add(0, routing.cells, returned)
-        return pooled.view(num_tokens, num_groups, -1).to(weight.dtype)
+        pooled = returned.new_zeros(buckets, self.embedding_dim).index_add(0, routing.cells, returned)
+        return pooled.view(num_tokens, num_groups, -1).to(self.pooled_dtype)
+
+    def _weighted_rows(self, rows: torch.Tensor, scores: torch.Tensor, ops: MemoryOps) -> torch.Tensor:
+        """(R,) local rows and their (R, h) scores -> (R, Dv) float32: each row's MCS chunks times their scores."""
+        values = F.embedding(rows, self.local_weight()).float()  # (R, Dv)
+        chunks = values.view(len(values), scores.shape[-1], -1)
+        return (chunks * scores.float().unsqueeze(-1)).flatten(1)
 
     def lookup_dot(self, rows: torch.Tensor, query: torch.Tensor, ops: MemoryOps) -> torch.Tensor:
         """rows (T, K), query (T, Dp) -> (T, K), as `memory_ops.lookup_dot` on the whole table.

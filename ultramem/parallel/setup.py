@@ -12,10 +12,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ultramem.configuration_ultramem import TUCKER
-from ultramem.offload.safetensors_file import SafetensorsCheckpoint
 from ultramem.parallel.dimension import check_dimension_split
 from ultramem.parallel.number import NumberShardedValues
 from ultramem.parallel.volume import VOLUMES, LookupShape
+from ultramem.value_stores import DeferredValueTable, MemoryValueTable, value_store, value_tables
 
 MEMORY_PARALLEL_CHOICES = ("none", "number", "dimension", "auto")
 logger = logging.getLogger(__name__)
@@ -35,6 +35,18 @@ def memory_parallel_mesh(size: int | None = None) -> DeviceMesh:
         raise ValueError(f"memory_parallel_size={size} does not divide the world size {world}; allowed: {allowed}")
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     return init_device_mesh(device, (world // size, size), mesh_dim_names=("replicate", "shard"))
+
+
+def check_quantization_groups(format: str, value_dim: int, group_size: int, size: int) -> None:
+    """Quantized tables split dimension-wise only along whole quantization groups (their scale and bias stay with
+    their columns): the size must divide each row's group count."""
+    num_groups = value_dim // group_size
+    if num_groups % size:
+        raise ValueError(
+            f"memory_parallel='dimension' splits each {format} row's {num_groups} quantization groups "
+            f"(memory_value_dim={value_dim} / memory_quantization_group_size={group_size}) over {size} ranks: the "
+            f"size must divide {num_groups}; choose another memory_parallel_size, or memory_parallel='number'"
+        )
 
 
 def lookup_shape(config, tokens: int) -> LookupShape:
@@ -58,6 +70,9 @@ def fitting_partitionings(config, size: int) -> dict[str, str]:
 
     def check_dimension() -> None:
         check_dimension_split(shape.value_dim, shape.num_cores, size)
+        if getattr(config, "memory_quantization", None) and getattr(config, "memory_quantization_group_size", None):
+            quantized = config.memory_quantization, shape.value_dim, config.memory_quantization_group_size
+            check_quantization_groups(*quantized, size)
         if pre_value_dim:
             check_dimension_split(pre_value_dim, shape.num_cores, size, "pre_value_dim")
 
@@ -96,6 +111,20 @@ def plan_memory_parallel(config, mode: str, size: int, tokens: int) -> tuple[str
     return "number", {"pool_at": "owner" if choice == "number_owner" else "source"}
 
 
+def check_tables_shardable(model: torch.nn.Module, mode: str) -> None:
+    """One line when a table is already served by another store (offloaded, or quantized whole in memory): the
+    sharded stores take float tables in memory, or deferred ones that each rank reads its part of."""
+    for name, table in value_tables(model).items():
+        if isinstance(table, (MemoryValueTable, DeferredValueTable)):
+            continue
+        raise ValueError(
+            f"memory_parallel={mode!r} shards tables each rank reads its part of, but {name} is already served by "
+            f"{type(table).__name__} (memory_offload / memory_quantization loaded it whole): allowed: memory_offload="
+            "None, and quantized tables loaded inside ultramem.value_stores.deferred_value_tables() with "
+            "apply_memory_parallel(..., checkpoint=path)"
+        )
+
+
 def apply_memory_parallel(
     model: torch.nn.Module, mode: str, size: int | None = None, tokens: int = 1, checkpoint: str | None = None
 ) -> str:
@@ -109,10 +138,13 @@ def apply_memory_parallel(
         raise ValueError(f"memory_parallel={mode!r}: allowed: {', '.join(MEMORY_PARALLEL_CHOICES)}")
     if mode == "none":
         return "local"
+    check_tables_shardable(model, mode)
     mesh = memory_parallel_mesh(size)
     store, options = plan_memory_parallel(model.config, mode, mesh.size(1), tokens)
+    format = getattr(model.config, "memory_quantization", None)
+    store = f"{store}-{format}" if format else store  # the quantized stores (`ultramem.quantized.sharded`)
     if checkpoint is not None:
-        options["checkpoint"] = SafetensorsCheckpoint.find(checkpoint)
+        options["checkpoint"] = value_store(store).find_checkpoint(checkpoint)
     model.set_value_store(store, mesh=mesh, dtype=model.dtype, **options)
     model._ddp_params_and_buffers_to_ignore = model.get_value_table_names()
     return store

@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ultramem.memory_implementations import MemoryOps
 from ultramem.offload.safetensors_file import SafetensorsCheckpoint
 from ultramem.parallel.comm import data_parallel_mean_grad
 from ultramem.value_stores import DeferredValueTable, MemoryValueTable
@@ -28,9 +29,14 @@ class ShardedValueStore(nn.Module):
     shard_dim: ClassVar[int]
     cyclic = False  # rows owned cyclically (number-wise, a pool's tables): the DTensor is then of the rows so permuted
 
+    find_checkpoint = staticmethod(SafetensorsCheckpoint.find)  # what `checkpoint=` of `from_table` is read through
+
     def __init__(self, weight: DTensor, mesh: DeviceMesh):
         super().__init__()
-        self.weight = nn.Parameter(weight)
+        if weight.is_floating_point():
+            self.weight = nn.Parameter(weight)
+        else:  # a quantized (uint8) table is frozen: a buffer, still saved under the table's key
+            self.register_buffer("weight", weight)
         self.mesh = mesh
         self.group = mesh.get_group("shard")
         self.size = mesh.size(1)
@@ -108,6 +114,28 @@ class ShardedValueStore(nn.Module):
     def from_local(cls, local: torch.Tensor, mesh: DeviceMesh, **options: Any) -> ShardedValueStore:
         placements = [Replicate(), Shard(cls.shard_dim)]
         return cls(DTensor.from_local(local, mesh, placements, run_check=False), mesh, **options)
+
+    @property
+    def embedding_dim(self) -> int:
+        """Dv, the width of the rows the table stands for."""
+        return self.weight.shape[1]
+
+    @property
+    def pooled_dtype(self) -> torch.dtype:
+        """The dtype of the pooled rows a lookup returns."""
+        return self.weight.dtype
+
+    def _pool(
+        self,
+        table: torch.Tensor,
+        rows: torch.Tensor,
+        groups: torch.Tensor,
+        scores: torch.Tensor,
+        num_groups: int,
+        ops: MemoryOps,
+    ) -> torch.Tensor:
+        """The lookup-reduce over `table`, a local block of rows or columns (the quantized stores' own lookup)."""
+        return ops.lookup_reduce(table, rows, groups, scores, num_groups)
 
     def local_weight(self) -> torch.Tensor:
         """This rank's shard, whose gradient arrives as the data-parallel mean."""

@@ -5,6 +5,8 @@
   reference elsewhere);
 - `stores`: the quantized value stores, registered in `ultramem.value_stores.VALUE_STORES` on import ("int8", "int4",
   "cpu-int8", "cpu-int4", "disk-int8", "disk-int4");
+- `sharded`: the memory-parallel stores over quantized shards ("number-int8", "dimension-int4", ...), which
+  `ultramem.parallel.apply_memory_parallel` picks for a model whose config has `memory_quantization`;
 - `loading.from_pretrained_quantized`: load a model with its tables quantized (or a converted checkpoint);
 - `python -m ultramem.quantize CKPT OUT --format int8|int4`: convert a checkpoint, streaming its tables.
 """
@@ -13,6 +15,7 @@ from ..value_stores import TableFormats, ValueStores
 from .format import DEFAULT_INT4_GROUP_SIZE, FORMATS, QuantizationError, dequantize, quantize
 from .loading import from_pretrained_quantized
 from .ops import lookup_reduce_quantized, lookup_reduce_quantized_reference
+from .sharded import SHARDED_STORES, QuantizedDimensionShardedValues, QuantizedNumberShardedValues
 from .stores import (
     QUANTIZED_STORES,
     QuantizedCheckpoint,
@@ -22,7 +25,7 @@ from .stores import (
     store_name,
 )
 
-for _name, _store in QUANTIZED_STORES.items():
+for _name, _store in {**QUANTIZED_STORES, **SHARDED_STORES}.items():
     ValueStores.register(_name, _store)
 for _format in FORMATS:
     TableFormats.register(_format, from_pretrained_quantized)
@@ -32,9 +35,12 @@ __all__ = [
     "FORMATS",
     "QUANTIZED_STORES",
     "QuantizationError",
+    "SHARDED_STORES",
     "QuantizedCheckpoint",
+    "QuantizedDimensionShardedValues",
     "QuantizedDiskValueStore",
     "QuantizedHostValueStore",
+    "QuantizedNumberShardedValues",
     "QuantizedValueTable",
     "dequantize",
     "from_pretrained_quantized",

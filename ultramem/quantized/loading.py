@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..value_stores import ValueStoreMixin, deferred_value_tables
+from ..value_stores import ValueStoreMixin, deferred_value_tables, tables_deferred
 from .format import QuantizationError, check_format, resolve_group_size
 from .stores import QUANTIZED_STORES, QuantizedCheckpoint, check_quantizable, saved_quantization, store_name
 
@@ -28,8 +28,10 @@ def from_pretrained_quantized(
     - `memory_offload`: None (the table on the model's device), "cpu" (host memory) or "disk" (mapped; needs a
       converted checkpoint).
 
-    The model's config then records the format, so `save_pretrained` writes a quantized checkpoint. Returns what
-    `from_pretrained` returns.
+    The model's config then records the format, so `save_pretrained` writes a quantized checkpoint. Loaded inside
+    `deferred_value_tables()` (and without `memory_offload`), the tables stay deferred for
+    `ultramem.parallel.apply_memory_parallel(model, ..., checkpoint=path)`, which reads each rank's part only.
+    Returns what `from_pretrained` returns.
     """
     config = kwargs.get("config")
     saved_format, saved_group = saved_quantization(pretrained_model_name_or_path)
@@ -63,6 +65,8 @@ def from_pretrained_quantized(
         loaded = super(ValueStoreMixin, model_class).from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
     model = loaded[0] if isinstance(loaded, tuple) else loaded
     model.config.memory_quantization, model.config.memory_quantization_group_size = format, group_size
+    if memory_offload is None and tables_deferred(None):
+        return loaded  # inside deferred_value_tables(): memory parallelism reads each rank's part of the tables
     model.set_value_store(name, config=model.config, checkpoint=checkpoint, device=model.device, dtype=model.dtype)
     return loaded
 
