@@ -27,7 +27,7 @@ def triton_available() -> bool:
 
 def require_launchable(device: torch.device) -> None:
     """Raise a clear error before a launch that Triton could not perform on `device`. Skipped while torch.compile
-    traces (the eager call before it checked, and the launch itself would fail)."""
+    traces: the check reads the environment, which has no place in a graph, and such a launch fails when it runs."""
     if torch.compiler.is_compiling():
         return
     if not triton_available() or (device.type != "cuda" and not interpreting()):
