@@ -17,10 +17,14 @@ from transformers import StaticCache
 
 from ultramem import UltraMemForCausalLM
 from ultramem.kernels import triton_available
+from ultramem.kernels._device import interpreting
 from ultramem.memory_implementations import memory_ops_for
 
 PROMPT_LENGTH, DECODE_STEPS, CACHE_LENGTH = 5, 3, 12
+# Triton launches on CUDA tensors, or on CPU tensors in its interpreter (conftest turns it on without a GPU)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and not interpreting() else "cpu")
 IMPLEMENTATIONS = [
+    pytest.param(None, id="device-default"),  # what the decode benchmark runs: Triton on a GPU
     "torch",
     "embedding_bag",
     pytest.param(
@@ -60,9 +64,9 @@ def _decode(forward, model: UltraMemForCausalLM, prompt: torch.Tensor, tokens: t
 @torch.no_grad()
 def test_compiled_decode_steps_are_one_graph_with_the_eager_logits(implementation, variant):
     torch.manual_seed(0)
-    model = UltraMemForCausalLM(small_config(implementation, **VARIANTS[variant])).eval()
-    prompt = torch.randint(1, 97, (2, PROMPT_LENGTH))
-    tokens = torch.randint(1, 97, (2, DECODE_STEPS))
+    model = UltraMemForCausalLM(small_config(implementation, **VARIANTS[variant])).to(DEVICE).eval()
+    prompt = torch.randint(1, 97, (2, PROMPT_LENGTH), device=DEVICE)
+    tokens = torch.randint(1, 97, (2, DECODE_STEPS), device=DEVICE)
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model.forward, backend=counter, fullgraph=True, dynamic=False)
 
@@ -78,8 +82,8 @@ def test_compiled_decode_steps_are_one_graph_with_the_eager_logits(implementatio
 @torch.no_grad()
 def test_compiled_prefill_into_a_static_cache_is_one_graph_with_the_eager_logits(implementation):
     torch.manual_seed(0)
-    model = UltraMemForCausalLM(small_config(implementation)).eval()
-    prompt = torch.randint(1, 97, (2, PROMPT_LENGTH))
+    model = UltraMemForCausalLM(small_config(implementation)).to(DEVICE).eval()
+    prompt = torch.randint(1, 97, (2, PROMPT_LENGTH), device=DEVICE)
     attention_mask = torch.ones_like(prompt)
     attention_mask[0, :2] = 0  # left padding
     compiled = torch.compile(model.forward, backend="aot_eager", fullgraph=True, dynamic=False)
