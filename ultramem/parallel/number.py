@@ -136,7 +136,8 @@ class NumberShardedValues(ShardedValueStore):
     def _weighted_rows(self, rows: torch.Tensor, scores: torch.Tensor, ops: MemoryOps) -> torch.Tensor:
         """(R,) local rows and their (R, h) scores -> (R, Dv) float32: each row's MCS chunks times their scores."""
         values = F.embedding(rows, self.local_weight()).float()  # (R, Dv)
-        chunks = values.view(len(values), scores.shape[-1], -1)
+        num_cores = scores.shape[-1]
+        chunks = values.view(len(values), num_cores, self.embedding_dim // num_cores)
         return (chunks * scores.float().unsqueeze(-1)).flatten(1)
 
     def lookup_dot(self, rows: torch.Tensor, query: torch.Tensor, ops: MemoryOps) -> torch.Tensor:

@@ -133,6 +133,7 @@ def apply_memory_parallel(
     `tokens` (per rank and step) feeds `auto`. Tables built deferred (`deferred_value_tables`) are read from
     the safetensors of `checkpoint` (a folder or Hub id) when given, else drawn shard by shard. The tables leave
     DDP's gradient all-reduce: their shards' gradients are made data-parallel means by the stores themselves.
+    A config with `memory_quantization` gets the quantized stores ("number-int8", ...: `ultramem.quantized.sharded`).
     """
     if mode not in MEMORY_PARALLEL_CHOICES:
         raise ValueError(f"memory_parallel={mode!r}: allowed: {', '.join(MEMORY_PARALLEL_CHOICES)}")
