@@ -1,6 +1,7 @@
 """Quantized value tables under memory parallelism (2 gloo processes) against the one-process quantized model on the
 same quantized tables: logits, greedy generation and the gradients of every other weight, int8 and int4, number-wise
-(pooling at the source and at the owner) and dimension-wise; each rank reads only its rows; the refusals' lines."""
+(pooling at the source and at the owner) and dimension-wise; each rank reads only its rows; frozen-table fine-tuning
+with `ultramem-train --memory_parallel` (torchrun, DDP) against one process; the refusals' lines."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import small_config
+from launch_support import LAUNCHERS, base_args, losses, python_module, run_command, write_config, write_corpus
 from memory_parallel_load_worker import keys_loaded
 from memory_parallel_worker import LargestTensor
+from transformers import AutoConfig
 
 from ultramem import UltraMemForCausalLM
 from ultramem.parallel import apply_memory_parallel, plan_memory_parallel
@@ -203,3 +206,25 @@ def test_dimension_split_across_quantization_groups_is_refused():
         "memory_parallel_size, or memory_parallel='number'"
     )
     assert plan_memory_parallel(config, "auto", 2, tokens=1)[0] == "number"  # auto leaves it out
+
+
+def test_frozen_table_fine_tuning_matches_one_process_and_saves_the_tables_unchanged(tmp_path):
+    config, corpus = write_config(tmp_path), write_corpus(tmp_path)
+    torch.manual_seed(7)
+    UltraMemForCausalLM(AutoConfig.for_model(**json.loads(config.read_text()))).save_pretrained(tmp_path / "start")
+    convert(tmp_path / "start", tmp_path / "int8", "int8")
+
+    def argv(name: str, batch: int, **flags) -> list[str]:
+        args = base_args(config, corpus, tmp_path / name, max_steps=3, per_device_train_batch_size=batch,
+                         diagnostics_batch_size=0, model_name_or_path=tmp_path / "int8", **flags)  # fmt: skip
+        at = args.index("--config_file")  # the checkpoint's config (memory_quantization="int8")
+        return args[:at] + args[at + 2 :]
+
+    run_command(python_module("ultramem.training", *argv("single", 4)))
+    command, flags = LAUNCHERS["torchrun"]
+    run_command([*command, "ultramem.training", *argv("sharded", 2, memory_parallel="number"), *flags])
+    assert losses(tmp_path / "sharded") == pytest.approx(losses(tmp_path / "single"), abs=1e-5)
+    start, trained = (UltraMemForCausalLM.from_pretrained(tmp_path / name) for name in ("int8", "sharded"))
+    for (_, before), (_, after) in zip(start.named_memory_layers(), trained.named_memory_layers(), strict=True):
+        assert type(after.values).__name__ == "QuantizedValueTableInt8"
+        assert torch.equal(after.values.weight, before.values.weight)
