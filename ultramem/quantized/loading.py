@@ -65,7 +65,7 @@ def from_pretrained_quantized(
         loaded = super(ValueStoreMixin, model_class).from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
     model = loaded[0] if isinstance(loaded, tuple) else loaded
     model.config.memory_quantization, model.config.memory_quantization_group_size = format, group_size
-    if memory_offload is None and tables_deferred(None):
+    if memory_offload is None and tables_deferred(None):  # (no config: only the context counts)
         return loaded  # inside deferred_value_tables(): memory parallelism reads each rank's part of the tables
     model.set_value_store(name, config=model.config, checkpoint=checkpoint, device=model.device, dtype=model.dtype)
     return loaded
