@@ -15,8 +15,8 @@ With `--tasks` (benchmark keys of `ultramem.eval.benchmarks`, comma-separated), 
 `lm_eval` command line (`--model hf`, the format in `--model_args` as `memory_quantization=...` /
 `memory_quantization_group_size=...`, which reach `from_pretrained`), on the local copies in `--eval-data` (the
 `ultramem_<key>_offline` tasks) or the Hub's datasets. Reported per variant and benchmark: lm-eval's score (the
-metric the paper's table uses), the share of documents whose answer equals fp32's, and the mean absolute change of
-the log-likelihoods lm-eval scored against fp32's (zero for a quantized variant means the format never reached the
+metric the paper's table uses), the share of documents that metric scores as it scores fp32's, and the mean absolute
+change of the log-likelihoods lm-eval scored against fp32's (zero for a quantized variant means the format never reached the
 model: the benchmark stops there).
 """
 
@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))  # the benchmarks' library, benchmarks/lib
 DEFAULT_DATA = REPO / "ultramem" / "data" / "corpus" / "valid.jsonl.xz"
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 Variant = tuple[str, str | None, int | None]  # name, format (None: float), int4 group size (None: the default)
@@ -171,25 +172,23 @@ def leaf_tasks(group_subtasks: dict[str, list[str]], name: str) -> list[str]:
     return [leaf for sub in group_subtasks[name] for leaf in leaf_tasks(group_subtasks, sub)]
 
 
-def answers(out: Path, leaves: list[str]) -> dict[tuple[str, int], tuple[Any, list[float]]]:
-    """{(task, doc_id): (answer, log-likelihoods)} from lm-eval's samples: a log-likelihood task's answer is the
-    argmax over its choices, a generation task's the filtered text (no log-likelihoods)."""
+def document_scores(out: Path, leaves: list[str], metric: str) -> dict[tuple[str, int], tuple[float, list[float]]]:
+    """{(task, doc_id): (the document's score by `metric`, its log-likelihoods)} from lm-eval's samples; a
+    generation task has no log-likelihoods."""
     files = {path.stem.removeprefix("samples_").rsplit("_", 1)[0]: path for path in out.rglob("samples_*.jsonl")}
     found = {}
     for task in leaves:
         for line in files[task].read_text(encoding="utf-8").splitlines():
             sample = json.loads(line)
             scored = sample["filtered_resps"]
-            if scored and isinstance(scored[0], list):  # [log-likelihood, is-greedy] per choice
-                lls = [float(choice[0]) for choice in scored]
-                found[task, sample["doc_id"]] = (lls.index(max(lls)), lls)
-            else:
-                found[task, sample["doc_id"]] = (scored[0], [])
+            lls = [float(choice[0]) for choice in scored] if scored and isinstance(scored[0], list) else []
+            found[task, sample["doc_id"]] = (float(sample[metric]), lls)
     return found
 
 
 def score_tasks(checkpoint: str | Path, variants: list[Variant], run: TaskRun) -> list[dict]:
-    """One row per variant: lm-eval's score of each benchmark, agreement with fp32 and the log-likelihood change.
+    """One row per variant: lm-eval's score of each benchmark, the share of documents it scores as fp32 does (by the
+    benchmark's metric) and the mean absolute change of the log-likelihoods against fp32's.
     The first variant must be the float model; each runs in its own `lm_eval` process."""
     import tempfile
 
@@ -215,7 +214,8 @@ def score_tasks(checkpoint: str | Path, variants: list[Variant], run: TaskRun) -
             )
             row.update(documents={}, agreement={}, loglikelihood_change={})
             for bench, task in zip(benchmarks, tasks, strict=True):
-                found = answers(out, leaf_tasks(output.get("group_subtasks", {}), task))
+                leaves = leaf_tasks(output.get("group_subtasks", {}), task)
+                found = document_scores(out, leaves, bench.metric.split(",")[0])
                 reference.setdefault(bench.key, found)
                 base = reference[bench.key]
                 changes = [
@@ -248,12 +248,12 @@ def markdown(rows: list[dict], tokens: int, checkpoint: str) -> str:
 
 
 def task_markdown(rows: list[dict], limit: int) -> str:
-    """lm-eval's score (percent) of each benchmark per variant, with its agreement with fp32 and log-likelihood
-    change."""
+    """lm-eval's score (percent) of each benchmark per variant, the documents scored as fp32 scores them and the
+    log-likelihood change."""
     keys = list(rows[0]["scores"])
     lines = [
-        f"lm-eval, at most {limit} documents per task; score in percent (agreement with fp32's answers, mean "
-        "|change| of the log-likelihoods).",
+        f"lm-eval, at most {limit} documents per task; score in percent (documents scored as fp32 scores them, "
+        "mean |change| of the log-likelihoods against fp32's).",
         "",
         "| variant | " + " | ".join(f"{k} (n={rows[0]['documents'][k]})" for k in keys) + " | lm_eval s |",
         "| --- |" + " ---: |" * (len(keys) + 1),
@@ -271,7 +271,6 @@ def task_markdown(rows: list[dict], limit: int) -> str:
 
 def plot(path: Path, rows: list[dict], task_rows: list[dict]) -> None:
     """Loss change and KL per variant; lm-eval scores per benchmark and variant."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' library, benchmarks/lib
     from lib import report
 
     names = [r["variant"] for r in rows]
@@ -320,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--limit must be >= 1, got {args.limit}")
         if args.eval_data is not None and not args.eval_data.is_dir():
             parser.error(f"--eval-data {args.eval_data} is not a folder")
+    from lib import env
     from transformers import AutoTokenizer
 
     torch.manual_seed(0)
@@ -339,7 +339,8 @@ def main(argv: list[str] | None = None) -> None:
         table += "\n\n" + tasks_table
     if args.output:
         settings = {k: v for k, v in vars(args).items() if k not in ("output",)}
-        payload = {"checkpoint": str(args.checkpoint), "settings": settings, "rows": rows, "task_rows": task_rows}
+        payload = {"environment": env.environment("cpu"), "checkpoint": str(args.checkpoint), "settings": settings}
+        payload.update(rows=rows, task_rows=task_rows)
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(payload, indent=2, default=str) + "\n")
         args.output.with_suffix(".md").write_text(table + "\n")

@@ -72,7 +72,7 @@ def _fake_lm_eval(command, **_):
     out.mkdir(parents=True)
     results = {"results": {"boolq": {"acc,none": 1.0}}, "group_subtasks": {"ultramem_boolq_offline": ["boolq"]}}
     (out / "results_2026-01-01T00-00-00.json").write_text(json.dumps(results))
-    sample = {"doc_id": 0, "filtered_resps": [[-2.0, "False"], [-1.0, "True"]]}
+    sample = {"doc_id": 0, "filtered_resps": [[-2.0, "False"], [-1.0, "True"]], "acc": 1.0}
     (out / "samples_boolq_2026-01-01T00-00-00.jsonl").write_text(json.dumps(sample) + "\n")
     return subprocess.CompletedProcess(command, 0, "", "")
 
