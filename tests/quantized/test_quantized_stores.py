@@ -12,7 +12,7 @@ from conftest import small_config
 from transformers.testing_utils import CaptureLogger
 
 import ultramem.quantized  # noqa: F401 (registers the quantized stores)
-from ultramem import UltraMemConfig, UltraMemForCausalLM
+from ultramem import UltraMemForCausalLM
 from ultramem.quantize import convert, main
 from ultramem.quantized import QuantizationError, dequantize, from_pretrained_quantized, quantize
 from ultramem.quantized.stores import QUANTIZED_STORES, QuantizedCheckpoint, QuantizedValueTable
@@ -202,10 +202,6 @@ def test_converter_refuses_bad_input_with_one_line_before_any_work(saved, conver
     assert not any((tmp_path / name).exists() for name in "abc")
 
 
-INTEGRATED = "memory_quantization" in UltraMemConfig.__dataclass_fields__
-
-
-@pytest.mark.skipif(not INTEGRATED, reason="needs the memory_quantization config field and loader (issue 24)")
 @pytest.mark.parametrize("location", LOCATIONS)
 def test_a_converted_checkpoint_loads_through_auto_classes_with_and_without_the_setting(saved, converted, location):
     from transformers import AutoModelForCausalLM
@@ -220,6 +216,38 @@ def test_a_converted_checkpoint_loads_through_auto_classes_with_and_without_the_
     assert torch.equal(greedy(at_load), expected)
     float_model = AutoModelForCausalLM.from_pretrained(saved[0]).eval()
     assert float_model.config.memory_quantization is None and torch.equal(greedy(float_model), greedy(reference))
+
+
+REMOTE_CODE_SCRIPT = """
+import sys
+import torch
+from transformers import AutoModelForCausalLM  # ultramem is installed, not imported: the checkpoint's code runs
+folder, expected = sys.argv[1], torch.load(sys.argv[2])
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, memory_quantization="int4",
+                                             memory_quantization_group_size=4).eval()
+assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
+with torch.no_grad():
+    torch.testing.assert_close(model(**expected["prompt"]).logits, expected["logits"], rtol=0, atol=0)
+print("SAME")
+"""
+
+
+def test_a_float_checkpoint_quantizes_at_load_through_remote_code(saved, tmp_path):
+    """`trust_remote_code=True` without `import ultramem` (lm-eval's `--model hf`) loads the checkpoint's copy of the
+    model class, whose value-store mixin is not the installed package's that quantizes the tables: the loader must
+    find the copy's (it raised `TypeError: super(type, obj)`)."""
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    folder, _ = saved
+    model = AutoModelForCausalLM.from_pretrained(folder, memory_quantization="int4", memory_quantization_group_size=4)
+    with torch.no_grad():
+        torch.save({"prompt": PROMPT, "logits": model.eval()(**PROMPT).logits}, tmp_path / "expected.pt")
+    result = subprocess.run([sys.executable, "-c", REMOTE_CODE_SCRIPT, str(folder), str(tmp_path / "expected.pt")],
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.stdout.strip().endswith("SAME"), result.stdout[-2000:] + result.stderr[-3000:]
 
 
 def test_converter_streams_row_blocks_byte_identically(saved, converted, tmp_path, monkeypatch):

@@ -61,8 +61,10 @@ def from_pretrained_quantized(
     name = store_name(memory_offload, format)
     checkpoint = QUANTIZED_STORES[name].find_checkpoint(pretrained_model_name_or_path, **kwargs)
     checkpoint.check_tables(format, group_size, config.memory_value_dim, memory_offload)
+    # the mixin model_class derives from: a checkpoint's remote-code copy (trust_remote_code=True) has its own
+    mixin = next(base for base in model_class.__mro__ if base.__name__ == ValueStoreMixin.__name__)
     with deferred_value_tables():  # the tables are left out of the load: the store reads them
-        loaded = super(ValueStoreMixin, model_class).from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        loaded = super(mixin, model_class).from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
     model = loaded[0] if isinstance(loaded, tuple) else loaded
     model.config.memory_quantization, model.config.memory_quantization_group_size = format, group_size
     if memory_offload is None and tables_deferred(None):  # (no config: only the context counts)
