@@ -42,8 +42,8 @@ DEFAULT_DATA = REPO / "ultramem" / "data" / "corpus" / "valid.jsonl.xz"
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 Variant = tuple[str, str | None, int | None]  # name, format (None: float), int4 group size (None: the default)
 # lm-eval's command line (its own entry point, argv unchanged) with the installed package imported first: the Auto
-# classes then build `ultramem`'s model classes. The checkpoint's remote-code copy (trust_remote_code=True) cannot
-# load quantized tables: ultramem.quantized.loading calls super() with the installed package's ValueStoreMixin.
+# classes then build the installed `ultramem` model classes, the ones the loss measurement above runs, not a
+# checkpoint's remote-code copy.
 LM_EVAL = "import sys, ultramem; from lm_eval.__main__ import cli_evaluate; sys.argv[0] = 'lm_eval'; cli_evaluate()"
 
 

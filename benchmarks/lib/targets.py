@@ -72,10 +72,12 @@ def _ratios(folder: Path) -> tuple[list[dict[str, Any]], str]:
     return [r for r in report["ratios"] if r["ultramem/dense"] is not None], mode
 
 
-def _launches(row: dict[str, Any]) -> str:
-    """A note where a model's compiled step did not become one graph (more than one launch in a replay)."""
+def _mode_note(row: dict[str, Any], mode: str) -> str:
+    """How the step ran, and under CUDA graphs which models' steps did not become one graph (> 1 launch a replay)."""
     split = [kind for kind in ("dense", "ultramem", "moe") if (row.get(f"{kind}_ops") or 0) > 1]
-    return f"; {', '.join(split)} not one graph ({', '.join(str(row[f'{k}_ops']) for k in split)} launches)"
+    if mode != "CUDA graphs" or not split:
+        return mode
+    return f"{mode}; {', '.join(split)} not one graph ({', '.join(str(row[f'{k}_ops']) for k in split)} launches)"
 
 
 def decode_vs_dense(folder: Path) -> Reading:
@@ -85,8 +87,7 @@ def decode_vs_dense(folder: Path) -> Reading:
         return None
     worst = max(rows, key=lambda r: r["ultramem/dense"])
     each = ", ".join(f"batch {r['batch']}: {r['ultramem/dense']:.2f}" for r in rows)
-    split = _launches(worst) if mode == "CUDA graphs" else ""
-    return f"highest {worst['ultramem/dense']:.2f} ({each}; {mode}{split})", worst["ultramem/dense"] <= 1.15
+    return f"highest {worst['ultramem/dense']:.2f} ({each}; {_mode_note(worst, mode)})", worst["ultramem/dense"] <= 1.15
 
 
 def moe_vs_ultramem(folder: Path) -> Reading:
@@ -95,8 +96,8 @@ def moe_vs_ultramem(folder: Path) -> Reading:
     if row is None:
         return None
     analytic = row.get("analytic moe/ultramem")
-    split = _launches(row) if mode == "CUDA graphs" else ""
-    return f"{row['moe/ultramem']:.2f}x (memory-access model: {analytic:.2f}x; {mode}{split})", row["moe/ultramem"] >= 3
+    note = _mode_note(row, mode)
+    return f"{row['moe/ultramem']:.2f}x (memory-access model: {analytic:.2f}x; {note})", row["moe/ultramem"] >= 3
 
 
 def train_step(folder: Path) -> Reading:

@@ -70,9 +70,10 @@ def fitting_partitionings(config, size: int) -> dict[str, str]:
 
     def check_dimension() -> None:
         check_dimension_split(shape.value_dim, shape.num_cores, size)
-        if getattr(config, "memory_quantization", None) and getattr(config, "memory_quantization_group_size", None):
-            quantized = config.memory_quantization, shape.value_dim, config.memory_quantization_group_size
-            check_quantization_groups(*quantized, size)
+        if config.memory_quantization and config.memory_quantization_group_size:  # recorded when the tables load
+            check_quantization_groups(
+                config.memory_quantization, shape.value_dim, config.memory_quantization_group_size, size
+            )
         if pre_value_dim:
             check_dimension_split(pre_value_dim, shape.num_cores, size, "pre_value_dim")
 
