@@ -89,6 +89,8 @@ def gpu_steps() -> list[Step]:
         # ~15 us a launch), so this is the comparison the paper's memory-access claim is about
         Step("decode_680m_graphs", 7, 400, f"bench_decode.py {DECODE.replace('eager', 'compile')} --sizes 680m "
              "--batch-sizes 1,16,64 --analytic-sizes 680m --name decode_680m_graphs"),
+        Step("scaling_680m_graphs", 7, 240, f"bench_scaling.py {DECODE.replace('eager', 'compile')} --size 680m "
+             "--batch 16 --slots 1048576,4194304,16777216 --name scaling_680m_graphs"),
         Step("quality_small", 3, 540, "bench_quality.py --scale small --rows comparison --seeds 2 --seeded-rows all "
              "--bf16 --max-steps 300 --batch-size 32 --block-size 512 --learning-rate 1e-3 --eval-points 6 "
              f"--eval-blocks 64 {QUALITY}", resumable=True),
@@ -148,13 +150,16 @@ def load_state(path: Path, device: str) -> dict:
 
 
 def pending(steps: list[Step], state: dict, redo: set[str]) -> list[Step]:
-    """The steps still to run: never run, forced by --redo, cut short by the budget, or resumable and stopped."""
+    """The steps still to run: never run, forced by --redo, failed (a failure is fixed on CPU before the next slot, so
+    its rerun comes first), cut short by the budget, or resumable and stopped. A step that used its whole own limit
+    runs again only under --redo: it would be cut again."""
     done = state["steps"]
     return [
         step
         for step in steps
         if step.name not in done
         or step.name in redo
+        or done[step.name]["returncode"] not in (0, TIMED_OUT)
         or done[step.name]["cut_by_budget"]
         or (step.resumable and done[step.name]["returncode"] == TIMED_OUT)
     ]

@@ -113,12 +113,13 @@ def train_step(folder: Path) -> Reading:
 
 
 def slot_scaling(folder: Path) -> Reading:
-    report = _load(folder, "scaling_680m", "scaling_tiny")
+    report = _load(folder, "scaling_680m_graphs", "scaling_680m", "scaling_tiny")
     if not report or report.get("ultramem_latency_spread") is None:
         return None
     grown = report["settings"]["range"]
+    mode = "CUDA graphs" if report["settings"]["mode"] == "compile" else "eager"
     met = report["ultramem_latency_spread"] <= 0.10 and grown >= 16
-    return f"{100 * report['ultramem_latency_spread']:.1f}% over {grown:.0f}x slots", met
+    return f"{100 * report['ultramem_latency_spread']:.1f}% over {grown:.0f}x slots ({mode})", met
 
 
 TARGETS: list[tuple[str, Callable[[Path], Reading]]] = [

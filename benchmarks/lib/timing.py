@@ -98,11 +98,13 @@ def copy_bandwidth_gbps(device: torch.device, num_bytes: int, repeats: int) -> f
     return 2 * num_bytes / median_ms(lambda: target.copy_(source), device, repeats) / 1e6
 
 
-def count_launches(fn: Callable[[], Any], device: torch.device) -> dict[str, int]:
-    """Operators one call of `fn` dispatches: top-level aten ops, and on CUDA the kernels and graph replays.
+def count_launches(fn: Callable[[], Any], device: torch.device) -> dict[str, Any]:
+    """Operators one call of `fn` dispatches: top-level aten ops, and on CUDA the kernels and graph replays, with
+    the kernels' summed device time and the most expensive of them (`kernel_table`).
 
     Top-level aten ops (those not called from inside another aten op) are what eager mode pays host overhead
-    for; a CUDA graph replay launches its kernels without host work, counted as one graph launch.
+    for; a CUDA graph replay launches its kernels without host work, counted as one graph launch. The kernels'
+    summed time against the step's wall time says how much of a step is gaps between dependent kernels.
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -116,9 +118,31 @@ def count_launches(fn: Callable[[], Any], device: torch.device) -> dict[str, int
         "aten_ops": sum(1 for e in top_level if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
     }
     if device.type == "cuda":
-        counts["cuda_kernels"] = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        counts["cuda_kernels"] = len(kernels)
         counts["cuda_graph_launches"] = sum(1 for e in events if e.name == "cudaGraphLaunch")
+        counts.update(kernel_table(kernels))
     return counts
+
+
+def kernel_table(events: list[Any], top: int = 15) -> dict[str, Any]:
+    """Profiler events' summed time (us), and the `top` names by total time: calls, total and mean us each."""
+    by_name: dict[str, list[float]] = {}
+    for event in events:
+        by_name.setdefault(event.name[:120], []).append(event.time_range.elapsed_us())
+    ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:top]
+    return {
+        "kernel_us": round(sum(sum(times) for times in by_name.values()), 1),
+        "kernel_table": [
+            {
+                "name": name,
+                "calls": len(times),
+                "total_us": round(sum(times), 1),
+                "mean_us": round(sum(times) / len(times), 2),
+            }
+            for name, times in ranked
+        ],
+    }
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -353,6 +353,24 @@ def test_gpu_kit_carries_what_the_image_cannot_satisfy(bench):
     assert "--no-index --no-deps --target" in line and ".whl/*.whl" in line and line.endswith("--call 2")
 
 
+def test_a_failed_step_runs_again_and_one_cut_at_its_own_limit_only_under_redo(bench):
+    """A failure is fixed before the next slot, so the driver reruns it without being told; a step that used its whole
+    limit would be cut again, so it waits for --redo (the first H200 slot lost a rerun of check_gpu to this)."""
+    campaign = bench("gpu_campaign")
+    steps = campaign.gpu_steps()
+    record = dict(call=1, seconds=1.0, limit_s=200, cut_by_budget=False, command="")
+    state = {"steps": {step.name: dict(record, returncode=0) for step in steps}}
+    state["steps"]["check_gpu"]["returncode"] = 1
+    state["steps"]["bench_kernels"]["returncode"] = campaign.TIMED_OUT
+    state["steps"]["decode_680m"].update(returncode=campaign.TIMED_OUT, cut_by_budget=True)
+
+    def names(redo: set[str]) -> list[str]:
+        return [step.name for step in campaign.pending(steps, state, redo)]
+
+    assert names(set()) == ["check_gpu", "decode_680m"]
+    assert names({"bench_kernels"}) == ["check_gpu", "bench_kernels", "decode_680m"]
+
+
 def test_campaign_readme_keeps_its_reading_when_a_step_rewrites_it(bench, tmp_path):
     """The targets table is rewritten after every step; the written reading under `## Reading` stays."""
     targets = bench("lib.targets")
@@ -363,3 +381,22 @@ def test_campaign_readme_keeps_its_reading_when_a_step_rewrites_it(bench, tmp_pa
     text = targets.write_readme(tmp_path, state).read_text()
     assert "| check_gpu | 1 | 0 |" in text and text.endswith("\n## Reading\n\nWhy the kernel missed its target.\n")
     assert text.count("\n## Reading\n") == 1
+
+
+def test_kernel_table_ranks_profiled_operators_by_their_total_time(bench):
+    """The per-kernel table the decode rows carry on CUDA, built here from the same profiler's CPU events."""
+    timing = bench("lib.timing")
+    from torch.profiler import ProfilerActivity, profile
+
+    big, small = torch.randn(256, 256), torch.randn(4, 4)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            big @ big
+        for _ in range(5):
+            small + small
+    events = [e for e in prof.events() if e.name in ("aten::mm", "aten::add")]
+    table = timing.kernel_table(events, top=1)
+    assert [row["name"] for row in table["kernel_table"]] == ["aten::mm"] and table["kernel_table"][0]["calls"] == 3
+    every = timing.kernel_table(events)["kernel_table"]
+    assert {row["name"]: row["calls"] for row in every} == {"aten::mm": 3, "aten::add": 5}
+    assert table["kernel_us"] == pytest.approx(sum(row["total_us"] for row in every), abs=0.2)
