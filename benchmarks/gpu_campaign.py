@@ -94,8 +94,9 @@ def gpu_steps() -> list[Step]:
         Step("quality_small", 3, 540, "bench_quality.py --scale small --rows comparison --seeds 2 --seeded-rows all "
              "--bf16 --max-steps 300 --batch-size 32 --block-size 512 --learning-rate 1e-3 --eval-points 6 "
              f"--eval-blocks 64 {QUALITY}", resumable=True),
-        Step("decode_1.6b", 4, 280, f"bench_decode.py {DECODE} --sizes 1.6b --batch-sizes 1,4,16 --analytic-sizes 1.6b "
-             "--name decode_1.6b"),
+        # call 4: the decode comparison at the paper's 1.6B, under CUDA graphs (eager steps are launch-bound)
+        Step("decode_1.6b_graphs", 4, 450, f"bench_decode.py {DECODE.replace('eager', 'compile')} --sizes 1.6b "
+             "--batch-sizes 1,4,16 --analytic-sizes 1.6b --name decode_1.6b_graphs"),
         Step("bench_quantized_kernel", 4, 120, "bench_quantized_kernel.py --device cuda --configs 680m 1.6b --tokens "
              "1024 4096 16384 --out-dir {results}"),
         Step("bench_lookup_dot", 4, 90, "bench_lookup_dot.py --device cuda --configs 680m --pre-value-dims 256 "
