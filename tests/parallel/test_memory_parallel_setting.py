@@ -9,6 +9,7 @@ from conftest import small_config
 
 from ultramem import UltraMemForCausalLM
 from ultramem.parallel import apply_memory_parallel, plan_memory_parallel
+from ultramem.parallel.setup import lookup_shape
 from ultramem.parallel.volume import LookupShape, dimension_volume, number_volume
 
 
@@ -41,6 +42,18 @@ def test_auto_takes_the_smaller_volume_and_logs_both(caplog):
     assert f"number {number:.0f}" in caplog.text and f"dimension {dimension:.0f}" in caplog.text
     with pytest.raises(ValueError, match="memory_parallel='auto' with memory_parallel_size=7"):
         plan_memory_parallel(config, "auto", 7, 64)  # neither 36 rows nor 12 columns split over 7
+
+
+def test_auto_counts_quantized_rows_as_stored():
+    """Number-wise, owners send quantized rows back as stored (here 40 bytes against 256 in float32), so `auto` takes
+    it where float tables would take dimension-wise; owner and dimension pooling still send float32 rows."""
+    float_config = small_config(memory_value_dim=64, mcs_cores=2)
+    int4_config = small_config(memory_value_dim=64, mcs_cores=2, memory_quantization="int4")
+    assert lookup_shape(float_config, 64).row_bytes == 4 * 64
+    assert lookup_shape(int4_config, 64).row_bytes == 2 * (32 // 2 + 4)  # two 32-column groups (each chunk's)
+    assert lookup_shape(int4_config, 64).pooled_bytes == 4
+    assert plan_memory_parallel(float_config, "auto", 2, 64) == ("dimension", {"num_cores": 2})
+    assert plan_memory_parallel(int4_config, "auto", 2, 64) == ("number", {"pool_at": "source"})
 
 
 def test_memory_parallel_without_a_process_group():

@@ -19,9 +19,11 @@ from memory_parallel_worker import LargestTensor
 from transformers import AutoConfig
 
 from ultramem import UltraMemForCausalLM
-from ultramem.parallel import apply_memory_parallel, plan_memory_parallel
+from ultramem.memory_implementations import TORCH_MEMORY_OPS
+from ultramem.parallel import apply_memory_parallel, count_bytes, plan_memory_parallel
 from ultramem.parallel.checkpoint import save_value_tables, sharded_tables
 from ultramem.parallel.setup import memory_parallel_mesh
+from ultramem.parallel.volume import LookupShape, dimension_volume, number_volume
 from ultramem.quantize import convert
 from ultramem.quantized import QuantizedCheckpoint
 from ultramem.value_stores import deferred_value_tables
@@ -83,6 +85,22 @@ def _sharded(checkpoint: Path, store: str, options: dict, mesh, **quantization) 
     return model, largest.largest, [key for key in read if key.endswith("values.weight")]
 
 
+def _sent_by_a_lookup(table, config) -> dict[str, dict[str, float]]:
+    """Bytes this rank sends in one lookup whose slots spread evenly over the owners, and what `auto`'s formulas
+    predict for it from the store's `sent_sizes` (a quantized row as stored, pooled rows in float32)."""
+    tokens, slots, num_groups, cores = 8, 6, 4, 2
+    per_shard = table.weight.shape[0] // WORLD
+    rows = (torch.arange(slots) % WORLD * per_shard).expand(tokens, slots) + torch.randint(
+        0, per_shard, (tokens, slots)
+    )
+    groups, scores = torch.randint(0, num_groups, (tokens, slots)), torch.randn(tokens, slots, cores)
+    with count_bytes() as sent, torch.no_grad():
+        table(rows, groups, scores, num_groups, TORCH_MEMORY_OPS)
+    shape = LookupShape(tokens, slots, 16, cores, num_groups, **type(table).sent_sizes(config))
+    formula = dimension_volume if "Dimension" in type(table).__name__ else number_volume
+    return {"measured": dict(sent), "predicted": formula(shape, WORLD)}
+
+
 def _worker(rank: int, init_file: str, out_dir: str, saved: str, converted: dict[str, str]) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     torch.set_num_threads(1)
@@ -101,6 +119,7 @@ def _worker(rank: int, init_file: str, out_dir: str, saved: str, converted: dict
                 "local_fraction": table.weight.to_local().numel() / table.weight.numel(),
                 "store": type(table).__name__,
                 "table_parameters": [name for name, _ in model.named_parameters() if "values" in name],
+                "sent": _sent_by_a_lookup(table, model.config) if case != "number_owner" else None,
             }
         # a float checkpoint quantized while loading: each rank quantizes its own rows, to the same bytes
         quantization = {"memory_quantization": format, "memory_quantization_group_size": FORMATS[format]}
@@ -166,6 +185,19 @@ def test_each_rank_reads_only_its_quantized_rows(ranks, format, case):
         assert found["read"] == [], "the Transformers loader read whole tables"
         assert found["largest"] < found["table_numel"], found
         assert found["local_fraction"] == pytest.approx(1 / WORLD)
+
+
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("case", ["number", "dimension"])
+def test_bytes_sent_are_what_auto_plans_with(ranks, format, case):
+    """`memory_parallel="auto"` weighs the partitionings by these formulas: number-wise, a quantized row goes back
+    as stored (here int8 2 bytes a value with 8-column groups, int4 1.5 with 4-column ones, against float32's 4)."""
+    for rank in ranks:
+        sent = rank[f"{format}/{case}"]["sent"]
+        assert {label: sent["measured"][label] for label in sent["predicted"]} == pytest.approx(sent["predicted"])
+    if case == "number":
+        row_bytes = ranks[0][f"{format}/number"]["sent"]["predicted"]["values"] / (6 * 8 / WORLD)
+        assert row_bytes == {"int8": 32, "int4": 24}[format]  # Dv = 16: int8 2 groups of 8 + 8, int4 4 of 2 + 4
 
 
 @pytest.mark.parametrize("format", FORMATS)

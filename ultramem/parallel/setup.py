@@ -49,8 +49,14 @@ def check_quantization_groups(format: str, value_dim: int, group_size: int, size
         )
 
 
+def sharded_store_name(partitioning: str, format: str | None) -> str:
+    """The registered store of a partitioning for tables of quantization `format`: "number", "dimension-int4", ..."""
+    return f"{partitioning}-{format}" if format else partitioning
+
+
 def lookup_shape(config, tokens: int) -> LookupShape:
-    """The formulas' inputs for an UltraMem config and `tokens` per rank per memory layer call."""
+    """The formulas' inputs for an UltraMem config and `tokens` per rank per memory layer call; the bytes of a row
+    and of a pooled element as the number-wise store of the config's tables sends them (the same for dimension)."""
     return LookupShape(
         tokens=tokens,
         slots=config.memory_heads * config.memory_topk,
@@ -58,6 +64,7 @@ def lookup_shape(config, tokens: int) -> LookupShape:
         num_cores=config.mcs_cores if config.retrieval_mode == TUCKER else 1,
         num_groups=config.ive_expansion,
         value_bytes=torch.empty((), dtype=config.dtype or torch.float32).element_size(),
+        **value_store(sharded_store_name("number", config.memory_quantization)).sent_sizes(config),
     )
 
 
@@ -143,8 +150,7 @@ def apply_memory_parallel(
     check_tables_shardable(model, mode)
     mesh = memory_parallel_mesh(size)
     store, options = plan_memory_parallel(model.config, mode, mesh.size(1), tokens)
-    format = getattr(model.config, "memory_quantization", None)
-    store = f"{store}-{format}" if format else store  # the quantized stores (`ultramem.quantized.sharded`)
+    store = sharded_store_name(store, model.config.memory_quantization)  # quantized: `ultramem.quantized.sharded`
     if checkpoint is not None:
         options["checkpoint"] = value_store(store).find_checkpoint(checkpoint)
     model.set_value_store(store, mesh=mesh, dtype=model.dtype, **options)

@@ -48,6 +48,13 @@ class ShardedValueStore(nn.Module):
         raise NotImplementedError
 
     @classmethod
+    def sent_sizes(cls, config: Any) -> dict[str, int]:
+        """`LookupShape`'s `row_bytes` and `pooled_bytes` of a table of `config` in this store: what planning
+        (`memory_parallel="auto"`) counts per row and per pooled element sent."""
+        element = torch.empty((), dtype=config.dtype or torch.float32).element_size()
+        return {"row_bytes": element * config.memory_value_dim, "pooled_bytes": element}
+
+    @classmethod
     def from_table(
         cls,
         table: MemoryValueTable | DeferredValueTable,

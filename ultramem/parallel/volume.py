@@ -22,12 +22,20 @@ class LookupShape:
     num_cores: int  # h
     num_groups: int  # E
     value_bytes: int = 4  # element size of values and scores
+    row_bytes: int | None = None  # a row as stored and sent back number-wise (None: value_bytes * Dv; quantized: less)
+    pooled_bytes: int | None = None  # element size of pooled rows (None: value_bytes; quantized stores pool in fp32)
+
+    def __post_init__(self) -> None:
+        if self.row_bytes is None:
+            object.__setattr__(self, "row_bytes", self.value_bytes * self.value_dim)
+        if self.pooled_bytes is None:
+            object.__setattr__(self, "pooled_bytes", self.value_bytes)
 
 
 def number_volume(shape: LookupShape, size: int) -> dict[str, float]:
     """All-to-all of the indices to their owners, all-to-all of the rows back; pooling at the source."""
     remote = shape.tokens * shape.slots * (size - 1) / size
-    return {"indices": INDEX_BYTES * remote, "values": shape.value_bytes * remote * shape.value_dim}
+    return {"indices": INDEX_BYTES * remote, "values": shape.row_bytes * remote}
 
 
 def number_owner_volume(shape: LookupShape, size: int) -> dict[str, float]:
@@ -38,7 +46,7 @@ def number_owner_volume(shape: LookupShape, size: int) -> dict[str, float]:
     return {
         "indices": INDEX_BYTES * remote,
         "scores": shape.value_bytes * remote * shape.num_cores,
-        "pooled": shape.value_bytes * shape.tokens * served * shape.value_dim,
+        "pooled": shape.pooled_bytes * shape.tokens * served * shape.value_dim,
     }
 
 
@@ -48,7 +56,7 @@ def dimension_volume(shape: LookupShape, size: int) -> dict[str, float]:
     return {
         "indices": INDEX_BYTES * gathered,
         "scores": shape.value_bytes * gathered * shape.num_cores,
-        "pooled": shape.value_bytes * shape.tokens * shape.num_groups * shape.value_dim * (size - 1) / size,
+        "pooled": shape.pooled_bytes * shape.tokens * shape.num_groups * shape.value_dim * (size - 1) / size,
     }
 
 

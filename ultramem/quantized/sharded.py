@@ -29,9 +29,9 @@ from ..memory_implementations import MemoryOps
 from ..offload.safetensors_file import OffloadCheckpointError, SafetensorsCheckpoint
 from ..parallel.dimension import DimensionShardedValues
 from ..parallel.number import NumberShardedValues
-from ..parallel.setup import check_quantization_groups
+from ..parallel.setup import check_quantization_groups, sharded_store_name
 from ..value_stores import DeferredValueTable
-from .format import FORMATS, QuantizationError, quantize, quantized_width
+from .format import FORMATS, QuantizationError, quantize, quantized_width, resolve_group_size
 from .stores import QuantizedStoreMixin
 
 
@@ -49,6 +49,13 @@ class _QuantizedShards(QuantizedStoreMixin):
     @property
     def pooled_dtype(self) -> torch.dtype:
         return torch.float32
+
+    @classmethod
+    def sent_sizes(cls, config: Any) -> dict[str, int]:
+        """Rows go back as stored (uint8 payload with each group's scale and bias), pooled rows in float32."""
+        value_dim = config.memory_value_dim
+        group = resolve_group_size(cls.format, value_dim, config.mcs_cores, config.memory_quantization_group_size)
+        return {"row_bytes": quantized_width(cls.format, value_dim, group), "pooled_bytes": 4}
 
     @classmethod
     def from_table(
@@ -128,11 +135,6 @@ class QuantizedNumberShardedValues(_QuantizedShards, NumberShardedValues):
 
 class QuantizedDimensionShardedValues(_QuantizedShards, DimensionShardedValues):
     """memory_parallel="dimension" with quantized tables: each rank owns whole quantization groups of every row."""
-
-
-def sharded_store_name(partitioning: str, format: str) -> str:
-    """The registered name of a quantized sharded store: "number-int8", "dimension-int4", ..."""
-    return f"{partitioning}-{format}"
 
 
 SHARDED_STORES: dict[str, type] = {
