@@ -98,6 +98,7 @@ def bench_model(size: str, kind: str, args) -> dict[str, Any]:
         model.zero_grad(set_to_none=True)
         timing.reset_peak_memory(args.device)
         row.update(measure(calls["step"]), peak_mib=timing.peak_memory_mib(args.device), status="ok")
+        row.update(timing.count_launches(calls["step"], args.device))  # on CUDA: which kernels the step's time is in
     except RuntimeError as error:
         if not timing.is_out_of_memory(error):
             raise

@@ -122,6 +122,7 @@ def test_bench_train_times_every_phase(bench, tmp_path):
     for row in rows:
         assert row["status"] == "ok"
         assert 0 < row["forward_ms"] and 0 < row["forward_backward_ms"] and 0 < row["ms"] and 0 < row["optimizer_ms"]
+        assert row["aten_ops"] > 0  # one profiled step (on CUDA also its kernels and their time table)
     assert rows[0]["step_vs_dense"] == 1.0
 
 
