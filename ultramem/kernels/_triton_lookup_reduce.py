@@ -60,6 +60,27 @@ def _load_groups(groups_ptr, entries, mask, NUM_GROUPS: tl.constexpr):
     return groups
 
 
+@triton.jit
+def _slot_block(rows_ptr, groups_ptr, scores_ptr, k0, token, num_slots, num_cores, core, BLOCK_K: tl.constexpr,
+                NUM_GROUPS: tl.constexpr):  # fmt: skip
+    """Rows, IVE groups, scores (float32) and mask of the token's slots k0 .. k0 + BLOCK_K (none past the last)."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    mask = ks < num_slots
+    slots = token * num_slots + ks
+    rows = tl.load(rows_ptr + slots, mask=mask, other=0).to(tl.int64)  # N * Dv may exceed 2**31
+    groups = _load_groups(groups_ptr, slots, mask, NUM_GROUPS)
+    scores = tl.load(scores_ptr + slots * num_cores + core, mask=mask, other=0.0).to(tl.float32)
+    return rows, groups, scores, mask
+
+
+@triton.jit
+def _row_tile(values_ptr, rows, mask, cols, col_mask, value_dim):
+    """(BLOCK_K, BLOCK_D) float32 piece of the selected rows; masked slots read 0 (and no memory)."""
+    tile = tl.load(values_ptr + rows[:, None] * value_dim + cols[None, :], mask=mask[:, None] & col_mask[None, :],
+                   other=0.0)  # fmt: skip
+    return tile.to(tl.float32)
+
+
 def tuned_forward_configs() -> list[triton.Config]:
     """The forward's tile candidates (BLOCK_K slots x BLOCK_D columns, warps), timed once per shape class by
     `triton.autotune` on a GPU."""
@@ -115,7 +136,10 @@ def _forward_kernel(
 
     Each program keeps one float32 accumulator per (group, slot lane, column) and sums the slot lanes once at the
     end: inside the loop every thread only multiplies and adds its own elements (no cross-warp reduction), so the
-    loop is the row reads. `size_class` only keys the tuning."""
+    loop is the row reads. The next block's indices, groups and scores are read while a step reads its rows, so a
+    step waits for one memory latency instead of two dependent ones (indices, then rows): a prefetch of a few
+    registers (76 -> 79 a thread for the 8 x 128 tile on sm_90, the same occupancy). `size_class` only keys the
+    tuning."""
     token = tl.program_id(0).to(tl.int64)
     core = tl.program_id(1)
     in_chunk = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -123,20 +147,17 @@ def _forward_kernel(
     cols = core * chunk + in_chunk
     group_ids = tl.arange(0, GROUPS_PAD)
     acc = tl.zeros((GROUPS_PAD, BLOCK_K, BLOCK_D), dtype=tl.float32)
+    rows, groups, scores, mask = _slot_block(
+        rows_ptr, groups_ptr, scores_ptr, 0, token, num_slots, num_cores, core, BLOCK_K, NUM_GROUPS
+    )
     for k0 in range(0, num_slots, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        slot_mask = ks < num_slots
-        slots = token * num_slots + ks
-        rows = tl.load(rows_ptr + slots, mask=slot_mask, other=0).to(tl.int64)  # N * Dv may exceed 2**31
-        groups = _load_groups(groups_ptr, slots, slot_mask, NUM_GROUPS)
-        scores = tl.load(scores_ptr + slots * num_cores + core, mask=slot_mask, other=0.0).to(tl.float32)
-        tile = tl.load(
-            values_ptr + rows[:, None] * value_dim + cols[None, :],
-            mask=slot_mask[:, None] & col_mask[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        weighted = tile * scores[:, None]  # (BLOCK_K, BLOCK_D)
+        tile = _row_tile(values_ptr, rows, mask, cols, col_mask, value_dim)
+        next_rows, next_groups, next_scores, next_mask = _slot_block(
+            rows_ptr, groups_ptr, scores_ptr, k0 + BLOCK_K, token, num_slots, num_cores, core, BLOCK_K, NUM_GROUPS
+        )
+        weighted = tile * scores[:, None]  # (BLOCK_K, BLOCK_D); masked slots read 0
         acc += tl.where(groups[None, :, None] == group_ids[:, None, None], weighted[None, :, :], 0.0)
+        rows, groups, scores, mask = next_rows, next_groups, next_scores, next_mask
     pooled = tl.sum(acc, axis=1)  # (GROUPS_PAD, BLOCK_D)
     out_offsets = (token * NUM_GROUPS + group_ids[:, None]) * value_dim + cols[None, :]
     out_mask = (group_ids[:, None] < NUM_GROUPS) & col_mask[None, :]
