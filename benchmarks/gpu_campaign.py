@@ -67,6 +67,7 @@ class Step:
 
 OUT = "--results-dir {results}"
 DECODE = f"--device cuda --mode eager --moe-impl grouped_mm --warmup 3 --iters 10 {OUT}"
+GRAPHS = DECODE.replace("--mode eager", "--mode compile")  # the same step under CUDA graphs
 QUALITY = "--output-dir {results} --cache-dir {results}/quality_cache"
 
 
@@ -87,15 +88,15 @@ def gpu_steps() -> list[Step]:
         # later calls, each a further slot. Call 7: decoding at 680M under CUDA graphs (torch.compile
         # "reduce-overhead"); the eager steps of call 1 are launch-bound (the first GPU run: 16 ms a dense step,
         # ~15 us a launch), so this is the comparison the paper's memory-access claim is about
-        Step("decode_680m_graphs", 7, 400, f"bench_decode.py {DECODE.replace('eager', 'compile')} --sizes 680m "
+        Step("decode_680m_graphs", 7, 400, f"bench_decode.py {GRAPHS} --sizes 680m "
              "--batch-sizes 1,16,64 --analytic-sizes 680m --name decode_680m_graphs"),
-        Step("scaling_680m_graphs", 7, 240, f"bench_scaling.py {DECODE.replace('eager', 'compile')} --size 680m "
+        Step("scaling_680m_graphs", 7, 240, f"bench_scaling.py {GRAPHS} --size 680m "
              "--batch 16 --slots 1048576,4194304,16777216 --name scaling_680m_graphs"),
         Step("quality_small", 3, 540, "bench_quality.py --scale small --rows comparison --seeds 2 --seeded-rows all "
              "--bf16 --max-steps 300 --batch-size 32 --block-size 512 --learning-rate 1e-3 --eval-points 6 "
              f"--eval-blocks 64 {QUALITY}", resumable=True),
         # call 4: the decode comparison at the paper's 1.6B, under CUDA graphs (eager steps are launch-bound)
-        Step("decode_1.6b_graphs", 4, 450, f"bench_decode.py {DECODE.replace('eager', 'compile')} --sizes 1.6b "
+        Step("decode_1.6b_graphs", 4, 450, f"bench_decode.py {GRAPHS} --sizes 1.6b "
              "--batch-sizes 1,4,16 --analytic-sizes 1.6b --name decode_1.6b_graphs"),
         Step("bench_quantized_kernel", 4, 120, "bench_quantized_kernel.py --device cuda --configs 680m 1.6b --tokens "
              "1024 4096 16384 --out-dir {results}"),

@@ -63,13 +63,17 @@ def fwd_bwd_speedup(folder: Path) -> Reading:
     ] >= 3
 
 
+def _mode(report: dict[str, Any]) -> str:
+    """How a decode or scaling run's steps ran: "CUDA graphs" (`--mode compile`) or "eager"."""
+    return "CUDA graphs" if report["settings"]["mode"] == "compile" else "eager"
+
+
 def _ratios(folder: Path) -> tuple[list[dict[str, Any]], str]:
     """The decode ratios, from the CUDA-graph run where there is one, else the eager run; and which it was."""
     report = _load(folder, "decode_680m_graphs", "decode_680m", "decode_tiny")
     if not report:
         return [], ""
-    mode = "CUDA graphs" if report["settings"]["mode"] == "compile" else "eager"
-    return [r for r in report["ratios"] if r["ultramem/dense"] is not None], mode
+    return [r for r in report["ratios"] if r["ultramem/dense"] is not None], _mode(report)
 
 
 def _mode_note(row: dict[str, Any], mode: str) -> str:
@@ -117,9 +121,8 @@ def slot_scaling(folder: Path) -> Reading:
     if not report or report.get("ultramem_latency_spread") is None:
         return None
     grown = report["settings"]["range"]
-    mode = "CUDA graphs" if report["settings"]["mode"] == "compile" else "eager"
     met = report["ultramem_latency_spread"] <= 0.10 and grown >= 16
-    return f"{100 * report['ultramem_latency_spread']:.1f}% over {grown:.0f}x slots ({mode})", met
+    return f"{100 * report['ultramem_latency_spread']:.1f}% over {grown:.0f}x slots ({_mode(report)})", met
 
 
 TARGETS: list[tuple[str, Callable[[Path], Reading]]] = [

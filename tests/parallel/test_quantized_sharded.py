@@ -96,8 +96,8 @@ def _sent_by_a_lookup(table, config) -> dict[str, dict[str, float]]:
     groups, scores = torch.randint(0, num_groups, (tokens, slots)), torch.randn(tokens, slots, cores)
     with count_bytes() as sent, torch.no_grad():
         table(rows, groups, scores, num_groups, TORCH_MEMORY_OPS)
-    shape = LookupShape(tokens, slots, 16, cores, num_groups, **type(table).sent_sizes(config))
-    formula = dimension_volume if "Dimension" in type(table).__name__ else number_volume
+    shape = LookupShape(tokens, slots, config.memory_value_dim, cores, num_groups, **type(table).sent_sizes(config))
+    formula = dimension_volume if table.shard_dim else number_volume
     return {"measured": dict(sent), "predicted": formula(shape, WORLD)}
 
 

@@ -49,10 +49,9 @@ class ShardedValueStore(nn.Module):
 
     @classmethod
     def sent_sizes(cls, config: Any) -> dict[str, int]:
-        """`LookupShape`'s `row_bytes` and `pooled_bytes` of a table of `config` in this store: what planning
-        (`memory_parallel="auto"`) counts per row and per pooled element sent."""
-        element = torch.empty((), dtype=config.dtype or torch.float32).element_size()
-        return {"row_bytes": element * config.memory_value_dim, "pooled_bytes": element}
+        """`LookupShape`'s `row_bytes` and `pooled_bytes` where this store sends other than the model's float rows:
+        what planning (`memory_parallel="auto"`) counts per row and per pooled element sent. None here."""
+        return {}
 
     @classmethod
     def from_table(
