@@ -215,6 +215,27 @@ def test_set_value_store_cpu_offloads_an_in_memory_model(saved):
     assert torch.equal(greedy(model), greedy(reference))
 
 
+def test_set_value_store_disk_writes_an_in_memory_models_tables_and_maps_them(saved, tmp_path):
+    """The tables go to one file each in the named folder and are served from its map; writing another model's
+    tables there later replaces the files without changing what the first model reads."""
+    folder, reference = saved
+    model = UltraMemForCausalLM.from_pretrained(folder).eval()
+    model.set_value_store("disk", directory=tmp_path / "tables")
+    names = model.get_value_table_names()
+    assert sorted(path.name for path in (tmp_path / "tables").iterdir()) == sorted(f"{n}.safetensors" for n in names)
+    assert all(type(layer.values) is DiskValueStore for layer in model.model.memory_layers)
+    assert set(model.state_dict()) == set(reference.state_dict())
+    assert torch.equal(greedy(model), greedy(reference))
+
+    other = UltraMemForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        for layer in other.model.memory_layers:
+            layer.values.weight.neg_()
+    other.set_value_store("disk", directory=tmp_path / "tables")
+    assert torch.equal(other.model.memory_layers[0].values.table, -reference.model.memory_layers[0].values.weight)
+    assert torch.equal(greedy(model), greedy(reference))
+
+
 def test_bad_inputs_fail_with_one_clear_error(saved, tmp_path):
     folder, reference = saved
     (tmp_path / "bin").mkdir()
@@ -227,8 +248,10 @@ def test_bad_inputs_fail_with_one_clear_error(saved, tmp_path):
         UltraMemForCausalLM.from_pretrained(folder, memory_offload="gpu")
     with pytest.raises(RuntimeError, match="attaches the value tables in from_pretrained"):
         UltraMemForCausalLM(small_config(memory_offload="disk"))(**PROMPT)
-    with pytest.raises(OffloadCheckpointError, match="maps a checkpoint's table"):
+    with pytest.raises(OffloadCheckpointError, match=r"pass set_value_store\('disk', directory=\.\.\.\)"):
         UltraMemForCausalLM(small_config()).set_value_store("disk")
+    with pytest.raises(OffloadCheckpointError, match="has no table in memory to write"):
+        UltraMemForCausalLM(small_config(memory_offload="disk")).set_value_store("disk", directory=tmp_path / "t")
 
 
 def test_random_checkpoint_streams_tables_and_checks_disk_space(tmp_path, monkeypatch):

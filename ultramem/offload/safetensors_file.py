@@ -124,6 +124,19 @@ class SafetensorsCheckpoint:
         return tensor
 
 
+def write_tensor(path: Path, name: str, tensor: torch.Tensor) -> None:
+    """Writes one tensor as a safetensors file, straight from its memory: no serialized copy of it is made first
+    (`safetensors.torch.save_file` builds one, twice the table's size at the peak)."""
+    dtype = next(key for key, value in SAFETENSORS_DTYPES.items() if value == tensor.dtype)
+    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    entry = {"dtype": dtype, "shape": list(tensor.shape), "data_offsets": [0, data.numel()]}
+    header = json.dumps({name: entry}, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", len(header)) + header)
+        handle.write(memoryview(data.numpy()))
+
+
 def _resolve(path: str | Path, filename: str, hub: dict[str, Any]) -> Path | None:
     folder = Path(path) / hub.get("subfolder", "")
     if Path(path).is_dir():

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +23,7 @@ from torch import nn
 from transformers.utils import logging
 
 from ..memory_ops import lookup_dot, lookup_reduce
-from .safetensors_file import OffloadCheckpointError, SafetensorsCheckpoint, advise_will_need
+from .safetensors_file import OffloadCheckpointError, SafetensorsCheckpoint, advise_will_need, write_tensor
 
 logger = logging.get_logger(__name__)
 
@@ -174,15 +176,33 @@ class HostValueStore(OffloadedValueStore):
 class DiskValueStore(OffloadedValueStore):
     """memory_offload="disk": the table stays in the checkpoint file, memory-mapped; only selected rows are read.
 
-    It keeps the file's dtype (a mapping cannot be cast); the pooled result is cast where it is projected.
+    It keeps the file's dtype (a mapping cannot be cast); the pooled result is cast where it is projected. On a model
+    already in memory, `set_value_store("disk", directory=...)` writes each table to its own safetensors file there
+    and maps that: the in-memory copy is freed once the store replaces it.
     """
+
+    @classmethod
+    def from_table(
+        cls,
+        table: nn.Module,
+        name: str,
+        checkpoint: SafetensorsCheckpoint | None = None,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        directory: str | os.PathLike | None = None,
+    ) -> DiskValueStore:
+        """`ValueStore.from_table`: `checkpoint`'s tensor `name`, or with `directory` the in-memory table written
+        to `directory/<name>.safetensors` first (a folder on the disk that should serve it: not a RAM-backed /tmp)."""
+        if checkpoint is None and directory is not None:
+            checkpoint = write_table(table, name, Path(directory))
+        return cls(cls._load(table, name, checkpoint, device, dtype), name)
 
     @staticmethod
     def _load(table, name, checkpoint, device, dtype) -> torch.Tensor:
         if checkpoint is None:
             raise OffloadCheckpointError(
-                "the 'disk' value store maps a checkpoint's table: "
-                "load with from_pretrained(path, memory_offload='disk')"
+                "the 'disk' value store maps a table from a file: pass set_value_store('disk', directory=...) to "
+                "write an in-memory model's tables there, or load with from_pretrained(path, memory_offload='disk')"
             )
         values = checkpoint.map(name)
         expected = (table.num_embeddings, table.embedding_dim)
@@ -195,6 +215,26 @@ class DiskValueStore(OffloadedValueStore):
     def _will_read(self, rows: torch.Tensor) -> None:
         """Queue the reads of all selected rows at once (the disk serves them in parallel), then fault them in."""
         advise_will_need(self.table, rows)
+
+
+def write_table(table: nn.Module, name: str, directory: Path) -> SafetensorsCheckpoint:
+    """Writes a `MemoryValueTable`'s weight to `directory/<name>.safetensors` and returns that file's checkpoint.
+
+    The file is written beside its final name and renamed over it, so a store still mapping an earlier file of that
+    name keeps reading the old one (rewriting it in place would change, or cut, the pages under its map).
+    """
+    weight = getattr(table, "weight", None)
+    if weight is None:
+        raise OffloadCheckpointError(
+            f"{name} has no table in memory to write (a model built with memory_offload set): "
+            "load it with from_pretrained(path, memory_offload='disk')"
+        )
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.safetensors"
+    partial = path.with_name(f".{path.name}.partial")
+    write_tensor(partial, name, weight)
+    os.replace(partial, path)
+    return SafetensorsCheckpoint([path])
 
 
 def _table_into_state_dict(module: OffloadedValueStore, state_dict: dict, prefix: str, local_metadata: dict) -> None:
