@@ -4,10 +4,13 @@
 
 Each table stays one tensor under its key (uint8, the layout of `ultramem.quantized.format`), quantized row block by
 row block from the memory-mapped source; every other tensor is copied byte for byte, in the same files (a sharded
-checkpoint stays sharded, its index rewritten); the code, tokenizer and other files are copied, and config.json
-records the format (`memory_quantization`, `memory_quantization_group_size`) so the result loads as what it is.
-Refused with one line before any work: a checkpoint already quantized, a group size that does not divide the MCS
-chunk, an output folder that is not empty, not enough free disk.
+checkpoint stays sharded, its index rewritten); the tokenizer and other files are copied, and config.json records the
+format (`memory_quantization`, `memory_quantization_group_size`) so the result loads as what it is. The model code is
+the installed package's, as `save_pretrained` writes it: `trust_remote_code=True` runs that copy, which must know the
+quantized format (a float checkpoint's copy may predate it).
+Refused with one line before any work: a checkpoint already quantized, one without memory layers, one whose tables
+the quantized stores do not serve (UltraMemV2's and Memory+'s shared value pool, PEER pre-values), a group size that
+does not divide the MCS chunk, an output folder that is not empty, not enough free disk.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from .configuration_ultramem import PEER, PEER_GELU, UltraMemConfig, UltraMemConfigError
 from .offload.safetensors_file import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, read_header
 from .quantized.format import FORMATS, QuantizationError, quantize, quantized_width, resolve_group_size
 from .quantized.stores import METADATA_FORMAT, METADATA_GROUP, TABLE_KEY
@@ -37,6 +41,42 @@ def _files(checkpoint: Path) -> list[str]:
     raise QuantizationError(f"{checkpoint} has no {SINGLE_FILE} or {INDEX_FILE} to convert")
 
 
+def _check_convertible(checkpoint: Path, config: dict, format: str) -> None:
+    """One line when the model has nothing the format applies to, or tables that no quantized store serves (the
+    loader would refuse the result: the config allows neither with `memory_quantization`)."""
+    if not config.get("memory_layers"):
+        raise QuantizationError(
+            f"{checkpoint} has no memory layers (memory_layers={config.get('memory_layers')!r}): there are no value "
+            "tables to quantize; use the checkpoint as it is"
+        )
+    unserved = []
+    if config.get("value_gate") in (PEER, PEER_GELU):
+        unserved.append(f"value_gate={config['value_gate']!r} (PEER pre-value tables)")
+    if config.get("value_pool_size") is not None:
+        unserved.append(f"value_pool_size={config['value_pool_size']} (a value pool shared by the memory layers)")
+    if unserved:
+        raise QuantizationError(
+            f"{checkpoint} has {' and '.join(unserved)}: --format {format} covers only each memory layer's own value "
+            "table (UltraMemV2 and Memory+ are not supported); keep its float tables, offloaded with "
+            "from_pretrained(path, memory_offload='cpu' | 'disk') if they do not fit in memory"
+        )
+    try:  # anything else the loader's config would refuse with this format
+        UltraMemConfig.from_dict({**config, "memory_quantization": format})
+    except UltraMemConfigError as error:
+        raise QuantizationError(f"{checkpoint} cannot hold {format} tables: {error}") from None
+
+
+def _model_code() -> list[Path]:
+    """The package's model code files as `save_pretrained` writes them into a checkpoint: the modules of the Auto
+    classes and everything they import relatively."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    from . import configuration_ultramem, modeling_ultramem
+
+    roots = [Path(configuration_ultramem.__file__), Path(modeling_ultramem.__file__)]
+    return sorted({*roots, *(Path(f) for root in roots for f in get_relative_import_files(str(root)))})
+
+
 def _plan(checkpoint: Path, format: str, group_size: int | None) -> tuple[dict, int, list[tuple]]:
     """Checks (one line each, before any work) and the layout of every output file: (file, header, entries)."""
     config_file = checkpoint / "config.json"
@@ -50,6 +90,7 @@ def _plan(checkpoint: Path, format: str, group_size: int | None) -> tuple[dict, 
             f"{checkpoint} is already quantized ({config['memory_quantization']}): convert the float checkpoint it "
             "came from instead (quantizing twice adds both errors)"
         )
+    _check_convertible(checkpoint, config, format)
     value_dim, num_cores = config.get("memory_value_dim", 512), config.get("mcs_cores", 2)
     group_size = resolve_group_size(format, value_dim, num_cores, group_size)
     files = []
@@ -83,6 +124,8 @@ def _plan(checkpoint: Path, format: str, group_size: int | None) -> tuple[dict, 
         encoded = json.dumps(layout, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)
         files.append((file, encoded, entries, 8 + len(encoded) + offset))
+    if not any(table is not None for *_, entries, _ in files for _, table, *_ in entries):
+        raise QuantizationError(f"{checkpoint} has memory layers but no value table (memory_layers.N.values.weight)")
     return config, group_size, files
 
 
@@ -90,14 +133,16 @@ def convert(checkpoint: str | Path, output: str | Path, format: str, group_size:
     """Write the quantized copy of `checkpoint` to `output` (see the module docstring); returns `output`."""
     checkpoint, output = Path(checkpoint), Path(output)
     if format not in FORMATS:
-        raise QuantizationError(f"--format {format!r} is invalid: choose one of {FORMATS}")
+        raise QuantizationError(f"--format {format!r} is invalid: choose one of {', '.join(FORMATS)}")
     if not checkpoint.is_dir():
         raise QuantizationError(f"{checkpoint} is not a folder")
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise QuantizationError(f"{output} exists and is not an empty folder: choose a new output folder")
     config, group_size, files = _plan(checkpoint, format, group_size)
-    others = [p for p in checkpoint.iterdir() if p.is_file() and p.name not in {INDEX_FILE, *(f for f, *_ in files)}]
-    needed = sum(size for *_, size in files) + sum(p.stat().st_size for p in others)
+    code = _model_code() if config.get("auto_map") else []  # a checkpoint saved with its code gets the current one
+    skipped = {INDEX_FILE, *(f for f, *_ in files), *(p.name for p in code)}
+    others = [p for p in checkpoint.iterdir() if p.is_file() and p.name not in skipped]
+    needed = sum(size for *_, size in files) + sum(p.stat().st_size for p in (*others, *code))
     existing = next(folder for folder in (output, *output.absolute().parents) if folder.exists())
     free = shutil.disk_usage(existing).free
     if needed > free:
@@ -130,7 +175,7 @@ def convert(checkpoint: str | Path, output: str | Path, format: str, group_size:
         index = json.loads((checkpoint / INDEX_FILE).read_text())
         index.setdefault("metadata", {})["total_size"] = sum(n for _, _, entries, _ in files for *_, n, _ in entries)
         (output / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    for path in others:
+    for path in (*others, *code):
         if path.name != "config.json":
             shutil.copy2(path, output / path.name)
     config.update(memory_quantization=format, memory_quantization_group_size=group_size)
@@ -142,7 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m ultramem.quantize", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="folder of the float checkpoint")
     parser.add_argument("output", help="new folder for the quantized checkpoint")
-    parser.add_argument("--format", required=True, choices=FORMATS)
+    # no argparse `choices`: convert() refuses a bad format in one line, where argparse prints its usage first
+    parser.add_argument("--format", required=True, metavar="|".join(FORMATS), help="storage format of the tables")
     parser.add_argument("--group-size", type=int, default=None, help="columns per scale/bias group (divides Dv/h)")
     args = parser.parse_args(argv)
     try:

@@ -3,9 +3,13 @@ from `memory_offload`, checked against the checkpoint's tables before anything e
 
 from __future__ import annotations
 
+import sys
+from contextlib import ExitStack
+from types import ModuleType
 from typing import Any
 
-from ..value_stores import ValueStoreMixin, deferred_value_tables, tables_deferred
+from .. import value_stores
+from ..value_stores import ValueStoreMixin
 from .format import QuantizationError, check_format, resolve_group_size
 from .stores import QUANTIZED_STORES, QuantizedCheckpoint, check_quantizable, saved_quantization, store_name
 
@@ -63,14 +67,25 @@ def from_pretrained_quantized(
     checkpoint.check_tables(format, group_size, config.memory_value_dim, memory_offload)
     # the mixin model_class derives from: a checkpoint's remote-code copy (trust_remote_code=True) has its own
     mixin = next(base for base in model_class.__mro__ if base.__name__ == ValueStoreMixin.__name__)
-    with deferred_value_tables():  # the tables are left out of the load: the store reads them
+    modules = _value_store_modules(mixin)
+    with ExitStack() as deferred:  # the tables are left out of the load: the store reads them
+        for module in modules:
+            deferred.enter_context(module.deferred_value_tables())
         loaded = super(mixin, model_class).from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
     model = loaded[0] if isinstance(loaded, tuple) else loaded
     model.config.memory_quantization, model.config.memory_quantization_group_size = format, group_size
-    if memory_offload is None and tables_deferred(None):  # (no config: only the context counts)
+    if memory_offload is None and any(module.tables_deferred(None) for module in modules):  # (only the context)
         return loaded  # inside deferred_value_tables(): memory parallelism reads each rank's part of the tables
     model.set_value_store(name, config=model.config, checkpoint=checkpoint, device=model.device, dtype=model.dtype)
     return loaded
+
+
+def _value_store_modules(mixin: type) -> list[ModuleType]:
+    """This package's `value_stores`, and the copy `mixin` comes from when it is a checkpoint's remote code: the
+    model's tables are deferred by the copy's own context (a separate `ContextVar`), so both are entered (without
+    the copy's, a converted checkpoint's uint8 tables met float ones: a size mismatch)."""
+    copy = sys.modules[mixin.__module__]
+    return [value_stores] if copy is value_stores else [value_stores, copy]
 
 
 __all__ = ["QuantizedCheckpoint", "from_pretrained_quantized"]
