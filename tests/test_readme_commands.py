@@ -1,15 +1,24 @@
-"""The documented commands, run as written: every ```bash block of README.md and docs/*.md marked `<!-- tested -->`.
+"""The documented snippets, run as written: every ```bash and ```python block of README.md and docs/ (model_doc too).
 
-Convention (also in the docs' contributor notes): an HTML comment `<!-- tested -->` or `<!-- tested: quick -->` on
-the line before a fenced `bash` block (blank lines between them allowed). Each command of the block (a line ending
-in `\\` continues on the next; `#` lines are comments) runs with bash, in order, in one temporary working directory
-that holds what a reader of the docs has after the main job (`python -m ultramem.training.main_job`):
-`runs/main_job/tiny-ultramem` and `runs/main_job/tiny-dense`, the main job's own configs and tokenizer, trained for
-a few steps here. Substituted, whole words: `CKPT` -> `runs/main_job/tiny-ultramem`, `/path/to/eval` -> the
-benchmark files of the test fixtures (the reference layout of `ultramem/eval/local_data.py`), `/tmp/...` -> a path
-in the working directory. `quick` adds to each command the flags the docs name for a quick check, where it has none
-of its own: `--limit 1 --gen_kwargs max_gen_toks=4` to `lm_eval`, `--limit 1 --max-gen-toks 4` to `ultramem-eval`.
-Every command must exit 0. Set ULTRAMEM_DOCS_ROOT to check the marked blocks of another checkout's docs.
+Convention (also in the docs' contributor notes): an HTML comment on the line before the fence (blank lines between
+them allowed) says what the test does with the block, and every bash or python block has one, so none is skipped
+silently:
+
+- `<!-- tested -->`: run. A bash block runs command by command (a line ending in `\\` continues on the next; `#`
+  lines are comments), each with bash; a python block runs whole, as a script, in a fresh interpreter.
+- `<!-- tested: quick -->`: run, adding the flags the docs name for a quick check to a command that has none of its
+  own: `--limit 1 --gen_kwargs max_gen_toks=4` to `lm_eval`, `--limit 1 --max-gen-toks 4` to `ultramem-eval`.
+- `<!-- tested: vllm -->`: needs vLLM (docs/serving.md): skipped where vLLM is not installed, run by
+  .ci/vllm_tests.sh in its own environment.
+- `<!-- untested: REASON -->`: not run, for the reason given (a CUDA device, the Hub, several GPUs, hours).
+
+Blocks without a language (output, tables, layouts) are not code. All blocks run, in file order, in one temporary
+working directory that holds what a reader has after the main job (`python -m ultramem.training.main_job`):
+`runs/main_job/tiny-ultramem` and `runs/main_job/tiny-dense`, trained for 2 steps here; a block may use what an
+earlier block of its page wrote there, as a reader would. Substituted, whole words: `CKPT` -> `runs/main_job/tiny-
+ultramem` (bash only: python snippets define their names), `/path/to/eval` -> the benchmark files of the test
+fixtures (the reference layout of `ultramem/eval/local_data.py`), `/tmp/...` -> a path in the working directory.
+Every command and script must exit 0. Set ULTRAMEM_DOCS_ROOT to check the blocks of another checkout's docs.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import re
 import shlex
 import subprocess
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +38,10 @@ REPO = Path(__file__).resolve().parents[1]
 DOCS_ROOT = Path(os.environ.get("ULTRAMEM_DOCS_ROOT", REPO))
 FIXTURE_DATA = REPO / "tests" / "eval" / "fixtures" / "eval"
 MAIN_JOB = Path("runs") / "main_job"
-MARKER = re.compile(r"^<!--\s*tested(?::\s*(?P<mode>[\w-]+))?\s*-->\s*$")
+MARKER = re.compile(r"^<!--\s*(?P<kind>tested|untested)(?::\s*(?P<mode>.*?))?\s*-->$")
+FENCE = re.compile(r"^```\s*(?P<language>[\w+-]*)\s*$")
+CODE = {"bash": "bash", "sh": "bash", "shell": "bash", "python": "python", "py": "python"}
+MODES = (None, "quick", "vllm")
 QUICK_FLAGS = {
     "lm_eval": {"--limit": "1", "--gen_kwargs": "max_gen_toks=4"},
     "ultramem-eval": {"--limit": "1", "--max-gen-toks": "4"},
@@ -39,32 +52,48 @@ ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELIS
 @dataclass(frozen=True)
 class Block:
     source: str  # file:line of the fence
-    mode: str | None
-    commands: tuple[str, ...]
+    language: str  # "bash" or "python" (None: not code)
+    kind: str | None  # "tested", "untested" or None (no marker)
+    mode: str | None  # tested: None, "quick" or "vllm"; untested: the reason
+    code: str  # the block's text, dedented
 
     def __str__(self) -> str:
         return self.source
 
+    @property
+    def commands(self) -> list[str]:
+        return _commands(self.code.splitlines())
 
-def marked_blocks(root: Path = DOCS_ROOT) -> list[Block]:
-    """The marked bash blocks of root/README.md and root/docs/*.md, in file order."""
+
+def doc_files(root: Path = DOCS_ROOT) -> list[Path]:
+    return [path for path in [root / "README.md", *sorted((root / "docs").rglob("*.md"))] if path.is_file()]
+
+
+def code_blocks(root: Path = DOCS_ROOT) -> list[Block]:
+    """The fenced bash and python blocks of README.md and docs/**/*.md in file order, each with its marker (if any).
+
+    A marker followed by anything but blank lines and a bash or python fence is an error: it cannot drift off its
+    block."""
     blocks = []
-    for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
-        if not path.is_file():
-            continue
+    for path in doc_files(root):
         lines = path.read_text(encoding="utf-8").splitlines()
-        for number, line in enumerate(lines):
-            marker = MARKER.match(line.strip())
-            if not marker:
+        number, marker = 0, None
+        while number < len(lines):
+            line, where = lines[number].strip(), f"{path.relative_to(root).as_posix()}:{number + 1}"
+            fence = FENCE.match(line)
+            language = CODE.get(fence.group("language")) if fence else None
+            if marker and line and not language:
+                raise AssertionError(f"{where}: `{marker.group(0)}` must be followed by a bash or python block")
+            if fence:
+                end = next((i for i in range(number + 1, len(lines)) if lines[i].strip() == "```"), len(lines))
+                if language:
+                    kind, mode = (marker.group("kind"), marker.group("mode") or None) if marker else (None, None)
+                    code = textwrap.dedent("\n".join(lines[number + 1 : end]))
+                    blocks.append(Block(where, language, kind, mode, code))
+                number, marker = end + 1, None
                 continue
-            fence = number + 1
-            while fence < len(lines) and not lines[fence].strip():
-                fence += 1
-            if fence == len(lines) or lines[fence].strip() != "```bash":
-                raise AssertionError(f"{path.name}:{number + 1}: <!-- tested --> must precede a ```bash block")
-            end = next(i for i in range(fence + 1, len(lines)) if lines[i].strip() == "```")
-            source = f"{path.relative_to(root)}:{fence + 1}"
-            blocks.append(Block(source, marker.group("mode"), tuple(_commands(lines[fence + 1 : end]))))
+            marker = MARKER.match(line) or marker
+            number += 1
     return blocks
 
 
@@ -84,18 +113,24 @@ def _commands(lines: list[str]) -> list[str]:
     return commands
 
 
-def prepare(command: str, mode: str | None, workdir: Path) -> str:
-    """The command as it runs here: placeholders substituted, quick flags added where the block asks for them."""
+def prepare(text: str, block: Block, workdir: Path) -> str:
+    """A command or script as it runs here: placeholders substituted, quick flags added where the block asks."""
     # /tmp/ first: the substituted paths may themselves lie under /tmp (a clone there)
-    command = re.sub(r"(?<![\w.])/tmp/", f"{workdir}/tmp/", command)
-    command = re.sub(r"\bCKPT\b", str(MAIN_JOB / "tiny-ultramem"), command)
-    command = command.replace("/path/to/eval", str(FIXTURE_DATA))
-    if mode == "quick":
-        words = shlex.split(command)
+    text = re.sub(r"(?<![\w.])/tmp/", f"{workdir}/tmp/", text)
+    text = text.replace("/path/to/eval", str(FIXTURE_DATA))
+    if block.language == "python":
+        return text
+    text = re.sub(r"\bCKPT\b", str(MAIN_JOB / "tiny-ultramem"), text)
+    if block.mode == "quick":
+        words = shlex.split(text)
         for tool, flags in QUICK_FLAGS.items():
             if words and words[0] == tool:
-                command += "".join(f" {flag} {value}" for flag, value in flags.items() if flag not in words)
-    return command
+                text += "".join(f" {flag} {value}" for flag, value in flags.items() if flag not in words)
+    return text
+
+
+BLOCKS = code_blocks()
+TESTED = [block for block in BLOCKS if block.kind == "tested"]
 
 
 @pytest.fixture(scope="module")
@@ -114,17 +149,45 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def test_the_docs_mark_commands_for_this_test() -> None:
-    """The convention cannot be dropped silently: the evaluation commands at least are marked."""
-    commands = [command for block in marked_blocks() for command in block.commands]
-    assert any(command.startswith("lm_eval ") for command in commands), "no marked lm_eval command in the docs"
-    assert any(command.startswith("ultramem-eval ") for command in commands), "no marked ultramem-eval command"
+def test_every_code_block_is_tested_or_says_why_not() -> None:
+    """No snippet is skipped silently: each bash/python block is marked tested, or untested with its reason."""
+    unmarked = [f"{block} ({block.language})" for block in BLOCKS if block.kind is None]
+    missing = "code blocks without <!-- tested --> or <!-- untested: REASON --> before them"
+    assert not unmarked, f"{missing}: {', '.join(unmarked)}"
+    for block in BLOCKS:
+        if block.kind == "untested":
+            assert block.mode, f"{block}: <!-- untested: REASON --> needs its reason"
+        else:
+            assert block.mode in MODES, f"{block}: unknown mode {block.mode!r}; one of {MODES}"
 
 
-@pytest.mark.parametrize("block", marked_blocks(), ids=str)
-def test_documented_commands_run_as_written(block: Block, workdir: Path) -> None:
+def test_the_docs_mark_snippets_for_this_test() -> None:
+    """The convention cannot be dropped silently: the evaluation commands and python snippets are run."""
+    commands = [command for block in TESTED if block.language == "bash" for command in block.commands]
+    assert any(command.startswith("lm_eval ") for command in commands), "no tested lm_eval command in the docs"
+    assert any(command.startswith("ultramem-eval ") for command in commands), "no tested ultramem-eval command"
+    assert any(block.language == "python" for block in TESTED), "no tested python snippet in the docs"
+
+
+def test_ci_runs_the_readmes_test_command() -> None:
+    """.ci/run runs README.md's command 2 (install, then the tests) exactly as a reader pastes it."""
+    (quick_start,) = [block for block in BLOCKS if block.source.startswith("README.md") and "pytest" in block.code]
+    readme_command = next(command for command in quick_start.commands if "pytest" in command)
+    ci_commands = _commands((REPO / ".ci" / "run").read_text(encoding="utf-8").splitlines())
+    assert readme_command in ci_commands, f".ci/run does not run README.md's test command: {readme_command}"
+
+
+@pytest.mark.parametrize("block", TESTED, ids=str)
+def test_documented_snippets_run_as_written(block: Block, workdir: Path) -> None:
+    if block.mode == "vllm":  # needs vLLM's own environment: .ci/vllm_tests.sh runs these blocks
+        pytest.importorskip("vllm.entrypoints.llm", reason="vLLM is not installed: .ci/vllm_tests.sh runs this block")
     env = {**os.environ, **ENV, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    for command in block.commands:
-        ran = prepare(command, block.mode, workdir)
-        done = subprocess.run(["bash", "-c", ran], cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
+    if block.language == "python":
+        script = workdir / "tmp" / (re.sub(r"\W", "_", block.source) + ".py")
+        script.write_text(prepare(block.code, block, workdir), encoding="utf-8")
+        runs = [(f"python {script.name}", [sys.executable, str(script)])]
+    else:
+        runs = [(ran, ["bash", "-c", ran]) for ran in (prepare(command, block, workdir) for command in block.commands)]
+    for ran, argv in runs:
+        done = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, f"{block}: `{ran}` exited {done.returncode}:\n{done.stderr[-3000:]}"

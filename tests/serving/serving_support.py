@@ -21,8 +21,9 @@ BASE_ENGINE = dict(dtype="float32", max_model_len=512, enforce_eager=True, seed=
 def build_checkpoint(path: Path, **overrides) -> torch.nn.Module:
     """Save a tiny UltraMem (head dim 32: vLLM's CPU attention needs >= 32) with the shipped tokenizer; return it.
 
-    The conv weights and the values are redrawn at random: the init makes the conv the identity on the current token
-    (a lost conv state would not change a single token) and the values small.
+    The conv weights, the value and pre-value tables and the query normalisation's statistics are redrawn at random:
+    the init makes the conv the identity on the current token (a lost conv state would not change a single token),
+    the values small and the statistics neutral (a statistic left unloaded would not change one either).
     """
     from ultramem import UltraMemConfig, UltraMemForCausalLM
     from ultramem.tokenization import load_tokenizer
@@ -53,10 +54,51 @@ def build_checkpoint(path: Path, **overrides) -> torch.nn.Module:
             if layer.query.conv is not None:
                 layer.query.conv.weight.normal_(0.0, 0.5)
                 layer.query.conv.bias.normal_(0.0, 0.1)
-            layer.values.weight.normal_(0.0, 1.0)
+            for name, buffer in layer.query.named_buffers():
+                if name.endswith("running_mean"):
+                    buffer.normal_(0.0, 0.5)
+                elif name.endswith("running_var"):
+                    buffer.uniform_(0.5, 2.0)
+        for name in model.get_value_table_names():
+            model.get_parameter(name).normal_(0.0, 1.0)
     model.save_pretrained(path)
     load_tokenizer().save_pretrained(path)
     return model
+
+
+# The UltraMem family (docs/variants.md) at test size, each as the overrides of `build_checkpoint`'s defaults
+V2 = dict(  # UltraMemV2: every block, MLP site, PEER pre-values, single projector, a shared pool of windows
+    memory_site="mlp",
+    memory_layers=[[0, 0], [1, 1], [2, 2], [3, 3]],
+    memory_heads=1,
+    share_query=False,
+    use_query_conv=False,
+    value_gate="peer",
+    ive_single_projector=True,
+    aux_loss_alpha=0.0,
+    memory_value_dim=24,
+    pre_value_dim=8,
+    value_pool_size=128,
+)
+MEMORY_PLUS = dict(  # Memory+: PKM with softmax in place of two blocks' MLPs, one table shared, silu gate
+    retrieval_mode="product_key",
+    memory_score_softmax=True,
+    share_query=False,
+    qk_layernorm=False,
+    ive_expansion=1,
+    tucker_rank=1,
+    mcs_cores=1,
+    improved_init=False,
+    use_query_conv=False,
+    memory_site="instead_of_mlp",
+    memory_layers=[[1, 1], [3, 3]],
+    value_projection=True,
+    value_gate="swilu",
+    memory_value_dim=64,
+    memory_num_values=256,
+    value_pool_size=256,
+)
+PEER_GELU = dict(value_gate="peer_gelu", pre_value_dim=16, query_conv_kernel_size=4)  # V1 placement, GELU'd gate
 
 
 def prompts(lengths: list[int], seed: int, prefix: list[int] | None = None) -> list[list[int]]:

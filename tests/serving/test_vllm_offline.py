@@ -6,6 +6,8 @@ vLLM is not installed.
 """
 
 import copy
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -17,9 +19,17 @@ pytest.importorskip(
     "vllm.entrypoints.llm", reason="vLLM is not installed: .ci/vllm_tests.sh runs these in its own venv"
 )
 
-from serving_support import build_checkpoint, prompts, reference_ids, run_engine  # noqa: E402
+from serving_support import (  # noqa: E402
+    MEMORY_PLUS,
+    PEER_GELU,
+    V2,
+    build_checkpoint,
+    prompts,
+    reference_ids,
+    run_engine,
+)
 
-from ultramem import UltraMemConfig  # noqa: E402
+from ultramem import UltraMemConfig, UltraMemForCausalLM  # noqa: E402
 from ultramem.vllm.support import UnsupportedByVllm, check_supported  # noqa: E402
 
 MAX_TOKENS = 16
@@ -106,6 +116,47 @@ def test_pkm_without_conv_state(pkm):
     assert_same_ids(result["ids"][0], reference_ids(model, batch, MAX_TOKENS), batch)
 
 
+# One engine per checkpoint with every scheduling path at once: 5 prompts through 3 sequence slots, prefill chunks of
+# 64 tokens, then 2 prompts sharing the longest one's first 140 tokens (prefix caching)
+FAMILY_ENGINE = dict(
+    max_num_seqs=3,
+    max_num_batched_tokens=64,
+    enable_chunked_prefill=True,
+    enable_prefix_caching=True,
+    max_model_len=256,
+)
+
+
+def _serve_and_compare(path, model) -> None:
+    first = prompts([1, 7, 40, 120, 150], seed=6)
+    second = prompts([5, 20], seed=7, prefix=first[-1][:140])
+    result = run_engine(path, [first, second], MAX_TOKENS, **FAMILY_ENGINE)
+    for got, batch in zip(result["ids"], (first, second), strict=True):
+        assert_same_ids(got, reference_ids(model, batch, MAX_TOKENS), batch)
+    assert result["counters"]["vllm:prefix_cache_hits"] > 0, result["counters"]
+
+
+@pytest.mark.parametrize("variant", [V2, MEMORY_PLUS, PEER_GELU], ids=["ultramemv2", "memory_plus", "peer_gelu_conv4"])
+def test_family_under_batching_chunked_prefill_and_prefix_caching(variant, tmp_path):
+    """UltraMemV2 (MLP site, PEER pre-values, single projector, shared pool), Memory+ (PKM in place of MLPs, silu
+    gate, shared table) and a GELU'd PEER gate with a kernel-4 query conv: the Transformers model's own memory
+    modules, served."""
+    path = tmp_path / "checkpoint"
+    _serve_and_compare(path, build_checkpoint(path, **variant))
+
+
+@pytest.mark.parametrize("format", ["int8", "int4"])
+def test_quantized_tables(format, tucker, tmp_path):
+    """A checkpoint converted by `python -m ultramem.quantize` serves its uint8 tables through the quantized lookup
+    (the table is never dequantized whole), with the tokens of Transformers loading the same checkpoint."""
+    source, _ = tucker
+    path = tmp_path / format
+    subprocess.run([sys.executable, "-m", "ultramem.quantize", str(source), str(path), "--format", format], check=True)
+    model = UltraMemForCausalLM.from_pretrained(path).eval()
+    assert model.model.memory_layers[0].values.weight.dtype == torch.uint8  # the reference reads int tables too
+    _serve_and_compare(path, model)
+
+
 def _engine_config(hf_config, tensor_parallel_size=1, pipeline_parallel_size=1, speculative_config=None):
     return SimpleNamespace(
         model_config=SimpleNamespace(hf_config=hf_config),
@@ -116,20 +167,10 @@ def _engine_config(hf_config, tensor_parallel_size=1, pipeline_parallel_size=1, 
     )
 
 
-@pytest.mark.parametrize(
-    "field, value",
-    [
-        ("value_gate", "peer"),
-        ("ive_single_projector", True),
-        ("value_pool_size", 1024),
-        ("memory_site", "mlp"),
-        ("memory_quantization", "int8"),
-    ],
-)
-def test_unverified_variants_are_refused(field, value):
+def test_offloaded_tables_are_refused():
     config = UltraMemConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=2, memory_layers=[[0, 1]])
-    object.__setattr__(config, field, value)  # past the config's own checks: the variant's other fields are moot
-    with pytest.raises(UnsupportedByVllm, match=rf"UltraMemConfig\.{field}=.* is not served by ultramem\.vllm"):
+    config.memory_offload = "disk"
+    with pytest.raises(UnsupportedByVllm, match=r"UltraMemConfig\.memory_offload='disk' .* is not served by ultramem"):
         check_supported(_engine_config(config))
 
 

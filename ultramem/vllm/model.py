@@ -9,10 +9,12 @@ memory layer [a, b] reads the stream entering block a and its output is added to
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import CacheConfig, VllmConfig
 from vllm.model_executor.layers.activation import get_act_fn
 from vllm.model_executor.layers.attention import Attention
@@ -29,7 +31,10 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.sequence import IntermediateTensors
 
-from .memory import UltraMemMemoryLayer
+from ultramem.configuration_ultramem import BLOCK_SITE
+from ultramem.quantized import quantize
+
+from .memory import build_memory_layer, build_value_pool, run_memory_layers
 from .support import check_supported
 
 
@@ -87,61 +92,91 @@ class UltraMemMLP(nn.Module):
 
 
 class UltraMemDecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(LN(x)), then + mlp(LN(x)), then + the memory outputs that write after it."""
+    """Pre-norm block: x + attn(LN(x)), then + the MLP-site memory layers' outputs and mlp(LN(x)) (either may be
+    absent: "instead_of_mlp" blocks have no MLP), then + the block-site memory outputs that write after it; the order
+    of `modeling_ultramem.UltraMemDecoderLayer`'s sums."""
 
-    def __init__(self, config, cache_config: CacheConfig | None, prefix: str):
+    def __init__(self, config, layer_idx: int, cache_config: CacheConfig | None, prefix: str):
         super().__init__()
         self.self_attn = UltraMemAttention(config, cache_config, f"{prefix}.self_attn")
-        self.mlp = UltraMemMLP(config, f"{prefix}.mlp")
+        has_mlp = layer_idx not in config.blocks_without_mlp
+        self.mlp = UltraMemMLP(config, f"{prefix}.mlp") if has_mlp else None
         self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if has_mlp else None
 
     def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, memory_output: torch.Tensor | None
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        memory_output: torch.Tensor | None,
+        parallel_memory: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         hidden_states = hidden_states + self.self_attn(positions, self.input_layernorm(hidden_states))
-        hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        update = parallel_memory(hidden_states) if parallel_memory is not None else None
+        if self.mlp is not None:
+            mlp_output = self.mlp(self.post_attention_layernorm(hidden_states))
+            update = mlp_output if update is None else update + mlp_output
+        if update is not None:
+            hidden_states = hidden_states + update
         return hidden_states if memory_output is None else hidden_states + memory_output
 
 
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "inputs_embeds": 0})
 class UltraMemModel(nn.Module):
-    """Embedding, the blocks with their memory layers, final LayerNorm: token ids (T,) -> hidden states (T, D)."""
+    """Embedding, the blocks with their memory layers, final LayerNorm: token ids (T,) -> hidden states (T, D).
+
+    Block-site memory layer [a, b] reads the stream entering block a, its output is added to the stream leaving block
+    b; MLP-site ones (UltraMemV2, Memory+) read the stream after block a's attention, beside its MLP; as in
+    `modeling_ultramem.UltraMemModel.forward`. A value pool shared by the memory layers is held here, as there.
+    """
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config, cache_config = vllm_config.model_config.hf_config, vllm_config.cache_config
+        self.mlp_site = config.memory_site != BLOCK_SITE
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             [
-                UltraMemDecoderLayer(config, cache_config, f"{prefix}.layers.{i}")
+                UltraMemDecoderLayer(config, i, cache_config, f"{prefix}.layers.{i}")
                 for i in range(config.num_hidden_layers)
             ]
         )
         self.memory_layers = nn.ModuleList(
             [
-                UltraMemMemoryLayer(config, j, vllm_config.model_config, cache_config, f"{prefix}.memory_layers.{j}")
-                for j in range(len(config.memory_layers))
+                build_memory_layer(config, j, vllm_config.model_config, cache_config, f"{prefix}.memory_layers.{j}")
+                for j in range(config.num_memory_layers)
             ]
         )
+        self.value_pool, self.pre_value_pool = build_value_pool(config)
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds: torch.Tensor | None):
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        outputs: dict[int, torch.Tensor] = {}  # memory layer -> its output, until its write block
+        stores = (self.value_pool, self.pre_value_pool) if self.value_pool is not None else None
+        outputs: dict[int, torch.Tensor] = {}  # block-site memory layer -> its output, until its write block
         for block_idx, block in enumerate(self.layers):
-            for j, memory_layer in enumerate(self.memory_layers):
-                if memory_layer.read_block == block_idx:
-                    outputs[j] = memory_layer(hidden_states)
-            writes = [outputs.pop(j) for j, layer in enumerate(self.memory_layers) if layer.write_block == block_idx]
-            hidden_states = block(positions, hidden_states, torch.stack(writes).sum(0) if writes else None)
+            reading = [layer for layer in self.memory_layers if layer.read_block == block_idx]
+            parallel_memory = None
+            if reading and self.mlp_site:
+                parallel_memory = functools.partial(run_memory_layers, reading, stores=stores)
+            for layer in reading if parallel_memory is None else ():
+                outputs[layer.memory_idx] = run_memory_layers([layer], hidden_states, stores)
+            writes = [
+                outputs.pop(j)
+                for j, layer in enumerate(self.memory_layers)
+                if layer.write_block == block_idx and j in outputs
+            ]
+            hidden_states = block(
+                positions, hidden_states, torch.stack(writes).sum(0) if writes else None, parallel_memory
+            )
         return self.norm(hidden_states)
 
 
 class UltraMemForCausalLM(nn.Module, HasInnerState, IsHybrid):
     """vLLM's UltraMem causal LM. Hybrid: each memory layer's query convolution keeps a (D, k-1) state per request.
 
-    Tensor and pipeline parallelism, speculative decoding and the UltraMem variants listed in
-    `ultramem.vllm.support` are refused with one line (`check_supported`).
+    Tensor and pipeline parallelism, speculative decoding and offloaded tables are refused with one line
+    (`support.check_supported`, which vLLM also runs in the main process before the engine starts).
     """
 
     # checkpoint name -> (this model's parameter, shard of the fused QKV projection)
@@ -165,7 +200,6 @@ class UltraMemForCausalLM(nn.Module, HasInnerState, IsHybrid):
     # The conv state of one memory layer: (D, k-1) in the model's dtype, copied by vLLM as a short conv's is
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> tuple[tuple[int, ...]]:
-        check_supported(vllm_config)  # the main process asks this first, before any worker starts
         config = vllm_config.model_config.hf_config
         kernel_size = config.query_conv_kernel_size if config.use_query_conv and config.memory_layers else 1
         return MambaStateShapeCalculator.short_conv_state_shape(1, config.hidden_size, kernel_size)
@@ -197,8 +231,9 @@ class UltraMemForCausalLM(nn.Module, HasInnerState, IsHybrid):
         return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load a checkpoint by its Transformers names (buffers included: the IVE shuffle), then derive what
-        inference needs from the loaded weights (LayerNorm'd keys, the cores' leading singular vectors)."""
+        """Load a checkpoint by its Transformers names, buffers included (the IVE shuffle, the query normalisation's
+        statistics, quantized tables). A float table whose config asks for a quantized one (`memory_quantization`
+        given as an override) is quantized as it loads, row block by row block as `quantize` does."""
         targets = dict(self.named_parameters())
         targets.update((name, buffer) for name, buffer in self.named_buffers() if buffer is not None)
         loaded: set[str] = set()
@@ -216,11 +251,15 @@ class UltraMemForCausalLM(nn.Module, HasInnerState, IsHybrid):
                 if name not in targets:
                     raise ValueError(f"checkpoint weight {name!r} has no place in ultramem.vllm's UltraMemForCausalLM")
                 target = targets[name]
+                if target.dtype == torch.uint8 and weight.dtype != torch.uint8:  # a float table, served quantized
+                    config = self.config
+                    weight = quantize(weight, config.memory_quantization, config.mcs_cores, self._group_size(name))
                 getattr(target, "weight_loader", default_weight_loader)(target, weight)
             loaded.add(name)
-        for layer in self.model.memory_layers:
-            layer.retrieval.prepare()
         return loaded
+
+    def _group_size(self, table_name: str) -> int:
+        return self.get_submodule(table_name.rsplit(".", 1)[0]).group_size
 
 
 def _join(prefix: str, name: str) -> str:

@@ -21,12 +21,13 @@ from vllm.model_executor.layers.mamba.mamba_utils import (
     is_conv_state_dim_first,
 )
 from vllm.platforms import CpuArchEnum, current_platform
+from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 
 class QueryConv(MambaBase, nn.Module):
-    """Depthwise causal Conv1d over each request's tokens, (T, D) -> (T, D), with the checkpoint's parameter names
-    (`weight` (D, 1, k), `bias` (D,)) of `modeling_ultramem.CausalDepthwiseConv`."""
+    """Depthwise causal Conv1d over each request's tokens, in place of `modeling_ultramem.CausalDepthwiseConv`: its
+    parameter names (`weight` (D, 1, k), `bias` (D,)) and call, on the flat batch as one sequence (1, T, D)."""
 
     def __init__(
         self,
@@ -62,8 +63,18 @@ class QueryConv(MambaBase, nn.Module):
             self.model_config.dtype, self.cache_config.mamba_cache_dtype
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, D): the flat batch, decode tokens first, as vLLM orders it."""
+    def forward(self, x: torch.Tensor, padding_mask=None, cache=None, sequence_ids=None) -> torch.Tensor:
+        """x (1, T, D): the flat batch, decode tokens first, as vLLM orders it. The other arguments are the
+        Transformers conv's (padding, its cache, packed sequences): vLLM has none of them, its state is this layer's.
+
+        Through a custom op (`vllm::ultramem_query_conv`), as vLLM's short conv: torch.compile keeps it whole, since
+        it reads the step's metadata and states from the forward context, which a compiled graph cannot."""
+        output = torch.empty_like(x[0])
+        torch.ops.vllm.ultramem_query_conv(x[0], output, self.prefix)
+        return output.unsqueeze(0)
+
+    def _convolve(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, D) -> (T, D)."""
         metadata = (get_forward_context().attn_metadata or {}).get(self.prefix)
         weight = self.weight[:, 0]  # (D, k)
         if metadata is None:  # the profiling run: no states yet, the values do not matter
@@ -116,14 +127,18 @@ class QueryConv(MambaBase, nn.Module):
         return update(x.contiguous(), state, weight, self.bias, activation=None, conv_state_indices=slots)
 
 
-class TokenwiseConv(nn.Module):
-    """The query convolution with kernel size 1: a per-channel scale and shift of the current token, no state (a
-    stateless layer must not be a `MambaBase`: vLLM gives no state pages to a zero-width state)."""
+def ultramem_query_conv(x: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
+    """The query conv of layer `layer_name` on the flat batch x (T, D), written into `output` (T, D)."""
+    output.copy_(get_forward_context().no_compile_layers[layer_name]._convolve(x))
 
-    def __init__(self, channels: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, 1, 1))
-        self.bias = nn.Parameter(torch.empty(channels))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.weight[:, 0, 0] + self.bias
+def _ultramem_query_conv_fake(x: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
+    return None
+
+
+direct_register_custom_op(
+    op_name="ultramem_query_conv",
+    op_func=ultramem_query_conv,
+    mutates_args=["output"],
+    fake_impl=_ultramem_query_conv_fake,
+)

@@ -1,47 +1,72 @@
-"""What the vLLM model class serves: every other checkpoint or engine setting is refused with one line, before weights
-load, instead of serving tokens that differ from Transformers'."""
+"""What the vLLM model class serves: every other checkpoint or engine setting is refused with one line, instead of
+serving tokens that differ from Transformers'.
+
+The check runs twice: in the main process while vLLM resolves its config (`UltraMemConfigHook`, registered by
+`ultramem.vllm.register` in vLLM's per-architecture config hooks), so the refusal is the first error a user sees,
+seconds after the start and before any engine process exists; and again when a worker builds the model, for
+engines configured some other way.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-# config field -> (its value when the variant is off, what it is): variants the vLLM class does not implement yet
-UNSUPPORTED_FIELDS: dict[str, tuple[Any, str]] = {
-    "value_gate": ("none", "gated values (UltraMemV2's PEER gate, Memory+'s SwiLU)"),
-    "ive_single_projector": (False, "UltraMemV2's single IVE projector"),
-    "value_pool_size": (None, "a value pool shared by the memory layers"),
-    "memory_site": ("block", "memory layers at an MLP site"),
-    "memory_quantization": (None, "quantized value tables"),
-    "memory_offload": (None, "offloaded value tables"),
+# config field -> (its value when the feature is off, what it is, what to do instead)
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, str, str]] = {
+    "memory_offload": (
+        None,
+        "value tables offloaded to host memory or disk",
+        "serve the tables in memory (on vLLM's CPU backend they are in host memory already), shrink them with "
+        "`python -m ultramem.quantize CKPT OUT --format int4`, or use Transformers' generate with memory_offload",
+    ),
 }
 
 
-class UnsupportedByVllm(ValueError):
-    """A checkpoint or engine setting the vLLM model class does not serve; the message names it and the way out."""
+class UnsupportedByVllm(RuntimeError):
+    """A checkpoint or engine setting the vLLM model class does not serve; the message names it and the way out.
+
+    Not a ValueError: vLLM's config classes are pydantic dataclasses, which would rewrap a ValueError raised in their
+    validation into a multi-line ValidationError whose first line does not say what is refused.
+    """
 
 
-def check_supported(vllm_config) -> None:
+def check_supported(vllm_config: Any) -> None:
     """Raise `UnsupportedByVllm` (one line) for an UltraMem variant or an engine setting not verified against
     Transformers' `generate`."""
     config = vllm_config.model_config.hf_config
-    for field, (off, what) in UNSUPPORTED_FIELDS.items():
+    for field, (off, what, instead) in UNSUPPORTED_FIELDS.items():
         value = getattr(config, field, off)
         if value != off:
             raise UnsupportedByVllm(
-                f"UltraMemConfig.{field}={value!r} ({what}) is not served by ultramem.vllm yet (only {field}={off!r}); "
-                "use Transformers' generate."
+                f"UltraMemConfig.{field}={value!r} ({what}) is not served by ultramem.vllm: {instead}."
             )
     parallel = vllm_config.parallel_config
-    for setting, size in (
-        ("tensor_parallel_size", parallel.tensor_parallel_size),
-        ("pipeline_parallel_size", parallel.pipeline_parallel_size),
-    ):
-        if size > 1:
-            raise UnsupportedByVllm(
-                f"{setting}={size} is not supported by ultramem.vllm (the value tables do not shard yet): use 1."
-            )
-    if vllm_config.speculative_config is not None:
+    if parallel.pipeline_parallel_size > 1:
+        raise UnsupportedByVllm(
+            f"pipeline_parallel_size={parallel.pipeline_parallel_size} is not supported by ultramem.vllm (a memory "
+            "layer's output may be added blocks after it reads, across a stage boundary): use tensor_parallel_size."
+        )
+    if parallel.tensor_parallel_size > 1:
+        raise UnsupportedByVllm(
+            f"tensor_parallel_size={parallel.tensor_parallel_size} is not supported by ultramem.vllm (the value "
+            "tables are not sharded across the TP group yet): use tensor_parallel_size=1, or int4 tables "
+            "(`python -m ultramem.quantize CKPT OUT --format int4`) to fit one device."
+        )
+    if getattr(vllm_config, "speculative_config", None) is not None:
         raise UnsupportedByVllm(
             "speculative decoding is not supported by ultramem.vllm (the query-conv states are not rolled back for "
             "rejected draft tokens): remove speculative_config."
         )
+
+
+def config_hook() -> type:
+    """The class vLLM's `MODELS_CONFIG_MAP` takes for an architecture: its `verify_and_update_config(vllm_config)`
+    runs in the main process, in `VllmConfig.__post_init__`, before the engine core is started."""
+    from vllm.model_executor.models.config import VerifyAndUpdateConfig
+
+    class UltraMemConfigHook(VerifyAndUpdateConfig):
+        @staticmethod
+        def verify_and_update_config(vllm_config: Any) -> None:
+            check_supported(vllm_config)
+
+    return UltraMemConfigHook
