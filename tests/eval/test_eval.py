@@ -19,6 +19,7 @@ from ultramem.eval import tasks_path
 from ultramem.eval.benchmarks import BENCHMARKS, group_entries, select
 from ultramem.eval.cli import main as eval_main
 from ultramem.eval.local_data import LocalDataMissing, read_local
+from ultramem.eval.offline_group import METADATA_HINT
 from ultramem.presets import get_config
 from ultramem.sizing import build_model
 from ultramem.tokenization import load_tokenizer
@@ -177,6 +178,7 @@ def test_lm_eval_cli_scores_the_offline_group_on_the_benchmarks_present(tiny_che
     missing = "ultramem_paper_offline: not scored, local files missing: hellaswag (missing local benchmark file "
     missing += f"{data}/hellaswag/hellaswag_val_full.txt.bz2)"
     assert [line for line in done.stderr.splitlines() if "not scored" in line] == [missing]
+    assert METADATA_HINT not in done.stderr  # lm-eval logged it once per member task (101 lines)
     (results_file,) = tmp_path.rglob("results_*.json")
     output = json.loads(results_file.read_text(encoding="utf-8"))
     scores = {**output["results"], **output["groups"]}
@@ -443,6 +445,7 @@ def test_lm_eval_cli_runs_one_benchmark_from_local_copies(tiny_checkpoint: Path,
     ]  # fmt: skip
     done = subprocess.run(command, env={**os.environ, **OFFLINE_ENV}, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
+    assert METADATA_HINT not in done.stderr  # lm-eval's hint for custom_dataset tasks; ours names --metadata itself
     (results_file,) = tmp_path.rglob("results_*.json")
     output = json.loads(results_file.read_text(encoding="utf-8"))
     assert 0.0 <= output["results"]["arc_challenge"]["acc_norm,none"] <= 1.0

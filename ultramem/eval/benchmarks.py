@@ -52,7 +52,8 @@ def select(names: str) -> list[Benchmark]:
     return list(dict.fromkeys(chosen))
 
 
-LOCAL_LOADER = "ultramem.eval.local_data.load_local"
+# offline_group re-exports local_data.load_local and keeps lm-eval quiet about it
+LOCAL_LOADER = "ultramem.eval.offline_group.load_local"
 
 
 def task_name(bench: Benchmark, offline: bool) -> str:

@@ -7,7 +7,12 @@ from this module, and importing it (lm-eval resolves that `!function` before bui
 `TaskFactory` build the members of `ultramem_paper` one at a time, leaving out those whose local files are missing.
 Other groups, and the online `ultramem_paper` (which never raises `LocalDataMissing`), are built as before.
 
-Importing it also checks, when lm-eval starts evaluating, that the model's context leaves room for every generation
+Importing it also keeps lm-eval's hint "Custom kwargs can be passed to `--metadata`" out of the log for the tasks
+that read local copies: lm-eval logs it for every task with a `custom_dataset`, which here is every member task (101
+lines for the group), and `load_local` names `--metadata` itself when the folder is not given. The one-benchmark
+offline YAMLs take `load_local` from this module too, so they get the same.
+
+It also checks, when lm-eval starts evaluating, that the model's context leaves room for every generation
 task's token budget (after any `--gen_kwargs`): lm-eval asserts it only at the first generation request, after the
 log-likelihood tasks ran for minutes, and the whole run is lost (BBH CoT allows 1024 new tokens). A budget that does
 not fit is one line, before any request runs, naming the task and the `--gen_kwargs max_gen_toks=N` that fits.
@@ -15,10 +20,12 @@ not fit is one line, before any request runs, naming the task and the `--gen_kwa
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any
 
 import lm_eval.evaluator
+from lm_eval.api.task import ConfigurableTask
 from lm_eval.tasks._factory import TaskFactory
 
 from ultramem.eval.benchmarks import GROUP
@@ -52,6 +59,31 @@ def _build_present_members(
 
 
 TaskFactory._build_group_members = _build_present_members
+
+
+METADATA_HINT = "Custom kwargs can be passed to `--metadata`"
+_download = ConfigurableTask.download
+_task_logger = logging.getLogger(ConfigurableTask.__module__)
+
+
+class _WithoutMetadataHint(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return METADATA_HINT not in record.getMessage()
+
+
+def _download_local_copies_quietly(task: ConfigurableTask, *args: Any, **kwargs: Any) -> None:
+    """`ConfigurableTask.download`; for a task that `load_local` reads, without the `--metadata` hint."""
+    if task.config.custom_dataset is not load_local:
+        return _download(task, *args, **kwargs)
+    hint_filter = _WithoutMetadataHint()
+    _task_logger.addFilter(hint_filter)
+    try:
+        return _download(task, *args, **kwargs)
+    finally:
+        _task_logger.removeFilter(hint_filter)
+
+
+ConfigurableTask.download = _download_local_copies_quietly
 
 
 class GenerationBudgetError(ValueError):
