@@ -466,3 +466,80 @@ def test_card_names_the_successor_variant_and_its_switches():
     assert "| Value pool shared by the memory layers (rows) | 131,072 |" in _memory_section(v2)
     assert "| Site | instead_of_mlp |" in _memory_section(memory_plus)
     assert "Site" not in _memory_section(v1) and _kind(v1) == "UltraMem memory layers"
+
+
+def test_card_describes_the_placement_of_the_memory_site():
+    """V1's skip-layer words ("reads the input of block a, adds after block b") only for `memory_site="block"`: a
+    V2 memory sits beside each block's MLP, a Memory+ one replaces it (the card said V1's words beside "Site | mlp")."""
+    from ultramem.hub_cards.card import _memory_section
+
+    v2, memory_plus, v1 = (get_config(name) for name in ("tiny-ultramemv2", "tiny-memoryplus", "tiny-ultramem"))
+    v1_words = "reads the input of block a, adds after block b"
+    assert f"| Placement (a, b), 0-based blocks: {v1_words} | (0, 1), (2, 3) |" in _memory_section(v1)
+    blocks = ", ".join(str(a) for a, _ in v2.memory_layers)
+    assert f"beside block a's MLP, reading the MLP's input, its output added with the MLP's | {blocks} |" in (
+        _memory_section(v2)
+    )
+    assert "in place of block a's MLP, reading the MLP's input, its output added instead | 1, 3 |" in (
+        _memory_section(memory_plus)
+    )
+    assert v1_words not in _memory_section(v2) and v1_words not in _memory_section(memory_plus)
+
+
+QUANTIZED_SNIPPET_SCRIPT = """
+import sys
+if sys.argv[2] == "not-installed":
+    sys.modules["ultramem"] = None  # remote code only
+assert "ultramem" not in sys.modules or sys.modules["ultramem"] is None
+names = {}
+exec(open(sys.argv[1]).read(), names)
+assert type(names["model"]).__module__.startswith("transformers_modules."), type(names["model"]).__module__
+print("RAN", names["model"].config.memory_quantization)
+"""
+
+
+@pytest.fixture(scope="session")
+def int4_checkpoint(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from ultramem.quantize import convert
+
+    return convert(checkpoint, tmp_path_factory.mktemp("push") / "tiny-int4", "int4")
+
+
+def test_quantized_checkpoints_card_states_the_table_format_and_how_to_load_it(
+    checkpoint: Path, int4_checkpoint: Path
+) -> None:
+    text = render_card(int4_checkpoint, REPO)
+    assert "causal language model (UltraMem memory layers, int4 value tables)" in text
+    fmt = "int4, rowwise, a scale and a bias per group of 64 columns"  # tiny's 64-column MCS chunk: int4's default
+    assert f"| Value table format (quantized: frozen in training) | {fmt} |" in text
+    assert "install it (`pip install ultramem`), no import needed" in text and "need not be installed" not in text
+    assert 'memory_offload="disk"' in text
+    float_card = render_card(checkpoint, REPO)
+    assert "Value table format" not in float_card and "value tables)" not in float_card
+    assert "the `ultramem` package need not be installed" in float_card
+
+
+@pytest.mark.parametrize("mode", ["installed-not-imported", "not-installed"])
+def test_quantized_cards_snippet_runs_where_the_package_is_installed(
+    int4_checkpoint: Path, mode: str, tmp_path: Path
+) -> None:
+    """The usage example of a quantized checkpoint's card, in a fresh process: it runs where `ultramem` is installed
+    but not imported (the shipped code reads the int4 tables with it); where it is not installed, the error says so in
+    the line the card's instruction answers."""
+    import os
+    import subprocess
+    import sys
+
+    snippet = tmp_path / "snippet.py"
+    snippet.write_text(_usage_code(render_card(int4_checkpoint, REPO)).replace(REPO, str(int4_checkpoint)))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", QUANTIZED_SNIPPET_SCRIPT, str(snippet), mode], env=env, cwd=tmp_path,
+        capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300,
+    )  # fmt: skip
+    if mode == "installed-not-imported":
+        assert done.returncode == 0 and "RAN int4" in done.stdout, done.stderr[-3000:]
+    else:
+        assert done.returncode != 0
+        last = done.stderr.strip().splitlines()[-1]
+        assert "memory_quantization='int4' needs the `ultramem` package installed (pip install ultramem)" in last, last

@@ -17,6 +17,8 @@ from transformers import PreTrainedConfig
 
 from ultramem.configuration_ultramem import (
     BLOCK_SITE,
+    INSTEAD_OF_MLP_SITE,
+    MLP_SITE,
     NO_GATE,
     PEER,
     PEER_GELU,
@@ -69,6 +71,11 @@ def _kind(config: PreTrainedConfig) -> str:
     return config.model_type
 
 
+def _tables_note(config: PreTrainedConfig) -> str:
+    quantized = getattr(config, "memory_quantization", None)
+    return f", {quantized} value tables" if quantized else ""
+
+
 def _human(count: float) -> str:
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if count >= scale:
@@ -100,12 +107,32 @@ def _size_section(config: PreTrainedConfig) -> str | None:
     return "## Size\n\n| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n"
 
 
+def _placement_row(config: UltraMemConfig) -> tuple[str, str]:
+    """Where the memory layers read and write, in the words of their `memory_site` (docs/variants.md)."""
+    if config.memory_site == MLP_SITE:
+        where = "0-based blocks a: beside block a's MLP, reading the MLP's input, its output added with the MLP's"
+    elif config.memory_site == INSTEAD_OF_MLP_SITE:
+        where = "0-based blocks a: in place of block a's MLP, reading the MLP's input, its output added instead"
+    else:
+        skip = ", ".join(f"({a}, {b})" for a, b in config.memory_layers)
+        return "Placement (a, b), 0-based blocks: reads the input of block a, adds after block b", skip
+    return f"Placement, {where}", ", ".join(str(a) for a, _ in config.memory_layers)
+
+
+def _table_format(config: UltraMemConfig) -> str | None:
+    """The quantized value tables' storage format (`ultramem.quantized.format`), None for float tables."""
+    if not getattr(config, "memory_quantization", None):
+        return None
+    group = config.memory_quantization_group_size
+    grouping = f"a scale and a bias per group of {group} columns" if group else "a scale and a bias per column group"
+    return f"{config.memory_quantization}, rowwise, {grouping}"
+
+
 def _memory_section(config: PreTrainedConfig) -> str | None:
     if not isinstance(config, UltraMemConfig) or not config.memory_layers:
         return None
-    placement = ", ".join(f"({a}, {b})" for a, b in config.memory_layers)
     rows = [
-        ("Placement (a, b), 0-based blocks: reads the input of block a, adds after block b", placement),
+        _placement_row(config),
         ("Retrieval", f"{config.retrieval_mode}, Tucker rank r={config.tucker_rank}, MCS cores h={config.mcs_cores}"),
         (
             "Heads H / top-m per head / key dim",
@@ -122,6 +149,9 @@ def _memory_section(config: PreTrainedConfig) -> str | None:
         ("Key-balance loss coefficient", f"{config.key_balance_loss_coef:g}", config.key_balance_loss_coef),
     ]
     rows += [(name, value) for name, value, on in successor if on]
+    table_format = _table_format(config)
+    if table_format:
+        rows.append(("Value table format (quantized: frozen in training)", table_format))
     return "## Memory layers\n\n| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n"
 
 
@@ -224,11 +254,20 @@ def card_task(config: PreTrainedConfig) -> CardTask:
     return next((task for suffix, task in CARD_TASKS.items() if architecture.endswith(suffix)), CAUSAL_LM)
 
 
-def _usage_section(repo_id: str, task: CardTask) -> str:
+def _usage_section(repo_id: str, task: CardTask, config: PreTrainedConfig) -> str:
+    table_format = getattr(config, "memory_quantization", None)
+    if table_format:  # the shipped code hands the uint8 tables to the installed package's quantized stores
+        needs = (
+            f". The value tables are stored as {table_format} (see Memory layers), which the shipped code reads with "
+            "the `ultramem` package: install it (`pip install ultramem`), no import needed. They load as they are, "
+            'with no keyword; `memory_offload="cpu"` keeps them in host memory, `memory_offload="disk"` maps them '
+            "from the file"
+        )
+    else:
+        needs = "; the `ultramem` package need not be installed"
     return f"""## Usage
 
-`trust_remote_code=True` loads the model code shipped next to the weights (`auto_map` in config.json); the
-`ultramem` package need not be installed:
+`trust_remote_code=True` loads the model code shipped next to the weights (`auto_map` in config.json){needs}:
 
 ```python
 from transformers import {task.auto_class}, AutoTokenizer
@@ -299,12 +338,13 @@ def render_card(
         eval_results=_eval_results(result, settings) if scored else None,
     )
     sections = [
-        f"# {name}\n\n{name} is a {task.description} ({_kind(config)}) built with `ultramem`, the reference "
-        f"implementation of [Ultra-Sparse Memory Network]({PAPER}) (ICLR 2025) for Transformers.\n",
+        f"# {name}\n\n{name} is a {task.description} ({_kind(config)}{_tables_note(config)}) built with "
+        f"`ultramem`, the reference implementation of [Ultra-Sparse Memory Network]({PAPER}) (ICLR 2025) for "
+        "Transformers.\n",
         _size_section(config),
         _memory_section(config),
         _training_section(config, folder),
-        _usage_section(repo_id, task),
+        _usage_section(repo_id, task, config),
         _eval_section(replace(result, name=name), settings) if scored else None,
         f"## Citation\n\n```bibtex\n{CITATION}\n```\n",
     ]
