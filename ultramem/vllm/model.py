@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
-from vllm.compilation.decorators import support_torch_compile
 from vllm.config import CacheConfig, VllmConfig
 from vllm.model_executor.layers.activation import get_act_fn
 from vllm.model_executor.layers.attention import Attention
@@ -121,7 +120,6 @@ class UltraMemDecoderLayer(nn.Module):
         return hidden_states if memory_output is None else hidden_states + memory_output
 
 
-@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "inputs_embeds": 0})
 class UltraMemModel(nn.Module):
     """Embedding, the blocks with their memory layers, final LayerNorm: token ids (T,) -> hidden states (T, D).
 
