@@ -42,6 +42,8 @@ from lib import env, report
 from transformers import AutoConfig, MixtralConfig, PreTrainedConfig, TrainerCallback
 
 from ultramem import UltraMemConfig, ablation, presets, sizing
+from ultramem.configuration_ultramem import QUERY_NORM_BEFORE_FIELD, QUERY_NORMS
+from ultramem.diagnostics import retrieval_diagnostics
 from ultramem.tokenization import load_tokenizer
 from ultramem.training import DataArguments, ModelArguments, UltraMemTrainingArguments, train
 from ultramem.training.data import embedded_corpus_files, pack_blocks
@@ -73,7 +75,19 @@ VARIANTS = {  # row name -> (preset, whether its PEER pre-values are folded into
     }
     for scale in ("tiny", "small")
 }
-GROUPS = ("comparison", "ladder", "variants", "v2_ladder")  # v2_ladder: from UltraMem to UltraMemV2, one change a row
+# Retrieval collapse (docs/design.md): each family with the query's across-token normalisation off, PKM's BatchNorm,
+# and the running-mean centring the presets use. Row name -> (preset, query_norm).
+QUERY_NORM_ROWS = {
+    scale: {
+        f"{family}, query norm {mode}": (f"{scale}-{preset}", mode)
+        for family, preset in (("UltraMem", "ultramem"), ("UltraMemV2", "ultramemv2"), ("Memory+", "memoryplus"))
+        for mode in QUERY_NORMS
+    }
+    for scale in ("tiny", "small")
+}
+GROUPS = ("comparison", "ladder", "variants", "v2_ladder", "query_norm")  # v2_ladder: UltraMem to V2, one change a row
+# Held-out blocks the final retrieval health is measured on (2,048 tokens at the tiny block size)
+HEALTH_BLOCKS = 16
 
 
 def _variant_config(preset: str, fold_pre_values: bool) -> PreTrainedConfig:
@@ -128,6 +142,9 @@ def row_configs(scale: str) -> list[tuple[str, str, PreTrainedConfig, dict[str, 
             ("v2_ladder", f"V2 ladder: {name}", config, _value_lr(config, {}))
             for name, config in ablation.ultramemv2_ladder(scale)
         ]
+    for name, (preset, mode) in QUERY_NORM_ROWS.get(scale, {}).items():
+        config = presets.get_config(preset, query_norm=mode)
+        rows.append(("query_norm", name, config, _value_lr(config, presets.get_training_arguments(preset))))
     return rows
 
 
@@ -215,10 +232,15 @@ def config_key(config: dict[str, Any], training_arguments: dict[str, Any]) -> st
     """Rows with the same key train the same model the same way: their runs are shared.
 
     The config counts by its fields that differ from the config class's defaults, so a field added later with a
-    default that keeps the old behaviour leaves the recorded runs' keys valid.
+    default that keeps the old behaviour leaves the recorded runs' keys valid. `query_norm` changed the behaviour of
+    the default config: it counts against its value before the field existed, so runs recorded before it keep their
+    keys and runs with it get new ones.
     """
-    kind = MixtralConfig if config.get("model_type") == MixtralConfig.model_type else UltraMemConfig
-    defaults = config_dict(kind())
+    if config.get("model_type") == MixtralConfig.model_type:
+        defaults = config_dict(MixtralConfig())
+    else:
+        defaults = config_dict(UltraMemConfig(query_norm=QUERY_NORM_BEFORE_FIELD))
+        config = {"query_norm": UltraMemConfig().query_norm, **config}  # a row file without it trains the default
     config = {name: value for name, value in config.items() if name not in defaults or defaults[name] != value}
     trained = {"config": config, "training_arguments": training_arguments}
     return hashlib.sha256(json.dumps(trained, sort_keys=True).encode()).hexdigest()[:16]
@@ -333,6 +355,7 @@ class QualityRecorder(TrainerCallback):
         self.blocks, self.eval_steps, self.eval_batch_size, self.bf16 = blocks, eval_steps, eval_batch_size, bf16
         self.curve: list[dict[str, float]] = []
         self.train_logs: list[dict[str, float]] = []
+        self.health: dict[str, float] = {}
 
     def _evaluate(self, model: torch.nn.Module, step: int) -> None:
         loss = lm_validation_loss(model, self.blocks, self.eval_batch_size, self.bf16)
@@ -344,6 +367,13 @@ class QualityRecorder(TrainerCallback):
     def on_step_end(self, args, state, control, model=None, **kwargs):  # noqa: ANN001, D102
         if state.global_step in self.eval_steps:
             self._evaluate(model, state.global_step)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):  # noqa: ANN001, D102
+        """Retrieval health of every memory layer on held-out text, once trained (`retrieval_diagnostics`)."""
+        if getattr(model.config, "memory_layers", None):
+            blocks = self.blocks[:HEALTH_BLOCKS].to(next(model.parameters()).device)
+            with torch.autocast(blocks.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                self.health = retrieval_diagnostics(model, blocks)
 
     def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001, D102
         if logs and "loss" in logs:
@@ -412,6 +442,7 @@ def train_one(
         "tokens": steps * tokens_per_step,
         "wall_s": wall,
         "final_diagnostics": diagnostics,
+        "held_out_health": recorder.health,
     }
 
 
@@ -419,7 +450,8 @@ def train_one(
 def summarize(rows: list[Row], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per row: mean and spread over its seeds, the difference to the reference row, parameter counts.
 
-    The reference is the previous row in the ladder (one change at a time) and the first row (Dense) in the comparison.
+    The reference is the previous row in the ladder (one change at a time), the first row (Dense) in the comparison,
+    and each family's first row ("none") in the query-normalisation group.
     """
     table = []
     reference: dict[str, dict[int, float]] = {}  # group -> seed -> validation loss of the reference row
@@ -430,7 +462,8 @@ def summarize(rows: list[Row], runs: list[dict[str, Any]]) -> list[dict[str, Any
             continue
         vals = [run["val_loss"] for run in mine]
         by_seed = {run["seed"]: run["val_loss"] for run in mine}
-        diff, diff_se = _paired_difference(by_seed, reference.get(row.group))
+        group = row.name.split(",")[0] if row.group == "query_norm" else row.group  # its family there
+        diff, diff_se = _paired_difference(by_seed, reference.get(group))
         entry = {
             "group": row.group,
             "name": row.name,
@@ -451,9 +484,13 @@ def summarize(rows: list[Row], runs: list[dict[str, Any]]) -> list[dict[str, Any
                 name: statistics.fmean(run["final_diagnostics"][name] for run in mine)
                 for name in mine[0]["final_diagnostics"]
             },
+            "held_out_health": {  # runs recorded before it have none
+                name: statistics.fmean(run["held_out_health"][name] for run in mine)
+                for name in mine[0].get("held_out_health", {})
+            },
         }
-        if row.group in ("ladder", "v2_ladder") or row.group not in reference:
-            reference[row.group] = by_seed
+        if row.group in ("ladder", "v2_ladder") or group not in reference:
+            reference[group] = by_seed
         table.append(entry)
     return table
 
@@ -500,8 +537,11 @@ def markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "",
         "Validation loss = LM cross entropy only. Params exclude embeddings and head; Dense = all but the value tables "
         "(memory) or experts (MoE), Sparse = value tables / experts; FLOPs = 2 x activated params per token. "
-        "Slot usage and output std: `retrieval_diagnostics` at the last training log (share of memory slots selected "
-        "on 2 validation blocks, std of the memory layers' output).",
+        "Retrieval health, `retrieval_diagnostics` of the trained model on "
+        f"{HEALTH_BLOCKS} held-out blocks: Usage = share of each memory layer's value rows read, over what as many "
+        "uniform picks would read (1.0 = as spread as chance), as mean over layers / worst layer; Input cos = mean "
+        "cosine of a memory layer's inputs across tokens (near 1: every token asks the same), worst layer; Output std "
+        "of the memory layers.",
         "",
     ]
     groups = (
@@ -509,6 +549,7 @@ def markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         ("ladder", "Ablation ladder (each row adds one change)", "Diff to previous"),
         ("variants", "The memory-layer family at equal parameters", "Diff to UltraMem (V1)"),
         ("v2_ladder", "From UltraMem to UltraMemV2 (each row adds one change)", "Diff to previous"),
+        ("query_norm", "The query's across-token normalisation (retrieval collapse)", "Diff to 'none'"),
     )
     for group, title, diff_title in groups:
         entries = [e for e in table if e["group"] == group]
@@ -517,8 +558,8 @@ def markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         lines += [
             f"## {title}",
             "",
-            f"| Row | Seeds | Train loss | Valid loss | Valid std | {diff_title} | PPL | Dense params (M) | Sparse params (M) | Activated (M) | FLOPs/token (M) | Slot usage | Output std | Min/run |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            f"| Row | Seeds | Train loss | Valid loss | Valid std | {diff_title} | PPL | Dense params (M) | Sparse params (M) | Activated (M) | FLOPs/token (M) | Usage mean / min | Input cos max | Output std | Min/run |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for e in entries:
             c = e["counts"]
@@ -527,13 +568,18 @@ def markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             if e["diff_to_reference_se"] is not None:
                 diff += f" ± {e['diff_to_reference_se']:.4f}"
             train = f"{e['train_loss']:.4f}" + ("*" if e["train_loss_includes_router_loss"] else "")
-            usage, output_std = (
-                e["final_diagnostics"].get(f"memory/{name}") for name in ("slot_usage", "memory_output_std")
+            health = e.get("held_out_health") or {}
+            usage = (
+                f"{health['usage_vs_uniform']:.2f} / {health['min_usage_vs_uniform']:.2f}"
+                if "usage_vs_uniform" in health
+                else "-"
             )
+            cosine = f"{health['max_input_cosine']:.2f}" if "max_input_cosine" in health else "-"
+            output_std = health.get("memory_output_std", e["final_diagnostics"].get("memory/memory_output_std"))
             lines.append(
                 f"| {e['name']} | {len(e['seeds'])} | {train} | {e['val_loss']:.4f} | {std} | {diff} | {e['perplexity']:.1f} | "
                 f"{c['dense'] / 1e6:.2f} | {c['sparse'] / 1e6:.2f} | {c['activated'] / 1e6:.2f} | {c['flops_per_token'] / 1e6:.2f} | "
-                f"{'-' if usage is None else f'{usage:.3f}'} | {'-' if output_std is None else f'{output_std:.2f}'} | {e['wall_s'] / 60:.1f} |"
+                f"{usage} | {cosine} | {'-' if output_std is None else f'{output_std:.2f}'} | {e['wall_s'] / 60:.1f} |"
             )
         lines.append("")
     if any(e["train_loss_includes_router_loss"] for e in table):
@@ -594,6 +640,7 @@ def write_results(output_dir: Path, rows: list[Row], runs: list[dict[str, Any]],
     plot(table, runs, "ladder", Path(f"{stem}_ladder.png"), f"Ablation ladder ({meta['scale']})")
     plot(table, runs, "variants", Path(f"{stem}_variants.png"), f"UltraMem, UltraMemV2, Memory+ ({meta['scale']})")
     plot(table, runs, "v2_ladder", Path(f"{stem}_v2_ladder.png"), f"From UltraMem to UltraMemV2 ({meta['scale']})")
+    plot(table, runs, "query_norm", Path(f"{stem}_query_norm.png"), f"Query normalisation ({meta['scale']})")
 
 
 def planned_runs(rows: list[Row], seeds: int, seeded: set[str]) -> list[tuple[Row, int]]:

@@ -32,6 +32,14 @@ BLOCK_SITE, MLP_SITE, INSTEAD_OF_MLP_SITE = MEMORY_SITES
 ValueGate = Literal["none", "peer", "peer_gelu", "swilu"]
 VALUE_GATES: tuple[ValueGate, ...] = get_args(ValueGate)
 NO_GATE, PEER, PEER_GELU, SWILU = VALUE_GATES
+# How the memory query is normalised across tokens before its per-token LayerNorm (`ultramem.query_normalization`):
+# not at all (the paper); minus the batch's mean in training and a running mean at inference; minus a running mean in
+# both (causal, but it lags the growing component it removes); PKM's BatchNorm (mean and variance)
+QueryNorm = Literal["none", "batch_center", "running_center", "batch_norm"]
+QUERY_NORMS: tuple[QueryNorm, ...] = get_args(QueryNorm)
+NO_QUERY_NORM, BATCH_CENTER, RUNNING_CENTER, BATCH_NORM = QUERY_NORMS
+# A saved config without `query_norm` predates it: it loads as it computed then
+QUERY_NORM_BEFORE_FIELD: QueryNorm = NO_QUERY_NORM
 # The built-in memory implementations; "auto", as None, is the device's default
 MEMORY_IMPLEMENTATIONS: tuple[str, ...] = ("auto", "torch", "embedding_bag", "triton")
 MEMORY_KERNELS = MEMORY_IMPLEMENTATIONS  # the name from when the choice was the saved field `memory_kernel`
@@ -213,6 +221,9 @@ class UltraMemConfig(PreTrainedConfig):
     use_query_conv: bool = True
     query_conv_kernel_size: int = _checked("must be >= 1", lambda value: value >= 1)(default=4)
     memory_score_softmax: bool = False
+    # Across-token normalisation of the query against retrieval collapse (docs/design.md); momentum of its statistics
+    query_norm: str = one_of(QUERY_NORMS)(default=BATCH_CENTER)
+    query_norm_momentum: float = _checked("must be in (0, 1]", lambda value: 0 < value <= 1)(default=0.1)
 
     # Values
     ive_expansion: int = perfect_square(default=4)
@@ -367,6 +378,8 @@ class UltraMemConfig(PreTrainedConfig):
         the dict (`memory_kernel`, saved by older versions) is dropped; given as a keyword, it counts.
         """
         saved = {key: value for key, value in config_dict.items() if key not in _NEVER_LOADED}
+        if "model_type" in saved:  # a saved config: one from before `query_norm` computes as it did then
+            saved.setdefault("query_norm", QUERY_NORM_BEFORE_FIELD)
         for key, default in _VALUE_LR_DEFAULTS.items():  # saved by older versions; the default changes nothing
             if key in saved and saved[key] == default and isinstance(saved[key], bool) == isinstance(default, bool):
                 del saved[key]

@@ -9,6 +9,7 @@ is unsharded for them, as for its forward. Every rank must run the diagnostics t
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import torch
@@ -97,13 +98,46 @@ def _layer_statistics(
             (virtual_index[part].flatten(0, 1).unsqueeze(-1) == exact.unsqueeze(-2)).any(-1).sum()
         )  # one sync, at the end
 
-    physical = layer.value_expansion.physical_slots(virtual_index)[0].unique()
+    rows = layer.value_expansion.physical_slots(virtual_index)[0]
     statistics = {
         "tdqkr_recall": hits.item() / max(virtual_index.numel(), 1),
-        "slot_usage": physical.numel() / layer.value_expansion.num_values,  # of its own rows (its window of a pool)
+        **row_usage(rows, layer.value_expansion.num_values),  # of its own rows (its window of a pool)
+        "query_cosine": mean_cosine(queries[0][keep].flatten(1)),
         "top1_score": scores.sum(-1).amax(-1).mean().item(),
     }
-    return statistics, physical
+    return statistics, rows.unique()
+
+
+def row_usage(rows: torch.Tensor, num_rows: int) -> dict[str, float]:
+    """How widely the picks `rows` (any shape) spread over a table of `num_rows` rows.
+
+    slot_usage: the share of rows read at least once.
+    usage_vs_uniform: that count over what as many uniform picks would touch on average, N (1 - (1 - 1/N)^K): 1.0 is
+        as spread as chance, and it does not shrink with a short batch as `slot_usage` does.
+    usage_kl: KL divergence (nats) of the rows' pick frequencies from the uniform distribution (PKM's health metric);
+        0 for perfectly even picks, log N when every pick is one row.
+    """
+    picks = rows.numel()
+    counts = torch.bincount(rows.flatten(), minlength=num_rows).double()
+    read = int((counts > 0).sum())
+    expected = num_rows * -torch.expm1(torch.tensor(picks * math.log1p(-1.0 / num_rows), dtype=torch.float64))
+    share = counts[counts > 0] / max(picks, 1)
+    return {
+        "slot_usage": read / num_rows,
+        "usage_vs_uniform": read / max(float(expected), 1.0),
+        "usage_kl": float((share * (share * num_rows).log()).sum()),
+    }
+
+
+def mean_cosine(vectors: torch.Tensor) -> float:
+    """Mean cosine similarity over all pairs of distinct rows of `vectors` (n, d), in O(n d): near 0 for unrelated
+    directions, 1 when every row points the same way (a collapsed memory layer's inputs)."""
+    count = vectors.shape[0]
+    if count < 2:
+        return float("nan")
+    unit = torch.nn.functional.normalize(vectors.double(), dim=-1)
+    total = unit.sum(0)
+    return float((total.dot(total) - count) / (count * (count - 1)))
 
 
 @torch.no_grad()
@@ -114,15 +148,21 @@ def retrieval_diagnostics(
     chunk: int = 64,
     rows_per_step: int = 64,
 ) -> dict[str, float]:
-    """Mean over memory layers of what the paper tracks during training, for one batch.
+    """Retrieval health of every memory layer on one batch, what the paper and PKM track during training.
 
+    Per memory layer j, as `layer_{j}/<name>`:
     tdqkr_recall: fraction of the exact top-m (over all n^2 grid cells) that the two-phase approximate
         top-m retrieves; 1.0 for product keys, where the two-phase search is exact.
-    slot_usage: fraction of the N physical value rows the batch touches (a layer's window, with a shared pool).
+    slot_usage, usage_vs_uniform, usage_kl: how the batch's picks spread over the layer's N physical value rows (its
+        window, with a shared pool); see `row_usage`.
+    input_cosine: mean cosine across tokens of the layer's normed input; query_cosine: the same of its row query
+        (after the query's normalisations). Near 1 means every token asks the same question: a collapsed layer.
+    top1_score: mean over tokens and heads of the highest selected score (summed over MCS cores).
+    memory_output_std: standard deviation of the layer's output.
+    Summaries over layers: each name alone is the mean, `min_<name>` the worst layer for `slot_usage` and
+    `usage_vs_uniform`, `max_<name>` for `usage_kl` and `input_cosine` (a mean hides one collapsed layer).
     pool_slot_usage: with a value pool shared by the memory layers (`value_pool_size`), the fraction of its rows
         that any layer touches (absent without a pool). Pre-value tables share their values' rows.
-    top1_score: mean over tokens and heads of the highest selected score (summed over MCS cores).
-    memory_output_std: standard deviation of the memory layers' outputs.
 
     Queries, selections and outputs are recorded during one forward pass (so nothing is recomputed outside a
     module call, which also keeps ZeRO-3's gathering in its hooks). The exact top-m search (`exact_top_m`) runs
@@ -153,16 +193,26 @@ def retrieval_diagnostics(
             handle.remove()
 
     keep = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-    totals = {"tdqkr_recall": 0.0, "slot_usage": 0.0, "top1_score": 0.0, "memory_output_std": 0.0}
+    per_layer: list[dict[str, float]] = []
     rows_read = []
     for idx, layer in enumerate(memory_layers):
         (row_query, col_query, _), retrieved = captured[idx]["retrieval"]
         stats, rows = _layer_statistics(layer, (row_query, col_query), retrieved, keep, chunk, rows_per_step)
-        stats["memory_output_std"] = captured[idx]["layer"][1][keep].float().std().item()
+        layer_args, layer_output = captured[idx]["layer"]
+        stats["input_cosine"] = mean_cosine(layer.norm(layer_args[0])[keep].float())
+        stats["memory_output_std"] = layer_output[keep].float().std().item()
+        per_layer.append(stats)
         rows_read.append(rows.cpu())  # layers may sit on different devices
-        for key, value in stats.items():
-            totals[key] += value / len(memory_layers)
+    summary = {name: sum(stats[name] for stats in per_layer) / len(per_layer) for name in per_layer[0]}
+    for name, worst in WORST_LAYER.items():
+        summary[f"{worst.__name__}_{name}"] = worst(stats[name] for stats in per_layer)
+    for idx, stats in enumerate(per_layer):
+        summary.update({f"layer_{idx}/{name}": value for name, value in stats.items()})
     pool_size = getattr(model.config, "value_pool_size", None)
     if pool_size:
-        totals["pool_slot_usage"] = torch.cat(rows_read).unique().numel() / pool_size
-    return totals
+        summary["pool_slot_usage"] = torch.cat(rows_read).unique().numel() / pool_size
+    return summary
+
+
+# The summaries that name the worst layer: a mean over layers hides one collapsed layer
+WORST_LAYER = {"slot_usage": min, "usage_vs_uniform": min, "usage_kl": max, "input_cosine": max}

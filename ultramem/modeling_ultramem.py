@@ -51,7 +51,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 from transformers.utils.versions import require_version
 
-from .configuration_ultramem import BLOCK_SITE, NO_GATE, PEER, PEER_GELU, SWILU, TUCKER, UltraMemConfig
+from .configuration_ultramem import BLOCK_SITE, NO_GATE, NO_QUERY_NORM, PEER, PEER_GELU, SWILU, TUCKER, UltraMemConfig
 from .inference_cache import InferenceCache
 from .memory_implementations import MemoryOps, check_memory_implementation, memory_ops_for
 from .memory_ops import (
@@ -66,6 +66,7 @@ from .memory_ops import (
     tucker_topk,
     with_loss_gradient,
 )
+from .query_normalization import QueryNormalization, update_running_statistics
 from .value_stores import (
     DeferredValueTable,
     MemoryValueTable,
@@ -329,9 +330,12 @@ class CausalDepthwiseConv(nn.Module):
 
 
 class MemoryQuery(nn.Module):
-    """Query network: optional causal depthwise conv, a linear map, LayerNorm on each Tucker part.
+    """Query network: optional causal depthwise conv, a linear map, across-token normalisation, LayerNorm on each
+    Tucker part.
 
-    With `share_query` one query serves row and column keys (trick 5); otherwise each gets its own.
+    With `share_query` one query serves row and column keys (trick 5); otherwise each gets its own. The across-token
+    normalisation (`query_norm`, `query_normalization`) removes what all tokens' queries share, which would otherwise
+    make every token read the same rows.
     """
 
     def __init__(self, config: UltraMemConfig, scales: MemoryInitScales, cache_layer_idx: int, state_idx: int):
@@ -345,7 +349,13 @@ class MemoryQuery(nn.Module):
             if config.use_query_conv
             else None
         )
-        self.proj = nn.Linear(config.hidden_size, self.num_heads * self.num_queries * config.memory_key_dim, bias=False)
+        features = self.num_heads * self.num_queries * config.memory_key_dim
+        self.proj = nn.Linear(config.hidden_size, features, bias=False)
+        self.across_tokens = (
+            QueryNormalization(features, config.query_norm, config.query_norm_momentum, config.layer_norm_eps)
+            if config.query_norm != NO_QUERY_NORM
+            else None
+        )
         self.norm = (
             ScaledLayerNorm(self.part_dim, config.layer_norm_eps, scales.query_gain)
             if config.qk_layernorm
@@ -361,8 +371,10 @@ class MemoryQuery(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.conv is not None:
             x = self.conv(x, padding_mask, cache, sequence_ids)
-        query = self.proj(x).unflatten(-1, (self.num_heads, self.num_queries, self.rank, self.part_dim))
-        query = self.norm(query)  # (B, T, H, 1|2, r, Dk/r)
+        query = self.proj(x)  # (B, T, H * (1|2) * Dk)
+        if self.across_tokens is not None:
+            query = self.across_tokens(query, padding_mask)
+        query = self.norm(query.unflatten(-1, (self.num_heads, self.num_queries, self.rank, self.part_dim)))
         return query[..., 0, :, :], query[..., -1, :, :]  # row and column queries, (B, T, H, r, Dk/r)
 
 
@@ -891,6 +903,9 @@ class UltraMemModel(UltraMemPreTrainedModel):
             kwargs["cache"], cache = cache, None  # before 5.24 continuous batching's paged cache is the attention's
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
+        if self.training:  # the query statistics of the previous training forward (see `query_normalization`)
+            norms = [layer.query.across_tokens for layer in self.memory_layers]
+            update_running_statistics([norm for norm in norms if norm is not None])
         # Rows packing several sequences (padding-free training, the caller's restarting `position_ids`): the query
         # convolutions stay within each sequence, under the condition on which `create_causal_mask` keeps attention
         # within each (no mask, no cache)

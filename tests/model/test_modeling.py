@@ -15,7 +15,7 @@ from ultramem import (
     UltraMemForSequenceClassification,
     UltraMemForTokenClassification,
 )
-from ultramem.diagnostics import retrieval_diagnostics
+from ultramem.diagnostics import WORST_LAYER, retrieval_diagnostics
 from ultramem.memory_ops import mcs_output_gain
 
 
@@ -262,9 +262,21 @@ def test_retrieval_diagnostics_ranges():
     model = _model(small_config())
     input_ids, attention_mask = _left_padded_batch(97, [10, 7, 3])
     stats = retrieval_diagnostics(model, input_ids, attention_mask)
-    assert set(stats) == {"tdqkr_recall", "slot_usage", "top1_score", "memory_output_std"}
+    per_layer = ("tdqkr_recall", "slot_usage", "usage_vs_uniform", "usage_kl", "query_cosine", "input_cosine")
+    per_layer += ("top1_score", "memory_output_std")
+    layers = range(model.config.num_memory_layers)
+    assert set(stats) == {
+        *per_layer,
+        *(f"{worst.__name__}_{name}" for name, worst in WORST_LAYER.items()),
+        *(f"layer_{j}/{name}" for j in layers for name in per_layer),
+    }
+    for name in per_layer:  # the plain name is the mean over layers
+        assert stats[name] == pytest.approx(sum(stats[f"layer_{j}/{name}"] for j in layers) / len(layers))
+    assert stats["min_slot_usage"] == min(stats[f"layer_{j}/slot_usage"] for j in layers)
+    assert stats["max_input_cosine"] == max(stats[f"layer_{j}/input_cosine"] for j in layers)
     assert 0.0 < stats["tdqkr_recall"] <= 1.0
-    assert 0.0 < stats["slot_usage"] <= 1.0
+    assert 0.0 < stats["slot_usage"] <= 1.0 and stats["usage_vs_uniform"] > 0 and stats["usage_kl"] >= 0
+    assert -1.0 <= stats["input_cosine"] <= 1.0
     assert stats["memory_output_std"] > 0
 
 

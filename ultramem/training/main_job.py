@@ -3,8 +3,9 @@
     python -m ultramem.training.main_job [--output_dir runs/main_job]
 
 Trains `tiny-ultramem` and `tiny-dense` with the same recipe, data and steps (about 2 minutes each on 2 CPU
-cores), prints their validation loss and perplexity side by side, writes `loss_curve.png`, keeps the
-UltraMem checkpoint (with tokenizer) and prints a sample generation from it.
+cores), prints their validation loss and perplexity side by side and the retrieval health of every memory layer on
+the held-out text, writes `loss_curve.png`, keeps the UltraMem checkpoint (with tokenizer) and prints a sample
+generation from it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ultramem import presets, sizing
+from ultramem.diagnostics import retrieval_diagnostics
 from ultramem.training.arguments import DataArguments, ModelArguments, UltraMemTrainingArguments
 from ultramem.training.pipeline import train
 
@@ -35,6 +37,8 @@ class RunResult:
     eval_loss: float
     seconds: float
     log_history: list[dict]
+    health: dict[str, float]  # `retrieval_diagnostics` on the validation blocks; {} without memory layers
+    health_tokens: int
 
     @property
     def perplexity(self) -> float:
@@ -53,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def train_one(preset: str, args: argparse.Namespace) -> RunResult:
+def train_one(preset: str, args: argparse.Namespace, config_overrides: str | None = None) -> RunResult:
     output_dir = os.path.join(args.output_dir, preset)
     training_args = UltraMemTrainingArguments(
         output_dir=output_dir,
@@ -72,9 +76,12 @@ def train_one(preset: str, args: argparse.Namespace) -> RunResult:
     )
     data_args = DataArguments(block_size=args.block_size, max_eval_samples=args.eval_blocks)
     start = time.perf_counter()
-    result = train(ModelArguments(preset=preset), data_args, training_args)
+    result = train(ModelArguments(preset=preset, config_overrides=config_overrides), data_args, training_args)
     seconds = time.perf_counter() - start
-    return RunResult(preset, output_dir, float(result.metrics["eval_loss"]), seconds, result.log_history)
+    model, blocks = result.trainer.model, torch.tensor(result.trainer.eval_dataset["input_ids"])
+    health = retrieval_diagnostics(model, blocks) if getattr(model.config, "memory_layers", None) else {}
+    metrics = (float(result.metrics["eval_loss"]), seconds, result.log_history, health, blocks.numel())
+    return RunResult(preset, output_dir, *metrics)
 
 
 def comparison_table(results: list[RunResult]) -> str:
@@ -85,6 +92,24 @@ def comparison_table(results: list[RunResult]) -> str:
         lines.append(
             f"{result.preset:<15}{counts['total'] / 1e6:>9.2f}M{counts['activated'] / 1e6:>10.2f}M"
             f"{result.eval_loss:>10.4f}{result.perplexity:>12.1f}{result.seconds:>10.0f}"
+        )
+    return "\n".join(lines)
+
+
+def health_table(result: RunResult) -> str:
+    """Per memory layer: how widely it reads its table on held-out text, and how alike its inputs are."""
+    layers = sorted({int(key.split("/")[0][len("layer_") :]) for key in result.health if key.startswith("layer_")})
+    lines = [
+        f"retrieval health of {result.preset} on {result.health_tokens:,} held-out tokens "
+        "(rows read vs uniform: 1.0 = as spread as chance; input cosine near 1: every token asks the same)",
+        f"{'memory layer':<14}{'rows read':>11}{'vs uniform':>12}{'KL to uniform':>15}{'input cosine':>14}",
+    ]
+    for layer in layers:
+        stats = {name: result.health[f"layer_{layer}/{name}"] for name in ("slot_usage", "usage_vs_uniform")}
+        stats.update({name: result.health[f"layer_{layer}/{name}"] for name in ("usage_kl", "input_cosine")})
+        lines.append(
+            f"{layer:<14}{stats['slot_usage']:>10.1%}{stats['usage_vs_uniform']:>12.2f}"
+            f"{stats['usage_kl']:>15.2f}{stats['input_cosine']:>14.2f}"
         )
     return "\n".join(lines)
 
@@ -133,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     plot_losses(results, plot_path)
     checkpoint = results[0].output_dir
     print("\n" + comparison_table(results))
+    print("\n" + health_table(results[0]))
     print(f"\nloss curve: {plot_path}")
     print(f"UltraMem checkpoint: {checkpoint}  (AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True))")
     print(f"sample from {MODELS[0]}: {sample(checkpoint, args.seed)!r}")
