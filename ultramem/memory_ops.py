@@ -467,7 +467,7 @@ def expected_top_m_mean(num_candidates: int, top_m: int) -> float:
 def mcs_output_gain(num_keys: int, top_m: int, rank: int, num_cores: int, samples: int = 512) -> float:
     """sqrt(E[S^2] / E[mean_i s_i^2]) over the top-m slots at init: the value scale that makes h cores match one.
 
-    See `sampled_core_scores` and `modeling_ultramem.MemoryInitScales`.
+    See `sampled_core_scores` and `init_scales.MemoryInitScales`.
     """
     if num_cores == 1:
         return 1.0
