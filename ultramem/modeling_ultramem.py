@@ -50,7 +50,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 from transformers.utils.versions import require_version
 
-from .configuration_ultramem import BLOCK_SITE, NO_QUERY_NORM, PEER_GELU, SWILU, TUCKER, UltraMemConfig
+from .configuration_ultramem import BLOCK_SITE, NO_QUERY_NORM, SWILU, TUCKER, UltraMemConfig
 from .inference_cache import InferenceCache
 from .init_scales import MemoryInitScales, ScaledLayerNorm, ValueProjector
 from .memory_implementations import MemoryOps, check_memory_implementation, memory_ops_for
@@ -64,6 +64,7 @@ from .memory_ops import (
     with_loss_gradient,
 )
 from .query_normalization import QueryNormalization, update_running_statistics
+from .value_gates import PreValueGate, SiluGate
 from .value_stores import (
     DeferredValueTable,
     MemoryValueTable,
@@ -479,39 +480,6 @@ class ImplicitValueExpansion(nn.Module):
         if self.gate is not None:
             pooled = self.gate(pooled, x)
         return self.projector(pooled)
-
-
-class SiluGate(nn.Module):
-    """Memory+'s gate (Berges et al. 2024, Eq. 2): the pooled values times silu(W_1 x) before the projector."""
-
-    def __init__(self, hidden_size: int, width: int, init_std: float):
-        super().__init__()
-        self.proj = ValueProjector(hidden_size, width, init_std)
-
-    def forward(self, pooled: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return pooled * F.silu(self.proj(x))
-
-
-class PreValueGate(nn.Module):
-    """PEER-style value processing (UltraMemV2 Eq. 15): slot k's score times g_k = <W_p x, P[row_k]>.
-
-    P is the pre-value table (one Dp-wide row per value row), held by a value store like the values, which
-    computes the dots (`lookup_dot`) where its rows live. "peer_gelu" applies GELU to g (PEER, Eq. 13).
-    """
-
-    def __init__(self, config: UltraMemConfig, scales: MemoryInitScales):
-        super().__init__()
-        self.proj = ValueProjector(config.hidden_size, config.pre_value_dim, scales.gate_input_std)
-        self.activation = F.gelu if config.value_gate == PEER_GELU else None
-
-    def forward(
-        self, scores: torch.Tensor, rows: torch.Tensor, x: torch.Tensor, pre_values: nn.Module, ops: MemoryOps
-    ) -> torch.Tensor:
-        """scores (T, K, h), rows (T, K), x (T, D) -> gated scores (T, K, h)."""
-        gate = pre_values.lookup_dot(rows, self.proj(x), ops)  # (T, K)
-        if self.activation is not None:
-            gate = self.activation(gate)
-        return scores * gate.unsqueeze(-1).to(scores.dtype)
 
 
 class UltraMemMemoryLayer(GradientCheckpointingLayer):
