@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
 from transformers.generation import GenerationMixin
@@ -63,7 +62,9 @@ from .memory_ops import (
     tucker_topk,
     with_loss_gradient,
 )
+from .moved_names import moved_attribute
 from .query_normalization import QueryNormalization, update_running_statistics
+from .task_heads import TaskHeadWithAuxLoss
 from .value_gates import PreValueGate, SiluGate
 from .value_stores import (
     DeferredValueTable,
@@ -915,46 +916,22 @@ class UltraMemForCausalLM(UltraMemPreTrainedModel, GenerationMixin):
 MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(UltraMemConfig.model_type, UltraMemForCausalLM.__name__)
 
 
-class TaskHeadWithAuxLoss:
-    """A Transformers task head on UltraMemModel whose loss also holds the TDQKR aux loss, as the causal LM's does.
-
-    Without it fine-tuning would leave the Tucker cores free to drift from the rank-1 approximation retrieval uses.
-    The generic heads compute their loss with `self.loss_function` when given labels; the aux loss is added there.
-    Those losses are means over the micro-batch (they take no `num_items_in_batch`), so the Trainer must average
-    them over gradient-accumulation steps itself: `accepts_loss_kwargs = False` (a `**kwargs` forward says otherwise).
-    """
-
-    accepts_loss_kwargs = False
-
-    def __init__(self, config: UltraMemConfig):
-        # The generic heads build their backbone with `AutoModel.from_config(config)`, which finds remote code only
-        # through the Auto mapping: a checkpoint's code (its own copy of the config class) is registered first, so a
-        # head loads with `trust_remote_code=True` alone instead of asking again, and failing, for the backbone.
-        if type(config) not in AutoModel._model_mapping:
-            AutoModel.register(type(config), UltraMemModel, exist_ok=True)
-        super().__init__(config)
-
-    @property
-    def loss_function(self) -> Callable[..., torch.Tensor]:
-        task_loss = super().loss_function
-
-        def task_and_aux_loss(*args, **kwargs) -> torch.Tensor:
-            loss = task_loss(*args, **kwargs)
-            return loss + self.model.aux_loss().to(loss.device, loss.dtype)
-
-        return task_and_aux_loss
-
-
 class UltraMemForSequenceClassification(TaskHeadWithAuxLoss, GenericForSequenceClassification, UltraMemPreTrainedModel):
     """Scores (B, num_labels) from the last non-padding token, as `LlamaForSequenceClassification`."""
+
+    backbone_class = UltraMemModel
 
 
 class UltraMemForTokenClassification(TaskHeadWithAuxLoss, GenericForTokenClassification, UltraMemPreTrainedModel):
     """Scores (B, T, num_labels) for every token, as `LlamaForTokenClassification`."""
 
+    backbone_class = UltraMemModel
+
 
 class UltraMemForQuestionAnswering(TaskHeadWithAuxLoss, GenericForQuestionAnswering, UltraMemPreTrainedModel):
     """Span start and end logits (B, T) each, as `LlamaForQuestionAnswering`."""
+
+    backbone_class = UltraMemModel
 
 
 TASK_HEADS = {
@@ -963,27 +940,7 @@ TASK_HEADS = {
     "AutoModelForQuestionAnswering": UltraMemForQuestionAnswering,
 }
 
-# Names that moved out of this module in 0.2 (one release of grace)
-_MOVED = {
-    "VALUE_STORES": "value_stores",
-    "deferred_value_tables": "value_stores",
-    "offloaded_by_accelerate": "value_stores",
-    "TORCH_MEMORY_OPS": "memory_implementations",
-    "EMBEDDING_BAG_MEMORY_OPS": "memory_implementations",
-    "svd_2x2": "memory_ops",
-}
-
-
-def __getattr__(name: str):
-    if name not in _MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-    import warnings
-
-    module = _MOVED[name]
-    warnings.warn(f"{__name__}.{name} moved to ultramem.{module}.{name}", FutureWarning, stacklevel=2)
-    return getattr(importlib.import_module(f".{module}", __package__), name)
-
+__getattr__ = functools.partial(moved_attribute, __name__)  # names that moved out in 0.2 (`moved_names`)
 
 __all__ = [
     "UltraMemForCausalLM",
