@@ -34,10 +34,10 @@ VALUE_GATES: tuple[ValueGate, ...] = get_args(ValueGate)
 NO_GATE, PEER, PEER_GELU, SWILU = VALUE_GATES
 # How the memory query is normalised across tokens before its per-token LayerNorm (`ultramem.query_normalization`):
 # not at all (the paper); minus the batch's mean in training and a running mean at inference; minus a running mean in
-# both (causal, but it lags the growing component it removes); PKM's BatchNorm (mean and variance)
-QueryNorm = Literal["none", "batch_center", "running_center", "batch_norm"]
+# both (it lags the growing component it removes); PKM's BatchNorm; each query part whitened
+QueryNorm = Literal["none", "batch_center", "running_center", "batch_norm", "batch_whiten"]
 QUERY_NORMS: tuple[QueryNorm, ...] = get_args(QueryNorm)
-NO_QUERY_NORM, BATCH_CENTER, RUNNING_CENTER, BATCH_NORM = QUERY_NORMS
+NO_QUERY_NORM, BATCH_CENTER, RUNNING_CENTER, BATCH_NORM, BATCH_WHITEN = QUERY_NORMS
 # A saved config without `query_norm` predates it: it loads as it computed then
 QUERY_NORM_BEFORE_FIELD: QueryNorm = NO_QUERY_NORM
 # The built-in memory implementations; "auto", as None, is the device's default
@@ -222,8 +222,8 @@ class UltraMemConfig(PreTrainedConfig):
     query_conv_kernel_size: int = _checked("must be >= 1", lambda value: value >= 1)(default=4)
     memory_score_softmax: bool = False
     # Across-token normalisation of the query against retrieval collapse (docs/design.md); momentum of its statistics
-    query_norm: str = one_of(QUERY_NORMS)(default=BATCH_CENTER)
-    query_norm_momentum: float = _checked("must be in (0, 1]", lambda value: 0 < value <= 1)(default=0.1)
+    query_norm: str = one_of(QUERY_NORMS)(default=BATCH_WHITEN)
+    query_norm_momentum: float | int = _checked("must be in (0, 1]", lambda value: 0 < value <= 1)(default=0.1)
 
     # Values
     ive_expansion: int = perfect_square(default=4)

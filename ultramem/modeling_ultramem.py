@@ -259,7 +259,13 @@ class MemoryQuery(nn.Module):
         features = self.num_heads * self.num_queries * config.memory_key_dim
         self.proj = nn.Linear(config.hidden_size, features, bias=False)
         self.across_tokens = (
-            QueryNormalization(features, config.query_norm, config.query_norm_momentum, config.layer_norm_eps)
+            QueryNormalization(
+                self.num_heads * self.num_queries * self.rank,
+                self.part_dim,
+                config.query_norm,
+                config.query_norm_momentum,
+                config.layer_norm_eps,
+            )
             if config.query_norm != NO_QUERY_NORM
             else None
         )

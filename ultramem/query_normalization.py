@@ -1,21 +1,27 @@
 """Across-token normalisation of a memory layer's query, which keeps retrieval spread over the whole table.
 
-Why: a component shared by all tokens grows in the residual stream as training starts. The memory layer's pre-norm and
-the query's LayerNorm are per token, so that component survives into every query; the queries of all tokens then point
-the same way and every token reads the same few rows (measured on `tiny-ultramem` after 120 steps: the second memory
-layer reads 2.7% of its rows, the inputs' mean cosine across tokens is 0.54; docs/design.md). Product Key Memory
-(Lample et al. 2019) met the same collapse and put BatchNorm on the query.
+Why: as training starts, a component shared by all tokens grows in the residual stream (on `tiny-ultramem`, from an
+rms of 0.02 to 4.3 within 5 steps, from the blocks' outputs). The memory layer's pre-norm and the query's LayerNorm are
+per token, so it survives into every query: the inputs of every memory layer but the first reach a mean cosine of
+0.8-0.95 across tokens, and every token reads the same few rows. Removing the batch's mean is not enough: what varies
+between tokens is then concentrated in a few directions (the top 3 of each 32-dim query part hold 75% of the variance,
+against 41% in the first memory layer), and the layer still reads 0.2 of what uniform picks would. Whitening each
+query part, as decorrelated batch normalisation does, spreads it again (0.57). Product Key Memory (Lample et al. 2019)
+met the same collapse and put BatchNorm on the query. The measurements are in docs/design.md.
 
-Modes (`UltraMemConfig.query_norm`):
+Modes (`UltraMemConfig.query_norm`), on the projected query before its per-part LayerNorm:
     "none"            the paper's query (and every checkpoint saved before the field existed)
-    "running_center"  q - mu, mu a running mean of the queries over training batches. The same subtraction in training
-                      and inference, so no token's query depends on other tokens of its batch (causal; the decode cache
-                      stays exact) and training computes what inference computes.
-    "batch_norm"      PKM's BatchNorm without affine: each feature standardised by the batch's mean and variance in
-                      training (a token's query then depends on the whole batch), by running ones at inference.
+    "batch_center"    minus the batch's mean in training, minus the running mean at inference
+    "running_center"  minus the running mean in training too: no token's query depends on the rest of its batch, but
+                      the mean lags the component it removes while that grows, and the layer collapses anyway
+    "batch_norm"      PKM's BatchNorm without affine: each feature standardised (batch statistics in training)
+    "batch_whiten"    each (head, query, Tucker part) block of the query whitened: (q - mean) C^(-1/2) with the block's
+                      covariance C (the batch's in training, without a gradient through C^(-1/2); the running one at
+                      inference), shrunk towards its mean eigenvalue by `WHITENING_SHRINKAGE`
 
-Running statistics are updated from the batch statistics of the previous training forward, at the start of the next
-one (`UltraMemModel.forward` calls `update_running_statistics`), never inside a forward: a layer that gradient
+At inference every mode is per token (the running statistics are constants), so cached generation equals
+recomputation. Running statistics are updated from the statistics of the previous training forward, at the start of the
+next one (`UltraMemModel.forward` calls `update_running_statistics`), never inside a forward: a layer that gradient
 checkpointing recomputes in the backward sees the statistics its forward saw. The pending statistics are buffers, so a
 checkpoint saved between two steps resumes exactly; with several processes they are summed over the default process
 group first (one all-reduce per training forward for all layers), so every rank holds the statistics of the global
@@ -31,77 +37,114 @@ import torch.distributed as dist
 from torch import nn
 from transformers import initialization as init
 
-from .configuration_ultramem import BATCH_NORM, RUNNING_CENTER, QueryNorm
+from .configuration_ultramem import BATCH_CENTER, BATCH_NORM, BATCH_WHITEN, RUNNING_CENTER, QueryNorm
+
+# Whitening divides by the square root of (1 - s) C + s mean_eigenvalue(C) I: directions with almost no variance are
+# amplified at most 1/sqrt(s) times the typical one, not without bound (noise, and a running mean's small lag)
+WHITENING_SHRINKAGE = 0.01
 
 
 class QueryNormalization(nn.Module):
-    """Removes what the queries of all tokens share: (..., F) -> (..., F), F = heads x queries x key dim.
+    """Removes what the queries of all tokens share: (..., G * P) -> (..., G * P), G blocks of P features each (one
+    block per head, query and Tucker part; `mode` says how, see the module docstring).
 
-    Buffers: `running_mean`, `running_var` (F,) and `batches_tracked`; `pending_mean`, `pending_square` (F,) and
-    `pending_count`: the last training forward's statistics, not yet folded into the running ones (the count is an
+    Buffers: `running_mean` (G * P), `running_cov` (G, P, P), `whitening` = its shrunk inverse square root
+    ("batch_whiten"), `batches_tracked`; `pending_mean`, `pending_moment` (G, P, P) and `pending_count`: the last
+    training forward's mean, second moment and token count, not yet folded into the running statistics (the count is an
     integer buffer, so a model cast to bfloat16 still weighs ranks exactly). The running statistics average the first
-    1/momentum batches cumulatively, then exponentially (BatchNorm's momentum, with its cumulative start), so the first
-    steps are not pulled towards the zero they start from.
+    1/momentum batches cumulatively, then exponentially (BatchNorm's momentum, with its cumulative start).
     """
 
-    def __init__(self, features: int, mode: QueryNorm, momentum: float, eps: float):
+    def __init__(self, num_blocks: int, block_dim: int, mode: QueryNorm, momentum: float, eps: float):
         super().__init__()
-        self.mode = mode
-        self.momentum = momentum
-        self.eps = eps
-        for name in ("running_mean", "running_var", "pending_mean", "pending_square"):
-            self.register_buffer(name, torch.zeros(features))
+        self.mode, self.momentum, self.eps = mode, momentum, eps
+        self.num_blocks, self.block_dim = num_blocks, block_dim
+        matrices = (num_blocks, block_dim, block_dim)
+        for name, shape in (("running_mean", (num_blocks * block_dim,)), ("pending_mean", (num_blocks * block_dim,))):
+            self.register_buffer(name, torch.zeros(shape))
+        for name in ("running_cov", "whitening", "pending_moment"):
+            self.register_buffer(name, torch.zeros(matrices))
         self.register_buffer("batches_tracked", torch.zeros((), dtype=torch.long))
         self.register_buffer("pending_count", torch.zeros((), dtype=torch.long))
         self.init_ultramem()
 
     def init_ultramem(self) -> None:
-        """No statistics yet: the identity for "running_center", unit variance for "batch_norm" at inference."""
-        for name in ("running_mean", "pending_mean", "pending_square", "batches_tracked", "pending_count"):
+        """No statistics yet: zero mean and identity covariance, so every mode starts as the identity at inference."""
+        for name in ("running_mean", "pending_mean", "pending_moment", "batches_tracked", "pending_count"):
             init.zeros_(getattr(self, name))
-        init.ones_(self.running_var)
+        identity = torch.eye(self.block_dim).expand(self.num_blocks, -1, -1)
+        init.copy_(self.running_cov, identity)
+        init.copy_(self.whitening, identity)
 
     def forward(self, query: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """query (B, T, F); padding_mask (B, T), 0 at padded tokens, which the statistics leave out."""
+        """query (..., G * P), e.g. (B, T, G * P); padding_mask (B, T), 0 at padded tokens, which statistics leave out."""
         if not self.training:
-            return self._normalized(query, self.running_mean, self.running_var)
-        tokens = query.float().flatten(0, -2)  # (B*T, F)
+            return self._normalized(query, self.running_mean, self.running_cov, self.whitening)
+        tokens = query.float().flatten(0, -2)  # (N, G * P)
         weight = torch.ones_like(tokens[:, :1]) if padding_mask is None else padding_mask.reshape(-1, 1).float()
         count = weight.sum().clamp_min(1.0)
-        mean = (tokens * weight).sum(0) / count  # gradients flow through the batch's statistics, as BatchNorm's do
-        square = (tokens.detach().square() * weight).sum(0) / count
+        mean = (tokens * weight).sum(0) / count  # gradients flow through the batch's mean, as BatchNorm's do
+        blocks = tokens.detach().unflatten(-1, (self.num_blocks, self.block_dim))  # (N, G, P)
+        moment = torch.einsum("ngi,ngj->gij", blocks * weight.unsqueeze(-1), blocks) / count
         self.pending_mean.copy_(mean.detach())
-        self.pending_square.copy_(square)
+        self.pending_moment.copy_(moment)
         self.pending_count.copy_(weight.sum().long())
         if self.mode == RUNNING_CENTER:
-            return self._normalized(query, self.running_mean, None)
-        var = ((tokens - mean).square() * weight).sum(0) / count if self.mode == BATCH_NORM else None
-        return self._normalized(query, mean, var)
-
-    def _normalized(self, query: torch.Tensor, mean: torch.Tensor, var: torch.Tensor | None) -> torch.Tensor:
-        if self.mode != BATCH_NORM:
+            return query - self.running_mean.to(query.dtype)
+        if self.mode == BATCH_CENTER:
             return query - mean.to(query.dtype)
-        return ((query.float() - mean.float()) * torch.rsqrt(var.float() + self.eps)).to(query.dtype)
+        if self.mode == BATCH_NORM:  # the variance with its gradient, as BatchNorm's
+            var = ((tokens - mean).square() * weight).sum(0) / count
+            return ((query.float() - mean) * torch.rsqrt(var + self.eps)).to(query.dtype)
+        centre = mean.detach().view(self.num_blocks, -1)
+        cov = moment - centre.unsqueeze(-1) * centre.unsqueeze(-2)
+        return self._normalized(query, mean, cov, inverse_square_root(cov, self.eps))
+
+    def _normalized(
+        self, query: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor, whitening: torch.Tensor
+    ) -> torch.Tensor:
+        if self.mode in (BATCH_CENTER, RUNNING_CENTER):
+            return query - mean.to(query.dtype)
+        centred = query.float() - mean.float()
+        if self.mode == BATCH_NORM:
+            var = torch.diagonal(cov, dim1=-2, dim2=-1).flatten().float()
+            return (centred * torch.rsqrt(var + self.eps)).to(query.dtype)
+        blocks = centred.unflatten(-1, (self.num_blocks, self.block_dim))  # (..., G, P)
+        return torch.einsum("...gi,gij->...gj", blocks, whitening.float()).flatten(-2).to(query.dtype)
 
     def pending_sums(self) -> torch.Tensor:
-        """(2F + 1,) float32: the pending sum, sum of squares and token count, which add up across ranks."""
+        """(G P + G P P + 1,) float32: the pending sum, sum of outer products and token count, which add up over ranks."""
         count = self.pending_count.float()
-        return torch.cat([self.pending_mean.float() * count, self.pending_square.float() * count, count[None]])
+        sums = (self.pending_mean.float() * count, self.pending_moment.float().flatten() * count, count[None])
+        return torch.cat(sums)
 
     @torch.no_grad()
     def fold(self, sums: torch.Tensor) -> None:
         """Fold summed statistics (`pending_sums` layout) of the last training batch into the running ones."""
-        features = self.running_mean.numel()
-        count = float(sums[-1])
         self.pending_count.zero_()
+        count = float(sums[-1])
         if count <= 0:
             return
+        features = self.running_mean.numel()
         mean = sums[:features] / count
-        var = (sums[features:-1] / count - mean.square()).clamp_min(0.0)
+        blocks = mean.view(self.num_blocks, -1)
+        cov = sums[features:-1].view_as(self.running_cov) / count - blocks.unsqueeze(-1) * blocks.unsqueeze(-2)
         self.batches_tracked += 1
         weight = max(self.momentum, 1.0 / float(self.batches_tracked))
         self.running_mean.copy_(self.running_mean.float().lerp(mean, weight))
-        self.running_var.copy_(self.running_var.float().lerp(var, weight))
+        self.running_cov.copy_(self.running_cov.float().lerp(cov, weight))
+        if self.mode == BATCH_WHITEN:
+            self.whitening.copy_(inverse_square_root(self.running_cov.float(), self.eps))
+
+
+def inverse_square_root(cov: torch.Tensor, eps: float) -> torch.Tensor:
+    """((1 - s) C + s m I + eps I)^(-1/2) of symmetric (..., P, P) covariances, m the mean eigenvalue, s the
+    shrinkage: the symmetric (ZCA) whitening matrix, which rotates the query least."""
+    eigenvalues, eigenvectors = torch.linalg.eigh(cov.double())
+    eigenvalues = eigenvalues.clamp_min(0.0)
+    mean = eigenvalues.mean(-1, keepdim=True)
+    scale = ((1 - WHITENING_SHRINKAGE) * eigenvalues + WHITENING_SHRINKAGE * mean + eps).rsqrt()
+    return ((eigenvectors * scale.unsqueeze(-2)) @ eigenvectors.transpose(-1, -2)).to(cov.dtype)
 
 
 @torch.no_grad()
@@ -115,7 +158,7 @@ def update_running_statistics(norms: Iterable[QueryNormalization]) -> None:
     norms = list(norms)
     if not norms:
         return
-    sums = torch.stack([norm.pending_sums() for norm in norms])  # (L, 2F + 1)
+    sums = torch.stack([norm.pending_sums() for norm in norms])  # (L, G P + G P P + 1)
     if _distributed():
         dist.all_reduce(sums)
     for norm, summed in zip(norms, sums):

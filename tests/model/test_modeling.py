@@ -20,7 +20,8 @@ from ultramem.memory_ops import mcs_output_gain
 
 
 def _model(config, seed: int = 0) -> UltraMemForCausalLM:
-    """A model whose query convs also look at past tokens (their init is the identity on the current one)."""
+    """A model whose query convs also look at past tokens (their init is the identity on the current one), and whose
+    queries' running statistics are not the identity's (as after training)."""
     torch.manual_seed(seed)
     model = UltraMemForCausalLM(config).eval()
     with torch.no_grad():
@@ -28,6 +29,11 @@ def _model(config, seed: int = 0) -> UltraMemForCausalLM:
             if layer.query.conv is not None:
                 layer.query.conv.weight.normal_(std=0.5)
                 layer.query.conv.bias.normal_(std=0.1)
+            statistics = layer.query.across_tokens
+            if statistics is not None:
+                statistics.running_mean.normal_(std=0.3)
+                statistics.running_cov.copy_(torch.diag_embed(torch.rand_like(statistics.running_cov[..., 0]) + 0.5))
+                statistics.whitening.add_(torch.randn_like(statistics.whitening), alpha=0.2)
     return model
 
 
@@ -150,7 +156,17 @@ def _reference_memory_layer(
             convolved.append(acc)
         convolved = torch.stack(convolved, dim=1)
     num_queries = 1 if config.share_query else 2
-    query = (convolved @ params["query.proj.weight"].T).view(batch, length, heads, num_queries, rank, part)
+    query = convolved @ params["query.proj.weight"].T  # (B, T, F)
+    if config.query_norm != "none":  # at inference, every mode uses the running statistics
+        statistics = layer.query.across_tokens
+        query = query - statistics.running_mean.double()
+        if config.query_norm == "batch_norm":
+            query = query / (torch.diagonal(statistics.running_cov.double(), dim1=-2, dim2=-1).flatten() + eps).sqrt()
+        if config.query_norm == "batch_whiten":  # each (head, query, part) block times its whitening matrix
+            whitening = statistics.whitening.double()
+            blocks = query.view(batch, length, -1, part)
+            query = torch.stack([blocks[:, :, g] @ whitening[g] for g in range(len(whitening))], dim=2).flatten(2)
+    query = query.view(batch, length, heads, num_queries, rank, part)
     query = F.layer_norm(query, (part,), params["query.norm.weight"], params["query.norm.bias"], eps)
     key_norm = (params["retrieval.key_norm.weight"], params["retrieval.key_norm.bias"])
     row_keys = F.layer_norm(params["retrieval.row_keys"], (part,), *key_norm, eps)

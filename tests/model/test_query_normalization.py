@@ -1,0 +1,159 @@
+"""The query's across-token normalisation (`ultramem.query_normalization`): its statistics, when they change, that
+inference stays per token, across processes as in one, and that checkpoints from before it compute as they did."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import small_config
+
+from ultramem import UltraMemConfig, UltraMemForCausalLM
+from ultramem.configuration_ultramem import QUERY_NORMS
+from ultramem.query_normalization import QueryNormalization, update_running_statistics
+
+BLOCKS, BLOCK_DIM = 2, 3
+FEATURES = BLOCKS * BLOCK_DIM
+
+
+def _norm(mode: str, momentum: float = 0.1) -> QueryNormalization:
+    return QueryNormalization(BLOCKS, BLOCK_DIM, mode, momentum=momentum, eps=1e-5)
+
+
+def _queries(seed: int = 0, shape=(3, 5)) -> torch.Tensor:
+    """Queries with a large component every token shares and features that vary together (what whitening undoes)."""
+    generator = torch.Generator().manual_seed(seed)
+    common = torch.randn(FEATURES, generator=generator) * 4
+    mixing = torch.randn(FEATURES, FEATURES, generator=generator)
+    return common + torch.randn(*shape, FEATURES, generator=generator) @ mixing
+
+
+@pytest.mark.parametrize("mode", ["batch_center", "batch_norm", "batch_whiten"])
+def test_training_uses_the_batch_statistics_without_padded_tokens(mode):
+    norm = _norm(mode).train()
+    query, mask = _queries(), torch.ones(3, 5)
+    mask[0, :2] = 0
+    output = norm(query, mask)
+    real = query[mask.bool()].double()
+    expected = real - real.mean(0)
+    if mode == "batch_norm":
+        expected = expected / (real.var(0, unbiased=False) + 1e-5).sqrt()
+    if mode == "batch_whiten":  # each block's covariance, shrunk towards its mean eigenvalue, is the identity after
+        blocks = expected.view(-1, BLOCKS, BLOCK_DIM)
+        for g in range(BLOCKS):
+            cov = blocks[:, g].T @ blocks[:, g] / len(blocks)
+            eigenvalues, eigenvectors = torch.linalg.eigh(cov)
+            shrunk = 0.99 * eigenvalues + 0.01 * eigenvalues.mean() + 1e-5
+            blocks[:, g] = blocks[:, g] @ eigenvectors @ torch.diag(shrunk.rsqrt()) @ eigenvectors.T
+        expected = blocks.flatten(1)
+    torch.testing.assert_close(output[mask.bool()].double(), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(norm.pending_mean, real.mean(0).float())
+    assert int(norm.pending_count) == 13
+
+
+def test_running_center_is_per_token_in_training_too():
+    """ "running_center" subtracts the running mean: a token's query never depends on the other tokens of its batch."""
+    norm = _norm("running_center").train()
+    norm.running_mean.normal_()
+    query = _queries()
+    alone = norm(query[:1, :1])
+    together = norm(query)
+    torch.testing.assert_close(together[:1, :1], alone)
+    torch.testing.assert_close(alone, query[:1, :1] - norm.running_mean)
+
+
+def test_statistics_fold_at_the_next_training_forward_cumulatively_then_with_momentum():
+    norm = _norm("batch_whiten", momentum=0.25).train()
+    means = []
+    for step in range(6):
+        query = _queries(seed=step)
+        before = norm.running_mean.clone()
+        norm(query)
+        torch.testing.assert_close(norm.running_mean, before)  # not inside the forward
+        means.append(query.flatten(0, 1).mean(0))
+        update_running_statistics([norm])
+    expected = torch.zeros(FEATURES)
+    for step, mean in enumerate(means, start=1):
+        expected = expected.lerp(mean, max(0.25, 1 / step))  # 1, 1/2, 1/3, then the momentum
+    torch.testing.assert_close(norm.running_mean, expected)
+    assert int(norm.batches_tracked) == 6 and int(norm.pending_count) == 0
+    for cov, whitening in zip(norm.running_cov, norm.whitening):  # the inverse square root of the shrunk covariance
+        shrunk = 0.99 * cov + 0.01 * torch.trace(cov) / BLOCK_DIM * torch.eye(BLOCK_DIM) + 1e-5 * torch.eye(BLOCK_DIM)
+        torch.testing.assert_close(whitening @ shrunk @ whitening, torch.eye(BLOCK_DIM), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["batch_center", "running_center", "batch_norm", "batch_whiten"])
+def test_a_trained_model_reads_one_token_as_its_batch_does(mode):
+    """At inference every mode uses the running statistics: a sequence alone gives the logits it gets in a batch."""
+    config = small_config(query_norm=mode)
+    torch.manual_seed(0)
+    model = UltraMemForCausalLM(config).train()
+    input_ids = torch.randint(1, config.vocab_size, (4, 9))
+    for _ in range(3):
+        model(input_ids, labels=input_ids).loss.backward()
+    statistics = model.model.memory_layers[0].query.across_tokens
+    assert statistics.running_mean.abs().sum() > 0 and int(statistics.batches_tracked) == 2
+    model.eval()
+    with torch.no_grad():
+        batch = model(input_ids).logits
+        alone = model(input_ids[1:2]).logits
+    torch.testing.assert_close(alone, batch[1:2], rtol=1e-5, atol=1e-5)
+
+
+def test_saved_configs_without_the_field_load_as_before_it(tmp_path):
+    config = small_config()
+    assert config.query_norm == "batch_whiten"  # new configs get the fix
+    saved = config.to_dict()
+    del saved["query_norm"]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    loaded = UltraMemConfig.from_pretrained(tmp_path)
+    assert loaded.query_norm == "none"
+    assert UltraMemForCausalLM(loaded).model.memory_layers[0].query.across_tokens is None
+    assert UltraMemConfig.from_pretrained(tmp_path, query_norm="batch_norm").query_norm == "batch_norm"
+
+
+def test_bad_mode_and_momentum_are_one_line_errors():
+    with pytest.raises(ValueError, match=r"query_norm='layer'.*one of"):
+        small_config(query_norm="layer")
+    with pytest.raises(ValueError, match=r"query_norm_momentum=0.*\(0, 1\]"):
+        small_config(query_norm_momentum=0)
+    assert set(QUERY_NORMS) == {"none", "batch_center", "running_center", "batch_norm", "batch_whiten"}
+
+
+def test_a_bfloat16_model_still_counts_tokens_exactly():
+    norm = _norm("batch_center", momentum=1.0).to(torch.bfloat16).train()
+    norm(_queries(shape=(1, 1001)).to(torch.bfloat16))
+    assert norm.pending_count.dtype == torch.long and int(norm.pending_count) == 1001
+
+
+def _two_ranks(rank: int, port: int, queries: torch.Tensor, results: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        norm = _norm("batch_whiten", momentum=0.5).train()
+        mine = queries[:1] if rank == 0 else queries[1:]  # uneven token counts: 5 and 10
+        norm(mine)
+        update_running_statistics([norm])
+        results[rank] = (norm.running_mean.clone(), norm.running_cov.clone())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_fold_the_statistics_of_the_global_batch():
+    """Summed over the process group: every rank holds what one process holding the whole batch would."""
+    queries = _queries(shape=(3, 5))
+    port = 29500 + os.getpid() % 1000
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_two_ranks, args=(port, queries, results), nprocs=2)
+        per_rank = dict(results)
+    one = _norm("batch_whiten", momentum=0.5).train()
+    one(queries)
+    update_running_statistics([one])
+    for mean, cov in per_rank.values():
+        torch.testing.assert_close(mean, one.running_mean)
+        torch.testing.assert_close(cov, one.running_cov, rtol=1e-4, atol=1e-4)
