@@ -39,12 +39,10 @@ from transformers.modeling_layers import (
 )
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 from transformers.models.nemotron.modeling_nemotron import NemotronMLP
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, logging
-from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 from transformers.utils.versions import require_version
@@ -65,6 +63,8 @@ from .memory_ops import (
 from .moved_names import moved_attribute
 from .query_normalization import QueryNormalization, update_running_statistics
 from .task_heads import TaskHeadWithAuxLoss
+from .transformers_compat import CACHE_FIELD as _CACHE_FIELD  # the cache's name in this release
+from .transformers_compat import accepts_past_key_values as _accepts_past_key_values
 from .value_gates import PreValueGate, SiluGate
 from .value_stores import (
     DeferredValueTable,
@@ -81,13 +81,6 @@ VALUE_TABLE_ATTRIBUTES = ("values", "pre_values", "value_pool", "pre_value_pool"
 
 # A remote-code copy of this file loaded under an older Transformers says what it needs here, not with a TypeError
 require_version("transformers>=5.17", "UltraMem's model code needs Transformers 5.17 or later")
-# Transformers 5.24 renamed the cache argument and output field `past_key_values` to `cache`. This file uses `cache`;
-# on 5.17-5.23, whose `generate` passes and reads `past_key_values`, the old name is taken silently (there it is the
-# current name) and outputs carry the field those releases define.
-_CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
-_accepts_past_key_values = deprecate_kwarg(
-    "past_key_values", "5.40.0" if _CACHE_FIELD == "cache" else "5.0.0", new_name="cache"
-)
 
 
 @dataclass
@@ -914,12 +907,6 @@ class UltraMemForCausalLM(UltraMemPreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
             **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)},
         )
-
-
-# The Trainer's label smoothing shifts the labels only for models named in Transformers' static causal-LM table,
-# which `AutoModelForCausalLM.register` (and `trust_remote_code` loading) leave as they are: without this entry
-# it would train UltraMem to predict the current token. Here so that remote-code copies of this file add it too.
-MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(UltraMemConfig.model_type, UltraMemForCausalLM.__name__)
 
 
 class UltraMemForSequenceClassification(TaskHeadWithAuxLoss, GenericForSequenceClassification, UltraMemPreTrainedModel):
