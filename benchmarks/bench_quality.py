@@ -42,7 +42,7 @@ from lib import env, report
 from transformers import AutoConfig, MixtralConfig, PreTrainedConfig, TrainerCallback
 
 from ultramem import UltraMemConfig, ablation, presets, sizing
-from ultramem.configuration_ultramem import QUERY_NORM_BEFORE_FIELD, QUERY_NORMS
+from ultramem.configuration_ultramem import NO_QUERY_NORM, QUERY_NORM_BEFORE_FIELD, QUERY_NORMS
 from ultramem.diagnostics import retrieval_diagnostics
 from ultramem.tokenization import load_tokenizer
 from ultramem.training import DataArguments, ModelArguments, UltraMemTrainingArguments, train
@@ -75,13 +75,17 @@ VARIANTS = {  # row name -> (preset, whether its PEER pre-values are folded into
     }
     for scale in ("tiny", "small")
 }
-# Retrieval collapse (docs/design.md): each family with the query's across-token normalisation off, PKM's BatchNorm,
-# and the running-mean centring the presets use. Row name -> (preset, query_norm).
+# Retrieval collapse (docs/design.md): UltraMem with every mode of the query's across-token normalisation, UltraMemV2 and
+# Memory+ without it and with the presets' default. Row name -> (preset, query_norm).
 QUERY_NORM_ROWS = {
     scale: {
-        f"{family}, query norm {mode}": (f"{scale}-{preset}", mode)
-        for family, preset in (("UltraMem", "ultramem"), ("UltraMemV2", "ultramemv2"), ("Memory+", "memoryplus"))
-        for mode in QUERY_NORMS
+        f"{family} (query_norm={mode})": (f"{scale}-{preset}", mode)
+        for family, preset, modes in (
+            ("UltraMem", "ultramem", QUERY_NORMS),
+            ("UltraMemV2", "ultramemv2", (NO_QUERY_NORM, UltraMemConfig().query_norm)),
+            ("Memory+", "memoryplus", (NO_QUERY_NORM, UltraMemConfig().query_norm)),
+        )
+        for mode in modes
     }
     for scale in ("tiny", "small")
 }
@@ -462,7 +466,7 @@ def summarize(rows: list[Row], runs: list[dict[str, Any]]) -> list[dict[str, Any
             continue
         vals = [run["val_loss"] for run in mine]
         by_seed = {run["seed"]: run["val_loss"] for run in mine}
-        group = row.name.split(",")[0] if row.group == "query_norm" else row.group  # its family there
+        group = row.name.split(" (")[0] if row.group == "query_norm" else row.group  # its family there
         diff, diff_se = _paired_difference(by_seed, reference.get(group))
         entry = {
             "group": row.group,

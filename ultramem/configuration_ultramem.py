@@ -33,11 +33,11 @@ ValueGate = Literal["none", "peer", "peer_gelu", "swilu"]
 VALUE_GATES: tuple[ValueGate, ...] = get_args(ValueGate)
 NO_GATE, PEER, PEER_GELU, SWILU = VALUE_GATES
 # How the memory query is normalised across tokens before its per-token LayerNorm (`ultramem.query_normalization`):
-# not at all (the paper); minus the batch's mean in training and a running mean at inference; minus a running mean in
-# both (it lags the growing component it removes); PKM's BatchNorm; each query part whitened
-QueryNorm = Literal["none", "batch_center", "running_center", "batch_norm", "batch_whiten"]
+# not at all (the paper); minus a running mean; PKM's BatchNorm; each query part whitened by the batch's statistics in
+# training; each query part whitened by running statistics in training and inference alike
+QueryNorm = Literal["none", "running_center", "batch_norm", "batch_whiten", "running_whiten"]
 QUERY_NORMS: tuple[QueryNorm, ...] = get_args(QueryNorm)
-NO_QUERY_NORM, BATCH_CENTER, RUNNING_CENTER, BATCH_NORM, BATCH_WHITEN = QUERY_NORMS
+NO_QUERY_NORM, RUNNING_CENTER, BATCH_NORM, BATCH_WHITEN, RUNNING_WHITEN = QUERY_NORMS
 # A saved config without `query_norm` predates it: it loads as it computed then
 QUERY_NORM_BEFORE_FIELD: QueryNorm = NO_QUERY_NORM
 # The built-in memory implementations; "auto", as None, is the device's default

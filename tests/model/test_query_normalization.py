@@ -32,14 +32,14 @@ def _queries(seed: int = 0, shape=(3, 5)) -> torch.Tensor:
     return common + torch.randn(*shape, FEATURES, generator=generator) @ mixing
 
 
-@pytest.mark.parametrize("mode", ["batch_center", "batch_norm", "batch_whiten"])
+@pytest.mark.parametrize("mode", ["batch_norm", "batch_whiten"])
 def test_training_uses_the_batch_statistics_without_padded_tokens(mode):
     norm = _norm(mode).train()
     query, mask = _queries(), torch.ones(3, 5)
     mask[0, :2] = 0
     output = norm(query, mask)
     real = query[mask.bool()].double()
-    expected = real - real.mean(0)
+    expected = real - real.mean(0)  # gradients flow through the batch's mean (and the variance, for BatchNorm)
     if mode == "batch_norm":
         expected = expected / (real.var(0, unbiased=False) + 1e-5).sqrt()
     if mode == "batch_whiten":  # each block's covariance, shrunk towards its mean eigenvalue, is the identity after
@@ -55,38 +55,46 @@ def test_training_uses_the_batch_statistics_without_padded_tokens(mode):
     assert int(norm.pending_count) == 13
 
 
-def test_running_center_is_per_token_in_training_too():
-    """ "running_center" subtracts the running mean: a token's query never depends on the other tokens of its batch."""
-    norm = _norm("running_center").train()
+@pytest.mark.parametrize("mode", ["running_center", "running_whiten"])
+def test_running_modes_are_per_token_in_training_too(mode):
+    """The running modes compute in training what inference computes: a token's query never depends on the other
+    tokens of its batch."""
+    norm = _norm(mode).train()
     norm.running_mean.normal_()
+    norm.whitening.add_(torch.randn_like(norm.whitening), alpha=0.3)
     query = _queries()
     alone = norm(query[:1, :1])
     together = norm(query)
     torch.testing.assert_close(together[:1, :1], alone)
-    torch.testing.assert_close(alone, query[:1, :1] - norm.running_mean)
+    torch.testing.assert_close(alone, norm.eval()(query[:1, :1]))
 
 
-def test_statistics_fold_at_the_next_training_forward_cumulatively_then_with_momentum():
-    norm = _norm("batch_whiten", momentum=0.25).train()
-    means = []
-    for step in range(6):
-        query = _queries(seed=step)
+@pytest.mark.parametrize("mode", ["batch_whiten", "running_whiten"])
+def test_statistics_fold_at_the_next_training_forward_cumulatively_then_with_momentum(mode):
+    """Mean and covariance average cumulatively, then with the momentum; the covariance is the spread about the mean
+    the forward subtracted (the batch's, or the running one), and the whitening matrix its shrunk inverse square root."""
+    norm = _norm(mode, momentum=0.25).train()
+    mean, cov = torch.zeros(FEATURES), torch.eye(BLOCK_DIM).repeat(BLOCKS, 1, 1)
+    for step in range(1, 7):
+        query = _queries(seed=step).flatten(0, 1)
         before = norm.running_mean.clone()
         norm(query)
         torch.testing.assert_close(norm.running_mean, before)  # not inside the forward
-        means.append(query.flatten(0, 1).mean(0))
+        centre = query.mean(0) if mode == "batch_whiten" else mean
+        spread = (query - centre).view(-1, BLOCKS, BLOCK_DIM)
+        weight = max(0.25, 1 / step)  # 1, 1/2, 1/3, then the momentum
+        mean = mean.lerp(query.mean(0), weight)
+        cov = cov.lerp(torch.einsum("ngi,ngj->gij", spread, spread) / len(query), weight)
         update_running_statistics([norm])
-    expected = torch.zeros(FEATURES)
-    for step, mean in enumerate(means, start=1):
-        expected = expected.lerp(mean, max(0.25, 1 / step))  # 1, 1/2, 1/3, then the momentum
-    torch.testing.assert_close(norm.running_mean, expected)
+    torch.testing.assert_close(norm.running_mean, mean)
+    torch.testing.assert_close(norm.running_cov, cov, rtol=1e-4, atol=1e-4)
     assert int(norm.batches_tracked) == 6 and int(norm.pending_count) == 0
-    for cov, whitening in zip(norm.running_cov, norm.whitening):  # the inverse square root of the shrunk covariance
+    for cov, whitening in zip(norm.running_cov, norm.whitening):
         shrunk = 0.99 * cov + 0.01 * torch.trace(cov) / BLOCK_DIM * torch.eye(BLOCK_DIM) + 1e-5 * torch.eye(BLOCK_DIM)
         torch.testing.assert_close(whitening @ shrunk @ whitening, torch.eye(BLOCK_DIM), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["batch_center", "running_center", "batch_norm", "batch_whiten"])
+@pytest.mark.parametrize("mode", ["running_center", "batch_norm", "batch_whiten", "running_whiten"])
 def test_a_trained_model_reads_one_token_as_its_batch_does(mode):
     """At inference every mode uses the running statistics: a sequence alone gives the logits it gets in a batch."""
     config = small_config(query_norm=mode)
@@ -121,11 +129,11 @@ def test_bad_mode_and_momentum_are_one_line_errors():
         small_config(query_norm="layer")
     with pytest.raises(ValueError, match=r"query_norm_momentum=0.*\(0, 1\]"):
         small_config(query_norm_momentum=0)
-    assert set(QUERY_NORMS) == {"none", "batch_center", "running_center", "batch_norm", "batch_whiten"}
+    assert set(QUERY_NORMS) == {"none", "running_center", "batch_norm", "batch_whiten", "running_whiten"}
 
 
 def test_a_bfloat16_model_still_counts_tokens_exactly():
-    norm = _norm("batch_center", momentum=1.0).to(torch.bfloat16).train()
+    norm = _norm("running_whiten", momentum=1.0).to(torch.bfloat16).train()
     norm(_queries(shape=(1, 1001)).to(torch.bfloat16))
     assert norm.pending_count.dtype == torch.long and int(norm.pending_count) == 1001
 

@@ -54,11 +54,11 @@ def build_checkpoint(path: Path, **overrides) -> torch.nn.Module:
             if layer.query.conv is not None:
                 layer.query.conv.weight.normal_(0.0, 0.5)
                 layer.query.conv.bias.normal_(0.0, 0.1)
-            for name, buffer in layer.query.named_buffers():
+            for name, buffer in layer.query.named_buffers():  # the query normalisation's, as after training
                 if name.endswith("running_mean"):
                     buffer.normal_(0.0, 0.5)
-                elif name.endswith("running_var"):
-                    buffer.uniform_(0.5, 2.0)
+                elif name.endswith("whitening"):
+                    buffer.add_(torch.randn_like(buffer), alpha=0.2)
         for name in model.get_value_table_names():
             model.get_parameter(name).normal_(0.0, 1.0)
     model.save_pretrained(path)

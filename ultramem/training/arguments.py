@@ -110,6 +110,13 @@ class UltraMemTrainingArguments(TrainingArguments):
     diagnostics_batch_size: int = field(
         default=4, metadata={"help": "Validation blocks used for the memory diagnostics at each log (0: off)."}
     )
+    query_statistics_batches: int = field(
+        default=8,
+        metadata={
+            "help": "Training batches on which the memory queries' running statistics (query_norm) are recomputed "
+            "with the final weights before the model is saved (0: keep the statistics gathered while training)."
+        },
+    )
     memory_parallel: str = field(
         default="none",
         metadata={
@@ -124,6 +131,8 @@ class UltraMemTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self) -> None:
+        if self.query_statistics_batches < 0:
+            raise ValueError(f"--query_statistics_batches {self.query_statistics_batches}: must be >= 0")
         if self.value_lr_multiplier is not None and not self.value_lr_multiplier > 0:
             raise ValueError(f"--value_lr_multiplier {self.value_lr_multiplier}: must be > 0")
         if self.lr_scheduler_type == "cosine_with_min_lr" and not self.lr_scheduler_kwargs:

@@ -30,6 +30,7 @@ import torch
 from transformers import PretrainedConfig, TrainerCallback, default_data_collator, set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
+from ultramem.query_normalization import recalibrate_query_statistics
 from ultramem.tokenization import load_tokenizer
 from ultramem.training.arguments import DataArguments, ModelArguments, UltraMemTrainingArguments
 from ultramem.training.data import load_raw_datasets, tokenize_and_pack
@@ -56,6 +57,14 @@ class TrainResult:
     log_history: list[dict[str, Any]]  # the Trainer's: one entry per training log and evaluation
     resumed_from: str | None  # the checkpoint training continued from, if any
     trainer: UltraMemTrainer = field(repr=False)  # holds the trained model (`trainer.model`)
+
+
+def query_statistics_batches(blocks: Any, training_args: UltraMemTrainingArguments) -> list[torch.Tensor]:
+    """The first `query_statistics_batches` batches of training blocks, on the model's device: the same on every
+    rank (the statistics are summed over ranks), and drawn without touching the data order's random state."""
+    size, count = training_args.per_device_train_batch_size, training_args.query_statistics_batches
+    chosen = blocks[: size * count]["input_ids"]
+    return [torch.tensor(chosen[i : i + size], device=training_args.device) for i in range(0, len(chosen), size)]
 
 
 def check_block_size(block_size: int, config: PretrainedConfig) -> None:
@@ -170,6 +179,7 @@ def train(
         diagnostics_input_ids=torch.tensor(blocks["validation"][:diagnostics_count]["input_ids"]),
     )
     train_output = trainer.train(resume_from_checkpoint=resume)
+    recalibrate_query_statistics(trainer.model, query_statistics_batches(blocks["train"], training_args))
     trainer.save_model()
     trainer.log_metrics("train", train_output.metrics)
     trainer.save_metrics("train", train_output.metrics)
