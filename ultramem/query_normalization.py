@@ -84,20 +84,26 @@ class QueryNormalization(nn.Module):
             return self._normalized(query, self.running_mean, self.running_cov, self.whitening)
         tokens = query.float().flatten(0, -2)  # (N, G * P)
         weight = torch.ones_like(tokens[:, :1]) if padding_mask is None else padding_mask.reshape(-1, 1).float()
-        count = weight.sum().clamp_min(1.0)
-        mean = (tokens * weight).sum(0) / count  # gradients flow through the batch's mean, as BatchNorm's do
+        # This rank's sums: tokens, squared tokens (gradients flow through them, as through BatchNorm's statistics),
+        # the count; and the blocks' outer products (no gradient: the whitening matrix is a constant of the step)
+        sums = torch.cat([(tokens * weight).sum(0), (tokens.square() * weight).sum(0), weight.sum().reshape(1)])
         blocks = tokens.detach().unflatten(-1, (self.num_blocks, self.block_dim))  # (N, G, P)
-        moment = torch.einsum("ngi,ngj->gij", blocks * weight.unsqueeze(-1), blocks) / count
-        self.pending_mean.copy_(mean.detach())
-        self.pending_moment.copy_(moment)
-        self.pending_count.copy_(weight.sum().long())
+        moment = torch.einsum("ngi,ngj->gij", blocks * weight.unsqueeze(-1), blocks)
+        local_count = sums[-1].detach().clamp_min(1.0)
+        self.pending_mean.copy_(sums[: tokens.shape[-1]].detach() / local_count)
+        self.pending_moment.copy_(moment / local_count)
+        self.pending_count.copy_(sums[-1].detach().long())
         if self.mode in RUNNING_MODES:  # what inference computes: no token's query depends on the rest of its batch
             return self._normalized(query, self.running_mean, self.running_cov, self.whitening)
-        if self.mode == BATCH_NORM:  # the variance with its gradient, as BatchNorm's
-            var = ((tokens - mean).square() * weight).sum(0) / count
+        # The batch is every rank's tokens, as with SyncBatchNorm: several processes compute what one would
+        sums, moment = _summed_over_ranks(sums), _summed_over_ranks(moment.contiguous(), differentiable=False)
+        count = sums[-1].clamp_min(1.0)
+        mean, squares = sums[:-1].view(2, -1) / count
+        if self.mode == BATCH_NORM:
+            var = (squares - mean.square()).clamp_min(0.0)
             return ((query.float() - mean) * torch.rsqrt(var + self.eps)).to(query.dtype)
         centre = mean.detach().view(self.num_blocks, -1)
-        cov = moment - centre.unsqueeze(-1) * centre.unsqueeze(-2)
+        cov = moment / count.detach() - centre.unsqueeze(-1) * centre.unsqueeze(-2)
         return self._normalized(query, mean, cov, inverse_square_root(cov, self.eps))
 
     def _normalized(
@@ -180,7 +186,7 @@ def recalibrate_query_statistics(model: nn.Module, batches: Iterable[torch.Tenso
     mean, which whitening amplifies (measured on tiny-ultramem after 30 steps: the second memory layer reads 0.18 of
     what uniform picks would with the running statistics, 0.57 after recomputing them on 8 unseen training batches).
     BatchNorm's "precise statistics" (pycls, fvcore's `update_bn_stats`, `torch.optim.swa_utils.update_bn`) do the same.
-    Collective when the statistics are (several ranks): every rank must call it with as many batches.
+    Collective with several ranks: every rank must call it with as many batches.
     """
     norms = [module for module in model.modules() if isinstance(module, QueryNormalization)]
     batches = list(batches)
@@ -202,6 +208,20 @@ def recalibrate_query_statistics(model: nn.Module, batches: Iterable[torch.Tenso
             norm.momentum = momentum
         model.train(was_training)
     return len(norms)
+
+
+def _summed_over_ranks(tensor: torch.Tensor, differentiable: bool = True) -> torch.Tensor:
+    """`tensor` summed over the default process group (itself in one process); its gradient flows back to every rank's
+    part when `differentiable`."""
+    if not _distributed():
+        return tensor
+    if differentiable:
+        from torch.distributed.nn.functional import all_reduce
+
+        return all_reduce(tensor)
+    tensor = tensor.clone()
+    dist.all_reduce(tensor)
+    return tensor
 
 
 def _distributed() -> bool:

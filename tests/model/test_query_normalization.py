@@ -138,30 +138,43 @@ def test_a_bfloat16_model_still_counts_tokens_exactly():
     assert norm.pending_count.dtype == torch.long and int(norm.pending_count) == 1001
 
 
-def _two_ranks(rank: int, port: int, queries: torch.Tensor, results: dict) -> None:
+def _two_ranks(rank: int, port: int, mode: str, queries: torch.Tensor, results: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        norm = _norm("batch_whiten", momentum=0.5).train()
-        mine = queries[:1] if rank == 0 else queries[1:]  # uneven token counts: 5 and 10
-        norm(mine)
+        norm = _norm(mode, momentum=0.5).train()
+        mine = (queries[:1] if rank == 0 else queries[1:]).clone().requires_grad_()  # 5 and 10 tokens
+        output = norm(mine)
+        (output * _upstream(output.shape, rank)).sum().backward()
         update_running_statistics([norm])
-        results[rank] = (norm.running_mean.clone(), norm.running_cov.clone())
+        results[rank] = (output.detach(), mine.grad, norm.running_mean.clone(), norm.running_cov.clone())
     finally:
         dist.destroy_process_group()
 
 
-def test_ranks_fold_the_statistics_of_the_global_batch():
-    """Summed over the process group: every rank holds what one process holding the whole batch would."""
+def _upstream(shape: torch.Size, seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("mode", ["batch_whiten", "batch_norm", "running_whiten"])
+def test_ranks_compute_what_one_process_holding_the_global_batch_does(mode):
+    """Batch statistics and running ones are summed over the process group (uneven token counts): outputs, gradients
+    and the folded statistics of each rank are those of one process holding every rank's tokens."""
     queries = _queries(shape=(3, 5))
     port = 29500 + os.getpid() % 1000
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_two_ranks, args=(port, queries, results), nprocs=2)
+        mp.spawn(_two_ranks, args=(port, mode, queries, results), nprocs=2)
         per_rank = dict(results)
-    one = _norm("batch_whiten", momentum=0.5).train()
-    one(queries)
+    one = _norm(mode, momentum=0.5).train()
+    whole = queries.clone().requires_grad_()
+    output = one(whole)
+    upstream = torch.cat([_upstream(output[:1].shape, 0), _upstream(output[1:].shape, 1)])
+    (output * upstream).sum().backward()
     update_running_statistics([one])
-    for mean, cov in per_rank.values():
+    for rank, part in ((0, slice(0, 1)), (1, slice(1, 3))):
+        rank_output, rank_grad, mean, cov = per_rank[rank]
+        torch.testing.assert_close(rank_output, output[part].detach(), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(rank_grad, whole.grad[part], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(mean, one.running_mean)
         torch.testing.assert_close(cov, one.running_cov, rtol=1e-4, atol=1e-4)
