@@ -60,11 +60,14 @@ class TrainResult:
 
 
 def query_statistics_batches(blocks: Any, training_args: UltraMemTrainingArguments) -> list[torch.Tensor]:
-    """The first `query_statistics_batches` batches of training blocks, on the model's device: the same on every
-    rank (the statistics are summed over ranks), and drawn without touching the data order's random state."""
-    size, count = training_args.per_device_train_batch_size, training_args.query_statistics_batches
-    chosen = blocks[: size * count]["input_ids"]
-    return [torch.tensor(chosen[i : i + size], device=training_args.device) for i in range(0, len(chosen), size)]
+    """This rank's share of the first `query_statistics_batches` global batches of training blocks, on its device:
+    summed over ranks, the statistics are those one process would take from the same global batches. Read by index,
+    without touching the data order's random state."""
+    size, ranks, rank = (training_args.per_device_train_batch_size, training_args.world_size,
+                         training_args.process_index)  # fmt: skip
+    count = min(training_args.query_statistics_batches, len(blocks) // (size * ranks))
+    starts = [step * size * ranks + rank * size for step in range(count)]
+    return [torch.tensor(blocks[start : start + size]["input_ids"], device=training_args.device) for start in starts]
 
 
 def check_block_size(block_size: int, config: PretrainedConfig) -> None:
