@@ -64,6 +64,7 @@ from .moved_names import moved_attribute
 from .query_normalization import QueryNormalization, update_running_statistics
 from .task_heads import TaskHeadWithAuxLoss
 from .transformers_compat import CACHE_FIELD as _CACHE_FIELD  # the cache's name in this release
+from .transformers_compat import ContinuousBatchingCheck
 from .transformers_compat import accepts_past_key_values as _accepts_past_key_values
 from .value_gates import PreValueGate, SiluGate
 from .value_stores import (
@@ -827,7 +828,7 @@ def _sum_of_memories(
     return torch.stack([layer(hidden_states, *memory_args) for layer in layers]).sum(0)
 
 
-class UltraMemForCausalLM(UltraMemPreTrainedModel, GenerationMixin):
+class UltraMemForCausalLM(ContinuousBatchingCheck, UltraMemPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: UltraMemConfig):
@@ -836,23 +837,6 @@ class UltraMemForCausalLM(UltraMemPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
-
-    def init_continuous_batching(self, *args, **kwargs):
-        """Continuous batching (`generate_batch`, `transformers serve`) works without query convs: every other part
-        of a memory layer is per token. Its paged cache has no place for conv states, so it is refused with them,
-        and before Transformers 5.24, whose paged cache travels under the name this model gives the generation cache."""
-        if _CACHE_FIELD != "cache":
-            raise NotImplementedError(
-                "Continuous batching of UltraMem needs Transformers >= 5.24: use model.generate(), which batches "
-                "with left padding."
-            )
-        if self.config.memory_conv_state_slots:
-            raise NotImplementedError(
-                "Continuous batching (generate_batch, init_continuous_batching) has no cache for UltraMem's query-conv "
-                "states (use_query_conv=True with query_conv_kernel_size > 1): use model.generate(), which batches "
-                "with left padding."
-            )
-        return super().init_continuous_batching(*args, **kwargs)
 
     @_accepts_past_key_values
     @can_return_tuple
