@@ -767,8 +767,10 @@ class UltraMemModel(UltraMemPreTrainedModel):
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         if self.training:  # the query statistics of the previous training forward (see `query_normalization`)
-            norms = [layer.query.across_tokens for layer in self.memory_layers]
-            update_running_statistics([norm for norm in norms if norm is not None])
+            queries = [layer.query for layer in self.memory_layers]  # a frozen projection (LoRA) keeps its statistics
+            update_running_statistics(
+                [q.across_tokens for q in queries if q.across_tokens and q.proj.weight.requires_grad]
+            )
         # Rows packing several sequences (padding-free training, the caller's restarting `position_ids`): the query
         # convolutions stay within each sequence, under the condition on which `create_causal_mask` keeps attention
         # within each (no mask, no cache)

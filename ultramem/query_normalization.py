@@ -21,7 +21,8 @@ Modes (`UltraMemConfig.query_norm`), on the projected query before its per-part 
 
 At inference every mode is per token (the running statistics are constants), so cached generation equals
 recomputation. Running statistics are updated from the statistics of the previous training forward, at the start of the
-next one (`UltraMemModel.forward` calls `update_running_statistics`), never inside a forward: a layer that gradient
+next one (`UltraMemModel.forward` calls `update_running_statistics`, for the layers whose query projection is trained:
+a frozen one, as under LoRA, keeps the statistics it was saved with), never inside a forward: a layer that gradient
 checkpointing recomputes in the backward sees the statistics its forward saw. The pending statistics are buffers, so a
 checkpoint saved between two steps resumes exactly; with several processes they are summed over the default process
 group first (one all-reduce per training forward for all layers), so every rank holds the statistics of the global
@@ -201,8 +202,8 @@ def recalibrate_query_statistics(model: nn.Module, batches: Iterable[torch.Tenso
             norm.pending_count.zero_()
         model.train()
         for batch in batches:
-            model(input_ids=batch, use_cache=False)  # folds the previous batch's statistics first
-        update_running_statistics(norms)  # and the last one's
+            model(input_ids=batch, use_cache=False)
+            update_running_statistics(norms)
     finally:
         for norm, momentum in zip(norms, momenta):
             norm.momentum = momentum

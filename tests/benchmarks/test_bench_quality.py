@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ultramem import ablation
+from ultramem import UltraMemConfig, ablation
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_quality.py"
 if str(SCRIPT.parent) not in sys.path:  # the scripts import their library, benchmarks/lib
@@ -55,8 +55,13 @@ def test_tiny_ladder_ends_are_the_comparison_models():
     rows = {name: row.key for name, row in loaded.items()}
     assert rows["PKM x10"] == rows["PKM"]
     assert rows["+query conv"] == rows["UltraMem"]
-    # + Dense and MoE, + V2, V2 w/o PEER, Memory+, + the V2 ladder's rows between UltraMem and UltraMemV2
-    assert len(set(rows.values())) == len(ablation.LADDER_ROWS) + 2 + 3 + len(ablation.V2_LADDER_ROWS) - 2
+    # + Dense and MoE, + V2, V2 w/o PEER, Memory+, + the V2 ladder's rows between UltraMem and UltraMemV2, + the query
+    # normalisation's other modes for UltraMem and "none" for V2 and Memory+ (their default rows are the presets)
+    others = len(bench_quality.QUERY_NORMS) - 1 + 2
+    assert len(set(rows.values())) == len(ablation.LADDER_ROWS) + 2 + 3 + len(ablation.V2_LADDER_ROWS) - 2 + others
+    default = UltraMemConfig().query_norm
+    assert rows[f"UltraMem (query_norm={default})"] == rows["UltraMem"]
+    assert rows[f"UltraMemV2 (query_norm={default})"] == rows["UltraMemV2"]
     assert rows["V2 ladder: UltraMem"] == rows["UltraMem"] and rows["V2 ladder: +MLP rebalanced"] == rows["UltraMemV2"]
     assert rows["UltraMem (V1)"] == rows["UltraMem"] and rows["Dense baseline"] == rows["Dense"]
     decay, before = loaded["+value lr decay"], loaded["+improved init"]

@@ -80,7 +80,8 @@ def test_sharded_tables_match_single_process(setup, partitioning, launcher):
     assert losses(folder / name) == pytest.approx(losses(folder / "single"), abs=LOSS_TOLERANCE)
     # clipping (max_grad_norm 1) binds, and by the same global norm: the table shards' gradients count on every rank
     assert max(entry["grad_norm"] for entry in single) > 1
-    assert [entry["grad_norm"] for entry in logs] == pytest.approx([entry["grad_norm"] for entry in single], rel=1e-3)
+    # rel 2e-3: the synced query statistics add sums whose order differs between 1 and 2 processes (fp32)
+    assert [entry["grad_norm"] for entry in logs] == pytest.approx([entry["grad_norm"] for entry in single], rel=2e-3)
     assert [entry["value_lr_multiplier"] for entry in logs] == pytest.approx(
         [10.0 - 9.0 * step / (STEPS - 1) for step in range(STEPS)]
     )
