@@ -183,6 +183,7 @@ def retrieval_diagnostics(
     for idx, layer in enumerate(memory_layers):
         handles.append(layer.retrieval.register_forward_hook(capture(idx, "retrieval")))
         handles.append(layer.register_forward_hook(capture(idx, "layer")))
+        handles.append(layer.norm.register_forward_hook(capture(idx, "input")))  # the normed input, inside the call
     was_training = model.training
     model.eval()
     try:
@@ -198,8 +199,8 @@ def retrieval_diagnostics(
     for idx, layer in enumerate(memory_layers):
         (row_query, col_query, _), retrieved = captured[idx]["retrieval"]
         stats, rows = _layer_statistics(layer, (row_query, col_query), retrieved, keep, chunk, rows_per_step)
-        layer_args, layer_output = captured[idx]["layer"]
-        stats["input_cosine"] = mean_cosine(layer.norm(layer_args[0])[keep].float())
+        layer_output = captured[idx]["layer"][1]
+        stats["input_cosine"] = mean_cosine(captured[idx]["input"][1][keep].float())
         stats["memory_output_std"] = layer_output[keep].float().std().item()
         per_layer.append(stats)
         rows_read.append(rows.cpu())  # layers may sit on different devices

@@ -52,8 +52,9 @@ def setup(tmp_path_factory):
     config, corpus = write_config(folder, aux_loss_alpha=10.0), write_corpus(folder)  # aux visible in the loss
 
     def argv(name: str, batch: int, diagnostics: int = 0) -> list[str]:
+        # query_statistics_batches=0: the saved model is the one the run logged and probed (no recomputed statistics)
         return base_args(config, corpus, folder / name, max_steps=STEPS, per_device_train_batch_size=batch,
-                         diagnostics_batch_size=diagnostics)  # fmt: skip
+                         diagnostics_batch_size=diagnostics, query_statistics_batches=0)  # fmt: skip
 
     run_command(python_module("ultramem.training", *argv("single", GLOBAL_BATCH)))
     return folder, argv
