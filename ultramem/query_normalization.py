@@ -62,11 +62,10 @@ class QueryNormalization(nn.Module):
         super().__init__()
         self.mode, self.momentum, self.eps = mode, momentum, eps
         self.num_blocks, self.block_dim = num_blocks, block_dim
-        matrices = (num_blocks, block_dim, block_dim)
-        for name, shape in (("running_mean", (num_blocks * block_dim,)), ("pending_mean", (num_blocks * block_dim,))):
-            self.register_buffer(name, torch.zeros(shape))
+        for name in ("running_mean", "pending_mean"):
+            self.register_buffer(name, torch.zeros(num_blocks * block_dim))
         for name in ("running_cov", "whitening", "pending_moment"):
-            self.register_buffer(name, torch.zeros(matrices))
+            self.register_buffer(name, torch.zeros(num_blocks, block_dim, block_dim))
         self.register_buffer("batches_tracked", torch.zeros((), dtype=torch.long))
         self.register_buffer("pending_count", torch.zeros((), dtype=torch.long))
         self.init_ultramem()
@@ -127,22 +126,21 @@ class QueryNormalization(nn.Module):
 
     @torch.no_grad()
     def fold(self, sums: torch.Tensor) -> None:
-        """Fold summed statistics (`pending_sums` layout) of the last training batch into the running ones."""
+        """Fold summed statistics (`pending_sums` layout) of the last training batch into the running ones; a batch of
+        no tokens changes nothing. Tensor arithmetic only: no host synchronisation in the training step."""
         self.pending_count.zero_()
-        count = float(sums[-1])
-        if count <= 0:
-            return
+        seen = sums[-1] > 0
+        count = sums[-1].clamp_min(1.0)
         features = self.running_mean.numel()
         mean = sums[:features] / count
         blocks = mean.view(self.num_blocks, -1)
         moment = sums[features:-1].view_as(self.running_cov) / count
-        # the spread about the mean the forward subtracted: the batch's own mean, or the running one, whose lag behind
-        # a drifting component then counts as spread (whitening shrinks it instead of amplifying it)
-        centre = self.running_mean.float().view_as(blocks) if self.mode in RUNNING_MODES else blocks
-        cov = moment - blocks.unsqueeze(-1) * centre.unsqueeze(-2) - centre.unsqueeze(-1) * blocks.unsqueeze(-2)
-        cov = cov + centre.unsqueeze(-1) * centre.unsqueeze(-2)
-        self.batches_tracked += 1
-        weight = max(self.momentum, 1.0 / float(self.batches_tracked))
+        # the spread about the mean the forward subtracted: the batch's own (offset 0), or the running one, whose lag
+        # behind a drifting component then counts as spread (whitening shrinks it instead of amplifying it)
+        offset = blocks - self.running_mean.float().view_as(blocks) if self.mode in RUNNING_MODES else 0 * blocks
+        cov = moment - blocks.unsqueeze(-1) * blocks.unsqueeze(-2) + offset.unsqueeze(-1) * offset.unsqueeze(-2)
+        self.batches_tracked += seen.long()
+        weight = torch.where(seen, (1.0 / self.batches_tracked.clamp_min(1)).clamp_min(self.momentum), 0.0)
         self.running_mean.copy_(self.running_mean.float().lerp(mean, weight))
         self.running_cov.copy_(self.running_cov.float().lerp(cov, weight))
         if self.mode in WHITENING_MODES:

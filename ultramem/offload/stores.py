@@ -195,7 +195,7 @@ class DiskValueStore(OffloadedValueStore):
         to `directory/<name>.safetensors` first (a folder on the disk that should serve it: not a RAM-backed /tmp)."""
         if checkpoint is None and directory is not None:
             checkpoint = write_table(table, name, Path(directory))
-        return cls(cls._load(table, name, checkpoint, device, dtype), name)
+        return super().from_table(table, name, checkpoint, device, dtype)
 
     @staticmethod
     def _load(table, name, checkpoint, device, dtype) -> torch.Tensor:

@@ -105,8 +105,8 @@ def health_table(result: RunResult) -> str:
         f"{'memory layer':<14}{'rows read':>11}{'vs uniform':>12}{'KL to uniform':>15}{'input cosine':>14}",
     ]
     for layer in layers:
-        stats = {name: result.health[f"layer_{layer}/{name}"] for name in ("slot_usage", "usage_vs_uniform")}
-        stats.update({name: result.health[f"layer_{layer}/{name}"] for name in ("usage_kl", "input_cosine")})
+        names = ("slot_usage", "usage_vs_uniform", "usage_kl", "input_cosine")
+        stats = {name: result.health[f"layer_{layer}/{name}"] for name in names}
         lines.append(
             f"{layer:<14}{stats['slot_usage']:>10.1%}{stats['usage_vs_uniform']:>12.2f}"
             f"{stats['usage_kl']:>15.2f}{stats['input_cosine']:>14.2f}"
