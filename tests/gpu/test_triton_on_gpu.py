@@ -86,6 +86,12 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
 
 
+def gradient_error(actual: torch.Tensor, expected: torch.Tensor, floor: float) -> float:
+    """max |actual - expected| / max(max |expected|, floor) (float64)."""
+    actual, expected = actual.double(), expected.double()
+    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(floor)).item()
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -245,7 +251,8 @@ def test_model_forward_backward_triton_vs_torch(device, check, dtype):
     """One model, run with the reference and with the Triton kernels: logits, loss and every parameter's gradient.
     A 151M-shaped UltraMem with two of its memory layers (1.2M value rows each) at 2 x 2048 tokens on the GPU.
 
-    float32: Triton against PyTorch directly, logits and loss within 1e-5, every gradient within 1e-4.
+    float32: Triton against PyTorch directly, logits and loss within 1e-5, every gradient within 1e-4 (of its own
+    scale, at least 1% of the model's largest gradient entry).
 
     bfloat16: the two paths round differently, and two things make their logits disagree far beyond the kernels'
     3e-3: the top-k is discrete (a near-tie picks another slot on one path), and a randomly initialised model's
@@ -270,9 +277,13 @@ def test_model_forward_backward_triton_vs_torch(device, check, dtype):
         ref_logits, ref_loss, ref_grads = reference
         check("model triton vs torch: logits", relative_error(logits, ref_logits), 1e-5, **detail)
         check("model triton vs torch: loss", relative_error(loss, ref_loss), 1e-5, **detail)
-        worst = max(ref_grads, key=lambda n: relative_error(grads[n], ref_grads[n]))
-        check("model triton vs torch: worst parameter gradient", relative_error(grads[worst], ref_grads[worst]), 1e-4,
-              parameter=worst, **detail)  # fmt: skip
+        # A gradient the model makes zero (the query's bias ahead of the whitening's centering) is rounding noise:
+        # each gradient is measured against its own scale, floored at 1% of the model's largest gradient entry.
+        floor = 1e-2 * max(g.abs().max().item() for g in ref_grads.values())
+        errors = {n: gradient_error(grads[n], ref_grads[n], floor) for n in ref_grads}
+        worst = max(errors, key=errors.get)
+        check("model triton vs torch: worst parameter gradient", errors[worst], 1e-4, parameter=worst,
+              **detail)  # fmt: skip
         return
     model.to(dtype)
     outputs = {name: model_outputs(model, name, input_ids) for name in ("triton", "torch")}
