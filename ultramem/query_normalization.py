@@ -17,7 +17,7 @@ Modes (`UltraMemConfig.query_norm`), on the projected query before its per-part 
     "batch_norm"      PKM's BatchNorm without affine: each feature standardised (batch statistics in training)
     "batch_whiten"    each (head, query, Tucker part) block of the query whitened: (q - mean) C^(-1/2) with the block's
                       covariance C (the batch's in training, without a gradient through C^(-1/2); the running one at
-                      inference), shrunk towards its mean eigenvalue by `WHITENING_SHRINKAGE`
+                      inference), shrunk towards its median eigenvalue by `WHITENING_SHRINKAGE`
 
 At inference every mode is per token (the running statistics are constants), so cached generation equals
 recomputation. Running statistics are updated from the statistics of the previous training forward, at the start of the
@@ -40,8 +40,10 @@ from transformers import initialization as init
 
 from .configuration_ultramem import BATCH_NORM, BATCH_WHITEN, RUNNING_CENTER, RUNNING_WHITEN, QueryNorm
 
-# Whitening divides by the square root of (1 - s) C + s mean_eigenvalue(C) I: directions with almost no variance are
-# amplified at most 1/sqrt(s) times the typical one, not without bound (noise, and a running mean's small lag)
+# Whitening divides by the square root of (1 - s) C + s median_eigenvalue(C) I: directions with almost no variance are
+# amplified at most 1/sqrt(s) times the typical one, not without bound (noise, and a running mean's small lag). The
+# median, not the mean: one massive direction sets the mean and would flatten every other one (tiny-memoryplus: the
+# query was rank one and its layers read 0.04 of what uniform picks would, 0.?? with the median)
 WHITENING_SHRINKAGE = 0.01
 RUNNING_MODES = (RUNNING_CENTER, RUNNING_WHITEN)  # the same computation in training and at inference
 WHITENING_MODES = (BATCH_WHITEN, RUNNING_WHITEN)
@@ -53,7 +55,7 @@ class QueryNormalization(nn.Module):
 
     Buffers: `running_mean` (G * P), `running_cov` (G, P, P), `whitening` = its shrunk inverse square root
     ("batch_whiten"), `batches_tracked`; `pending_mean`, `pending_moment` (G, P, P) and `pending_count`: the last
-    training forward's mean, second moment and token count, not yet folded into the running statistics (the count is an
+    training forward's mean, second moment about the running mean and token count, not yet folded into the running statistics (the count is an
     integer buffer, so a model cast to bfloat16 still weighs ranks exactly). The running statistics average the first
     1/momentum batches cumulatively, then exponentially (BatchNorm's momentum, with its cumulative start).
     """
@@ -84,13 +86,18 @@ class QueryNormalization(nn.Module):
             return self._normalized(query, self.running_mean, self.running_cov, self.whitening)
         tokens = query.float().flatten(0, -2)  # (N, G * P)
         weight = torch.ones_like(tokens[:, :1]) if padding_mask is None else padding_mask.reshape(-1, 1).float()
-        # This rank's sums: tokens, squared tokens (gradients flow through them, as through BatchNorm's statistics),
-        # the count; and the blocks' outer products (no gradient: the whitening matrix is a constant of the step)
-        sums = torch.cat([(tokens * weight).sum(0), (tokens.square() * weight).sum(0), weight.sum().reshape(1)])
-        blocks = tokens.detach().unflatten(-1, (self.num_blocks, self.block_dim))  # (N, G, P)
+        # Moments about the running mean (the same on every rank, so sums still add over ranks): raw moments lose the
+        # spread to float32 cancellation when the component every token shares dwarfs it, as it does in a collapsing
+        # residual stream (tiny-memoryplus after 120 steps: 93% of the memory input's variance on one direction)
+        shift = self.running_mean.float()
+        shifted = tokens - shift
+        # This rank's sums: shifted tokens, their squares (gradients flow through them, as through BatchNorm's
+        # statistics), the count; and the blocks' outer products (no gradient: the whitening is a constant of the step)
+        sums = torch.cat([(shifted * weight).sum(0), (shifted.square() * weight).sum(0), weight.sum().reshape(1)])
+        blocks = shifted.detach().unflatten(-1, (self.num_blocks, self.block_dim))  # (N, G, P)
         moment = torch.einsum("ngi,ngj->gij", blocks * weight.unsqueeze(-1), blocks)
         local_count = sums[-1].detach().clamp_min(1.0)
-        self.pending_mean.copy_(sums[: tokens.shape[-1]].detach() / local_count)
+        self.pending_mean.copy_(shift + sums[: tokens.shape[-1]].detach() / local_count)
         self.pending_moment.copy_(moment / local_count)
         self.pending_count.copy_(sums[-1].detach().long())
         if self.mode in RUNNING_MODES:  # what inference computes: no token's query depends on the rest of its batch
@@ -98,11 +105,12 @@ class QueryNormalization(nn.Module):
         # The batch is every rank's tokens, as with SyncBatchNorm: several processes compute what one would
         sums, moment = _summed_over_ranks(sums), _summed_over_ranks(moment.contiguous(), differentiable=False)
         count = sums[-1].clamp_min(1.0)
-        mean, squares = sums[:-1].view(2, -1) / count
+        offset, squares = sums[:-1].view(2, -1) / count  # the batch's mean - shift, mean squared deviation from shift
+        mean = shift + offset
         if self.mode == BATCH_NORM:
-            var = (squares - mean.square()).clamp_min(0.0)
+            var = (squares - offset.square()).clamp_min(0.0)
             return ((query.float() - mean) * torch.rsqrt(var + self.eps)).to(query.dtype)
-        centre = mean.detach().view(self.num_blocks, -1)
+        centre = offset.detach().view(self.num_blocks, -1)
         cov = moment / count.detach() - centre.unsqueeze(-1) * centre.unsqueeze(-2)
         return self._normalized(query, mean, cov, inverse_square_root(cov, self.eps))
 
@@ -119,7 +127,8 @@ class QueryNormalization(nn.Module):
         return torch.einsum("...gi,gij->...gj", blocks, whitening.float()).flatten(-2).to(query.dtype)
 
     def pending_sums(self) -> torch.Tensor:
-        """(G P + G P P + 1,) float32: the pending sum, sum of outer products and token count, which add up over ranks."""
+        """(G P + G P P + 1,) float32: the pending sum, sum of outer products about the running mean and token count,
+        which add up over ranks."""
         count = self.pending_count.float()
         sums = (self.pending_mean.float() * count, self.pending_moment.float().flatten() * count, count[None])
         return torch.cat(sums)
@@ -133,12 +142,11 @@ class QueryNormalization(nn.Module):
         count = sums[-1].clamp_min(1.0)
         features = self.running_mean.numel()
         mean = sums[:features] / count
-        blocks = mean.view(self.num_blocks, -1)
-        moment = sums[features:-1].view_as(self.running_cov) / count
-        # the spread about the mean the forward subtracted: the batch's own (offset 0), or the running one, whose lag
-        # behind a drifting component then counts as spread (whitening shrinks it instead of amplifying it)
-        offset = blocks - self.running_mean.float().view_as(blocks) if self.mode in RUNNING_MODES else 0 * blocks
-        cov = moment - blocks.unsqueeze(-1) * blocks.unsqueeze(-2) + offset.unsqueeze(-1) * offset.unsqueeze(-2)
+        moment = sums[features:-1].view_as(self.running_cov) / count  # about the running mean (the forwards' shift)
+        # the spread about the mean the forward subtracted: the running one, whose lag behind a drifting component
+        # then counts as spread (whitening shrinks it instead of amplifying it), or the batch's own
+        offset = (mean - self.running_mean.float()).view(self.num_blocks, -1)
+        cov = moment if self.mode in RUNNING_MODES else moment - offset.unsqueeze(-1) * offset.unsqueeze(-2)
         self.batches_tracked += seen.long()
         weight = torch.where(seen, (1.0 / self.batches_tracked.clamp_min(1)).clamp_min(self.momentum), 0.0)
         self.running_mean.copy_(self.running_mean.float().lerp(mean, weight))
@@ -148,12 +156,12 @@ class QueryNormalization(nn.Module):
 
 
 def inverse_square_root(cov: torch.Tensor, eps: float) -> torch.Tensor:
-    """((1 - s) C + s m I + eps I)^(-1/2) of symmetric (..., P, P) covariances, m the mean eigenvalue, s the
+    """((1 - s) C + s m I + eps I)^(-1/2) of symmetric (..., P, P) covariances, m the median eigenvalue, s the
     shrinkage: the symmetric (ZCA) whitening matrix, which rotates the query least."""
     eigenvalues, eigenvectors = torch.linalg.eigh(cov.double())
     eigenvalues = eigenvalues.clamp_min(0.0)
-    mean = eigenvalues.mean(-1, keepdim=True)
-    scale = ((1 - WHITENING_SHRINKAGE) * eigenvalues + WHITENING_SHRINKAGE * mean + eps).rsqrt()
+    typical = eigenvalues.median(-1, keepdim=True).values
+    scale = ((1 - WHITENING_SHRINKAGE) * eigenvalues + WHITENING_SHRINKAGE * typical + eps).rsqrt()
     return ((eigenvectors * scale.unsqueeze(-2)) @ eigenvectors.transpose(-1, -2)).to(cov.dtype)
 
 

@@ -54,7 +54,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--learning_rate", type=float, default=2e-3, help="Peak LR (values start at 10x).")
     parser.add_argument("--eval_blocks", type=int, default=32, help="Validation blocks for the evaluations.")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--models", nargs="+", default=list(MODELS), metavar="PRESET",
+        help="Presets to train with this recipe, the first kept and sampled (e.g. add tiny-ultramemv2 tiny-memoryplus).",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.models if name not in presets.PRESETS]
+    if unknown:
+        parser.error(f"--models: unknown preset(s) {', '.join(unknown)}; allowed: {', '.join(sorted(presets.PRESETS))}")
+    return args
 
 
 def train_one(preset: str, args: argparse.Namespace, config_overrides: str | None = None) -> RunResult:
@@ -151,17 +159,19 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     os.makedirs(args.output_dir, exist_ok=True)
     results = []
-    for index, preset in enumerate(MODELS, start=1):
-        print(f"\n[{index}/{len(MODELS)}] training {preset} for {args.max_steps} steps", flush=True)
+    for index, preset in enumerate(args.models, start=1):
+        print(f"\n[{index}/{len(args.models)}] training {preset} for {args.max_steps} steps", flush=True)
         results.append(train_one(preset, args))
     plot_path = os.path.join(args.output_dir, "loss_curve.png")
     plot_losses(results, plot_path)
     checkpoint = results[0].output_dir
     print("\n" + comparison_table(results))
-    print("\n" + health_table(results[0]))
+    for result in results:
+        if result.health:
+            print("\n" + health_table(result))
     print(f"\nloss curve: {plot_path}")
     print(f"UltraMem checkpoint: {checkpoint}  (AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True))")
-    print(f"sample from {MODELS[0]}: {sample(checkpoint, args.seed)!r}")
+    print(f"sample from {args.models[0]}: {sample(checkpoint, args.seed)!r}")
 
 
 if __name__ == "__main__":
