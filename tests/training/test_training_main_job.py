@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ultramem.training.main_job import MODELS, PROMPT, main
+from ultramem.training.main_job import MODELS, PROMPT, main, parse_args
 
 
 def test_main_job_prints_the_comparison_writes_the_plot_and_a_loadable_checkpoint(tmp_path, capsys):
@@ -24,3 +25,12 @@ def test_main_job_prints_the_comparison_writes_the_plot_and_a_loadable_checkpoin
     model = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True)
     assert model.config.model_type == "ultramem" and model.get_value_table_names()
     assert AutoTokenizer.from_pretrained(checkpoint).eos_token == "<|endoftext|>"
+
+
+def test_main_job_models_are_checked_before_any_training(capsys):
+    """`--models` takes presets; an unknown name is one error line naming the field and the allowed presets."""
+    assert parse_args([]).models == list(MODELS)
+    with pytest.raises(SystemExit):
+        parse_args(["--models", "tiny-ultramem", "tiny-ultramem-typo"])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--models: unknown preset(s) tiny-ultramem-typo; allowed:" in error and "tiny-memoryplus" in error
