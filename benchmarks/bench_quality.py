@@ -372,8 +372,11 @@ class QualityRecorder(TrainerCallback):
         if state.global_step in self.eval_steps:
             self._evaluate(model, state.global_step)
 
-    def on_train_end(self, args, state, control, model=None, **kwargs):  # noqa: ANN001, D102
-        """Retrieval health of every memory layer on held-out text, once trained (`retrieval_diagnostics`)."""
+    def measure_trained(self, model: torch.nn.Module) -> None:
+        """The model `train` saved (its query statistics recomputed with the final weights): the last point of the
+        curve, and the retrieval health of every memory layer on held-out text (`retrieval_diagnostics`). Measured
+        inside training, before that recomputation, stale statistics made healthy layers look collapsed."""
+        self.curve[-1]["val_loss"] = lm_validation_loss(model, self.blocks, self.eval_batch_size, self.bf16)
         if getattr(model.config, "memory_layers", None):
             blocks = self.blocks[:HEALTH_BLOCKS].to(next(model.parameters()).device)
             with torch.autocast(blocks.device.type, dtype=torch.bfloat16, enabled=self.bf16):
@@ -426,8 +429,9 @@ def train_one(
     output_dir = work / f"{row.key}-seed{seed}"
     arguments, argv = train_arguments(row, seed, settings, data, output_dir)
     start = time.perf_counter()
-    train(*arguments, callbacks=[recorder])
+    trained = train(*arguments, callbacks=[recorder]).trainer.model
     wall = time.perf_counter() - start
+    recorder.measure_trained(trained)
     shutil.rmtree(output_dir)  # the benchmark keeps the curve, not the weights
     tokens_per_step = settings["batch_size"] * settings["block_size"]
     for point in recorder.curve:

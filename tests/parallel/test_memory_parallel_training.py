@@ -87,8 +87,10 @@ def test_sharded_tables_match_single_process(setup, partitioning, launcher):
     )
     for entry in logs[1:]:
         assert entry["value_learning_rate"] / entry["learning_rate"] == pytest.approx(entry["value_lr_multiplier"])
-    # the checkpoint written from the shards loads in one process and gives the single-process model's logits
-    torch.testing.assert_close(_logits(folder / name), _logits(folder / "single"), rtol=1e-4, atol=1e-4)
+    # the checkpoint written from the shards loads in one process and gives the single-process model's logits; 3e-4:
+    # the query's whitening amplifies its small directions up to 10x the median one, and with them the fp32 order
+    # of the statistics' sums (measured: one logit in 3.2M off by 1.5e-4)
+    torch.testing.assert_close(_logits(folder / name), _logits(folder / "single"), rtol=3e-4, atol=3e-4)
 
 
 def test_memory_parallel_without_a_process_group_is_a_usage_error(setup):
