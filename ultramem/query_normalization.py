@@ -43,7 +43,7 @@ from .configuration_ultramem import BATCH_NORM, BATCH_WHITEN, RUNNING_CENTER, RU
 # Whitening divides by the square root of (1 - s) C + s median_eigenvalue(C) I: directions with almost no variance are
 # amplified at most 1/sqrt(s) times the typical one, not without bound (noise, and a running mean's small lag). The
 # median, not the mean: one massive direction sets the mean and would flatten every other one (tiny-memoryplus: the
-# query was rank one and its layers read 0.04 of what uniform picks would, 0.?? with the median)
+# query was rank one and its layers read 0.04 of what uniform picks would, 0.49 and 0.54 with the median)
 WHITENING_SHRINKAGE = 0.01
 RUNNING_MODES = (RUNNING_CENTER, RUNNING_WHITEN)  # the same computation in training and at inference
 WHITENING_MODES = (BATCH_WHITEN, RUNNING_WHITEN)
@@ -55,8 +55,8 @@ class QueryNormalization(nn.Module):
 
     Buffers: `running_mean` (G * P), `running_cov` (G, P, P), `whitening` = its shrunk inverse square root
     ("batch_whiten"), `batches_tracked`; `pending_mean`, `pending_moment` (G, P, P) and `pending_count`: the last
-    training forward's mean, second moment about the running mean and token count, not yet folded into the running statistics (the count is an
-    integer buffer, so a model cast to bfloat16 still weighs ranks exactly). The running statistics average the first
+    training forward's mean, second moment about the running mean and token count, not yet folded into the running
+    statistics (the count is an integer buffer, so a model cast to bfloat16 still weighs ranks exactly). The running statistics average the first
     1/momentum batches cumulatively, then exponentially (BatchNorm's momentum, with its cumulative start).
     """
 
