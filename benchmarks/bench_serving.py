@@ -1,24 +1,26 @@
-"""Serving throughput and latency: vLLM (`ultramem.vllm`) against Transformers' `generate`, UltraMem and dense.
+"""Serving throughput and latency: vLLM (`ultramem.vllm`) against Transformers' `generate`, for the family and int4.
 
-For each model (a preset of `ultramem.presets`, random weights, saved with the shipped tokenizer) both engines get
-the same `--requests` prompts of `--prompt-len` random tokens and generate `--max-tokens` tokens greedily:
-- Transformers: `generate` on batches of `--max-num-seqs` prompts (equal lengths: no padding), one after another;
-- vLLM: one `LLM.generate` call with all requests, `max_num_seqs=--max-num-seqs` (continuous batching).
-Reported: requests/s and generated tokens/s over the whole run, and the time to first token of one batch of
-`--max-num-seqs` requests arriving together (the same prompts with one token to generate), median of `--iters`.
-Each vLLM engine runs in a child process (its start-up, 20-60 s on CPU, is not timed).
+For each model (a preset of `ultramem.presets` with random weights, saved with the shipped tokenizer; `PRESET:int4` is
+that checkpoint converted by `python -m ultramem.quantize`) both engines get the same `--requests` prompts of
+`--prompt-len` random tokens and generate `--max-tokens` tokens greedily, `b` requests at a time for each batch size
+`b` of `--batch-sizes`:
+- Transformers: `generate` on batches of `b` prompts (equal lengths: no padding), one after another;
+- vLLM: one engine per model (`max_num_seqs` = the largest `b`), given `b` requests per `LLM.generate` call.
+Reported per model, engine and batch size: requests/s and generated tokens/s over the whole run, and the time to first
+token of `b` requests arriving together (the same prompts with one token to generate), median of `--iters`. Each vLLM
+engine runs in a child process; its start-up (20-60 s on CPU, minutes more to compile) is not timed.
 
-Run it in the vLLM environment (.ci/vllm_tests.sh builds .venv-vllm). CPU (tiny presets, float32, a few minutes; one
-thread: on shared cores two spinning OpenMP threads made `generate` 6x slower):
+Run it in the vLLM environment (.ci/vllm_tests.sh builds .venv-vllm). CPU (tiny presets, float32, about 15 minutes;
+one thread: on shared cores two spinning OpenMP threads made `generate` 6x slower):
 
-    OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=2 .venv-vllm/bin/python benchmarks/bench_serving.py --sizes tiny --iters 5
+    OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=2 .venv-vllm/bin/python benchmarks/bench_serving.py --sizes tiny --iters 3
 
-GPU (a vLLM build for CUDA, bf16; not run yet). vLLM runs eagerly (`enforce_eager`): the UltraMem class is not
-compiled (docs/serving.md):
+GPU (a vLLM build for CUDA, bf16; not run yet):
 
-    python benchmarks/bench_serving.py --device cuda --sizes tiny,small --requests 256 --max-num-seqs 64
+    python benchmarks/bench_serving.py --device cuda --sizes tiny,small --requests 256 --batch-sizes 1,8,64
 
-Writes benchmarks/results/serving_<device>.json and .png; the table is printed last.
+vLLM compiles the model (torch.compile, docs/serving.md) unless `--enforce-eager`. Writes
+benchmarks/results/serving_<device>.json and .png; the table is printed last.
 """
 
 from __future__ import annotations
@@ -37,7 +39,10 @@ import torch
 from lib import cli, models, report
 from lib.env import environment
 
-MODELS = {"tiny": ("tiny-dense", "tiny-ultramem"), "small": ("small-dense", "small-ultramem")}
+MODELS = {
+    size: (f"{size}-dense", f"{size}-ultramem", f"{size}-ultramemv2", f"{size}-ultramem:int4")
+    for size in ("tiny", "small")
+}
 ENGINES = ("transformers", "vllm")
 
 
@@ -48,7 +53,8 @@ def parse_args():
     add("--requests", type=int, default=32, help="prompts per run")
     add("--prompt-len", type=int, default=64, help="tokens per prompt")
     add("--max-tokens", type=int, default=32, help="tokens generated per request")
-    add("--max-num-seqs", type=int, default=8, help="vLLM's concurrent sequences; Transformers' batch size")
+    add("--batch-sizes", type=_batch_sizes, default=[1, 8, 32], help="comma-separated requests served together")
+    add("--enforce-eager", action="store_true", help="vLLM without torch.compile")
     add(
         "--vllm-child", nargs=2, metavar=("REQUEST", "RESULT"), help=argparse.SUPPRESS
     )  # internal: the child that runs one engine
@@ -56,11 +62,21 @@ def parse_args():
     if args.vllm_child:
         return args
     args = cli.resolve(args, "serving")
-    cli.at_least(args, requests=1, prompt_len=1, max_tokens=1, max_num_seqs=1)
+    cli.at_least(args, requests=1, prompt_len=1, max_tokens=1)
     for size in args.sizes:
         if size not in MODELS:
             raise SystemExit(f"--sizes: {size!r} is not one of {sorted(MODELS)}")
     return args
+
+
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated integers >= 1, e.g. 1,8,32")
+    return sizes
 
 
 def prompts(args) -> list[list[int]]:
@@ -68,40 +84,57 @@ def prompts(args) -> list[list[int]]:
     return torch.randint(10, 50000, (args.requests, args.prompt_len), generator=generator).tolist()
 
 
-def save_model(preset: str, folder: Path, args) -> torch.nn.Module:
+def save_model(name: str, folder: Path, args) -> tuple[torch.nn.Module, Path]:
+    """The model `name` (PRESET or PRESET:FORMAT) with random weights, saved with the tokenizer: the model as
+    Transformers loads it from there, and the folder vLLM serves."""
+    from transformers import AutoModelForCausalLM
+
+    from ultramem.quantize import convert
     from ultramem.tokenization import load_tokenizer
 
+    preset, _, format = name.partition(":")
     model = models.build(preset, args.device, args.dtype).eval()
-    model.save_pretrained(folder)
-    load_tokenizer().save_pretrained(folder)
-    return model
+    model.save_pretrained(folder / "float")
+    load_tokenizer().save_pretrained(folder / "float")
+    if not format:
+        return model, folder / "float"
+    served = convert(folder / "float", folder / format, format)
+    load_tokenizer().save_pretrained(served)
+    return AutoModelForCausalLM.from_pretrained(served, dtype=args.dtype).to(args.device).eval(), served
 
 
-def run_transformers(model: torch.nn.Module, batch: list[list[int]], args) -> dict[str, float]:
+def run_transformers(model: torch.nn.Module, batch: list[list[int]], args) -> list[dict[str, Any]]:
     def generate(ids: list[list[int]], new_tokens: int) -> None:
         inputs = torch.tensor(ids, device=args.device)
         with torch.no_grad():
             model.generate(inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
 
-    first = batch[: args.max_num_seqs]
-    generate(first, 2)  # warm-up
-    ttft = [_timed(lambda: generate(first, 1), args.device) for _ in range(args.iters)]
-    total = sum(
-        _timed(lambda i=i: generate(batch[i : i + args.max_num_seqs], args.max_tokens), args.device)
-        for i in range(0, len(batch), args.max_num_seqs)
-    )
-    return _rates(total, statistics.median(ttft), args)
+    rows = []
+    for size in args.batch_sizes:
+        first = batch[:size]
+        generate(first, 2)  # warm-up
+        ttft = [_timed(lambda: generate(first, 1), args.device) for _ in range(args.iters)]
+        total = sum(
+            _timed(lambda i=i: generate(batch[i : i + size], args.max_tokens), args.device)
+            for i in range(0, len(batch), size)
+        )
+        rows.append(dict(batch=size, **_rates(total, statistics.median(ttft), args)))
+    return rows
 
 
-def run_vllm(folder: Path, batch: list[list[int]], args) -> dict[str, float]:
+def run_vllm(folder: Path, batch: list[list[int]], args) -> list[dict[str, Any]]:
     """One engine in a child process (`--vllm-child`), so its workers are gone when it returns."""
-    request, result = folder / "vllm-request.json", folder / "vllm-result.json"
+    request, result = folder.parent / "vllm-request.json", folder.parent / "vllm-result.json"
     dtype = str(args.dtype).removeprefix("torch.")
-    settings = dict(model=str(folder), dtype=dtype, max_num_seqs=args.max_num_seqs, enforce_eager=True)
-    request.write_text(json.dumps(dict(engine=settings, batch=batch, iters=args.iters, max_tokens=args.max_tokens)))
+    engine = dict(model=str(folder), dtype=dtype, max_num_seqs=max(args.batch_sizes), enforce_eager=args.enforce_eager)
+    request.write_text(json.dumps(dict(engine=engine, batch=batch, iters=args.iters, max_tokens=args.max_tokens,
+                                       batch_sizes=args.batch_sizes)))  # fmt: skip
     subprocess.run([sys.executable, __file__, "--vllm-child", str(request), str(result)], check=True)
     times = json.loads(result.read_text())
-    return _rates(times["total"], statistics.median(times["ttft"]), args)
+    return [
+        dict(batch=size, **_rates(total, statistics.median(ttft), args))
+        for size, total, ttft in zip(args.batch_sizes, times["total"], times["ttft"], strict=True)
+    ]
 
 
 def vllm_child(request_file: str, result_file: str) -> None:
@@ -111,14 +144,20 @@ def vllm_child(request_file: str, result_file: str) -> None:
     request = json.loads(Path(request_file).read_text())
     llm = LLM(**request["engine"], max_model_len=1024, seed=0)
     batch = [TokensPrompt(prompt_token_ids=ids) for ids in request["batch"]]
-    first = batch[: request["engine"]["max_num_seqs"]]
 
     def generate(prompts: list, new_tokens: int) -> None:
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
 
-    generate(first, 2)  # warm-up
-    ttft = [_timed(lambda: generate(first, 1), None) for _ in range(request["iters"])]
-    total = _timed(lambda: generate(batch, request["max_tokens"]), None)
+    ttft, total = [], []
+    for size in request["batch_sizes"]:
+        generate(batch[:size], 2)  # warm-up
+        ttft.append([_timed(lambda: generate(batch[:size], 1), None) for _ in range(request["iters"])])
+        total.append(
+            sum(
+                _timed(lambda i=i: generate(batch[i : i + size], request["max_tokens"]), None)
+                for i in range(0, len(batch), size)
+            )
+        )
     Path(result_file).write_text(json.dumps(dict(ttft=ttft, total=total)))
 
 
@@ -149,42 +188,37 @@ def main() -> None:
     batch = prompts(args)
     rows: list[dict[str, Any]] = []
     for size in args.sizes:
-        for preset in MODELS[size]:
+        for name in MODELS[size]:
             with tempfile.TemporaryDirectory() as folder:
-                model = save_model(preset, Path(folder), args)
-                rows.append(dict(model=preset, engine="transformers", **run_transformers(model, batch, args)))
+                model, served = save_model(name, Path(folder), args)
+                rows += [dict(model=name, engine="transformers", **row) for row in run_transformers(model, batch, args)]
                 del model
-                rows.append(dict(model=preset, engine="vllm", **run_vllm(Path(folder), batch, args)))
-            print(rows[-2], rows[-1], flush=True)
+                rows += [dict(model=name, engine="vllm", **row) for row in run_vllm(served, batch, args)]
+            print(*rows[-2 * len(args.batch_sizes) :], sep="\n", flush=True)
     settings = dict(dtype=args.dtype, requests=args.requests, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
-                    max_num_seqs=args.max_num_seqs, iters=args.iters)  # fmt: skip
+                    batch_sizes=args.batch_sizes, iters=args.iters, enforce_eager=args.enforce_eager)  # fmt: skip
     path = report.write_json(
         args.results_dir / f"{args.name}.json", {"environment": environment(args.device, **settings), "rows": rows}
     )
     if not args.no_plot:
         report.plot(path.with_suffix(".png"), _panels(rows), suptitle=f"serving, {environment(args.device)['device']}")
     print(f"wrote {path}")
-    columns = {"model": "model", "engine": "engine", "requests_per_s": "requests/s", "tokens_per_s": "tokens/s",
+    columns = {"model": "model", "engine": "engine", "batch": "batch", "requests_per_s": "requests/s", "tokens_per_s": "tokens/s",
                "ttft_ms": "TTFT ms"}  # fmt: skip
     print(report.format_table(rows, columns))
 
 
 def _panels(rows: list[dict[str, Any]]) -> list[report.Panel]:
-    names = list(dict.fromkeys(row["model"] for row in rows))
-
-    def ticks(axis) -> None:
-        axis.set_xticks(range(len(names)), names, fontsize=7)
-
+    """Generated tokens/s and time to first token against the batch size, a line per model and engine."""
+    names = sorted({f"{row['model']} {row['engine']}" for row in rows})
     panels = []
     for key, title in (("tokens_per_s", "generated tokens/s"), ("ttft_ms", "time to first token (ms)")):
-        series = {
-            engine: (
-                list(range(len(names))),
-                [next(r[key] for r in rows if r["model"] == n and r["engine"] == engine) for n in names],
-            )
-            for engine in ENGINES
-        }
-        panels.append(report.Panel(title, title, series, xlog=False, linestyle="none", draw=ticks))
+        lines = {
+            name: ([r["batch"] for r in rows if f"{r['model']} {r['engine']}" == name],
+                   [r[key] for r in rows if f"{r['model']} {r['engine']}" == name])
+            for name in names
+        }  # fmt: skip
+        panels.append(report.Panel(title, title, lines, xlabel="requests served together", ylog=True))
     return panels
 
 

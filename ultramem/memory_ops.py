@@ -225,7 +225,10 @@ def chunk_bags(
     index = rows.unsqueeze(1) * num_chunks + chunk  # (T, C, K): samples ordered (token, chunk, group)
     token_chunk = torch.arange(num_tokens * num_chunks, device=rows.device).view(num_tokens, num_chunks, 1)
     bag_of_sample = (token_chunk * num_groups + groups.unsqueeze(1)).flatten()  # (token, chunk, group), ascending
-    offsets = _run_starts(torch.bincount(bag_of_sample, minlength=num_tokens * num_chunks * num_groups))
+    # the first sample of every bag, found in the ascending samples: a fixed-length result (bincount's length depends
+    # on the data, which torch.compile specialises on its first batch)
+    bags = torch.arange(num_tokens * num_chunks * num_groups, device=rows.device)
+    offsets = torch.searchsorted(bag_of_sample, bags)
     return index.flatten(), offsets, chunk_scores.transpose(1, 2).flatten(), bag_of_sample
 
 

@@ -119,16 +119,30 @@ def reference_ids(model: torch.nn.Module, batch: list[list[int]], max_new_tokens
     return outputs
 
 
+# Two CPU workers (tensor_parallel_size=2): vLLM binds each to a NUMA node unless told the cores; this machine has one
+TENSOR_PARALLEL_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+
 def run_engine(path: Path, batches: list[list[list[int]]], max_tokens: int, **engine) -> dict:
-    """Greedy token ids of every prompt of every batch (one `generate` call per batch, in order, on one engine), and
-    the engine's counters (`vllm:prefix_cache_hits`, `vllm:num_preemptions`, ...)."""
+    """Greedy token ids of every prompt of every batch (one `generate` call per batch, in order, on one engine), the
+    engine's counters (`vllm:prefix_cache_hits`, `vllm:num_preemptions`, ...), and the rows of each value table as
+    each worker holds them (`table_rows`)."""
     request = path.parent / f"{path.name}-request.json"
     result = path.parent / f"{path.name}-result.json"
     request.write_text(json.dumps(dict(model=str(path), batches=batches, max_tokens=max_tokens, engine=engine)))
-    subprocess.run(
-        [sys.executable, __file__, str(request), str(result)], check=True, timeout=400, env={**os.environ, **ENGINE_ENV}
-    )
+    env = {**os.environ, **ENGINE_ENV, **(TENSOR_PARALLEL_ENV if engine.get("tensor_parallel_size", 1) > 1 else {})}
+    subprocess.run([sys.executable, __file__, str(request), str(result)], check=True, timeout=400, env=env)
     return json.loads(result.read_text())
+
+
+def value_table_rows(model: torch.nn.Module) -> dict[str, int]:
+    """Rows of every value and pre-value table a worker's model holds, by checkpoint name (run in each worker)."""
+    tables = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    return {
+        name: tensor.shape[0]
+        for name, tensor in tables.items()
+        if name.endswith(("values.weight", "value_pool.weight"))
+    }
 
 
 def _serve_request(request_file: str, result_file: str) -> None:
@@ -143,7 +157,12 @@ def _serve_request(request_file: str, result_file: str) -> None:
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sampling, use_tqdm=False)
         ids.append([list(output.outputs[0].token_ids) for output in outputs])
     counters = {metric.name: metric.value for metric in llm.get_metrics() if hasattr(metric, "value")}
-    Path(result_file).write_text(json.dumps(dict(ids=ids, counters=counters)))
+    tables = None
+    if os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION"):  # pickled by reference: a module, not __main__
+        from serving_support import value_table_rows as in_workers
+
+        tables = llm.apply_model(in_workers)
+    Path(result_file).write_text(json.dumps(dict(ids=ids, counters=counters, table_rows=tables)))
 
 
 if __name__ == "__main__":

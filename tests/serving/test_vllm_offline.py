@@ -127,13 +127,14 @@ FAMILY_ENGINE = dict(
 )
 
 
-def _serve_and_compare(path, model) -> None:
+def _serve_and_compare(path, model, **engine) -> dict:
     first = prompts([1, 7, 40, 120, 150], seed=6)
     second = prompts([5, 20], seed=7, prefix=first[-1][:140])
-    result = run_engine(path, [first, second], MAX_TOKENS, **FAMILY_ENGINE)
+    result = run_engine(path, [first, second], MAX_TOKENS, **{**FAMILY_ENGINE, **engine})
     for got, batch in zip(result["ids"], (first, second), strict=True):
         assert_same_ids(got, reference_ids(model, batch, MAX_TOKENS), batch)
     assert result["counters"]["vllm:prefix_cache_hits"] > 0, result["counters"]
+    return result
 
 
 @pytest.mark.parametrize("variant", [V2, MEMORY_PLUS, PEER_GELU], ids=["ultramemv2", "memory_plus", "peer_gelu_conv4"])
@@ -143,6 +144,36 @@ def test_family_under_batching_chunked_prefill_and_prefix_caching(variant, tmp_p
     modules, served."""
     path = tmp_path / "checkpoint"
     _serve_and_compare(path, build_checkpoint(path, **variant))
+
+
+@pytest.mark.parametrize("variant", [{}, V2], ids=["ultramem", "ultramemv2"])
+def test_compiled_mode(variant, tmp_path):
+    """Without `enforce_eager`, vLLM traces the whole model with Dynamo (the query conv, a custom op, stays opaque) and
+    compiles it for batch sizes it has not seen: the same tokens as Transformers, hence as eager mode. The lookup's
+    bag offsets used to have a data-dependent length, which the compiled graph specialised on the warm-up batch."""
+    path = tmp_path / "checkpoint"
+    _serve_and_compare(path, build_checkpoint(path, **variant), enforce_eager=False)
+
+
+@pytest.mark.parametrize("variant", ["int4", "ultramemv2"])
+def test_tensor_parallel_shards_the_value_rows(variant, tucker, tmp_path):
+    """tensor_parallel_size=2, two CPU worker processes: each holds half of the rows of every value table (the int4
+    tables of the skip-layer model with a kernel-5 conv; UltraMemV2's shared pool and PEER pre-values, read through
+    `lookup_dot`) and the greedy tokens are Transformers' (so those of tensor_parallel_size=1, tested above)."""
+    if variant == "int4":
+        path = tmp_path / "int4"
+        subprocess.run(
+            [sys.executable, "-m", "ultramem.quantize", str(tucker[0]), str(path), "--format", "int4"], check=True
+        )
+        model = UltraMemForCausalLM.from_pretrained(path).eval()
+    else:
+        path = tmp_path / "checkpoint"
+        model = build_checkpoint(path, **V2)
+    result = _serve_and_compare(path, model, tensor_parallel_size=2)
+    whole = {name: model.get_parameter_or_buffer(name).shape[0] for name in model.get_value_table_names()}
+    assert len(whole) >= 2 and len(result["table_rows"]) == 2, result["table_rows"]
+    for rank in result["table_rows"]:
+        assert rank == {name: rows // 2 for name, rows in whole.items()}, (rank, whole)
 
 
 @pytest.mark.parametrize("format", ["int8", "int4"])
@@ -177,7 +208,8 @@ def test_offloaded_tables_are_refused():
 @pytest.mark.parametrize(
     "setting, match",
     [
-        (dict(tensor_parallel_size=2), "tensor_parallel_size=2"),
+        (dict(tensor_parallel_size=3), "tensor_parallel_size=3 does not divide UltraMemConfig.memory_num_values"),
+        (dict(tensor_parallel_size=4), "tensor_parallel_size=4 does not divide num_attention_heads=2"),
         (dict(pipeline_parallel_size=2), "pipeline_parallel_size=2"),
         (dict(speculative_config=object()), "speculative decoding"),
     ],

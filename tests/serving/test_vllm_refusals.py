@@ -57,7 +57,7 @@ def checkpoint(tmp_path_factory):
 @pytest.mark.parametrize(
     "engine, message",
     [
-        (dict(tensor_parallel_size=2), "tensor_parallel_size=2 is not supported by ultramem.vllm"),
+        (dict(tensor_parallel_size=3), "tensor_parallel_size=3 does not divide UltraMemConfig.memory_num_values"),
         (dict(hf_overrides={"memory_offload": "disk"}), "UltraMemConfig.memory_offload='disk'"),
     ],
     ids=["tensor_parallel", "offloaded_tables"],

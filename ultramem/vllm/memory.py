@@ -10,42 +10,64 @@ whole). So whatever the Transformers model computes at inference, the served mod
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 from torch import nn
 from vllm.config import CacheConfig, ModelConfig
+from vllm.distributed import get_tensor_model_parallel_world_size
 
 from ultramem.modeling_ultramem import MemoryInitScales, UltraMemMemoryLayer, build_value_tables
 from ultramem.quantized import QuantizedValueTable
 from ultramem.quantized.format import quantized_width, resolve_group_size
-from ultramem.value_stores import deferred_value_tables
+from ultramem.value_stores import DeferredValueTable, MemoryValueTable, deferred_value_tables
 
 from .query_conv import QueryConv
+from .tensor_parallel import TensorParallelRows
 
 
 def build_memory_layer(
     config, memory_idx: int, model_config: ModelConfig | None, cache_config: CacheConfig | None, prefix: str
 ) -> UltraMemMemoryLayer:
-    """The Transformers memory layer `memory_idx`, its query conv (kernel > 1) a vLLM state layer, its value table
-    quantized when the config says so. `prefix`: the layer's module name (the conv's state is bound by name)."""
-    with deferred_value_tables() if config.memory_quantization else nullcontext():
+    """The Transformers memory layer `memory_idx`, its query conv (kernel > 1) a vLLM state layer, its tables this
+    rank's (`served_tables`). `prefix`: the layer's module name (the conv's state is bound by name)."""
+    with deferred_value_tables():
         layer = UltraMemMemoryLayer(config, memory_idx)
     conv = layer.query.conv
     if conv is not None and conv.kernel_size > 1:
         layer.query.conv = QueryConv(
             config.hidden_size, conv.kernel_size, model_config, cache_config, f"{prefix}.query.conv"
         )
-    if config.memory_quantization:
-        layer.values = quantized_table(config, config.memory_num_values)
+    if layer.values is not None:
+        layer.values, layer.pre_values = served_tables(
+            config, layer.values, layer.pre_values, config.memory_quantization
+        )
     return layer
 
 
 def build_value_pool(config) -> tuple[nn.Module | None, nn.Module | None]:
-    """The value pool and pre-value pool shared by the memory layers (`value_pool_size`), as the model builds them."""
+    """The value pool and pre-value pool shared by the memory layers (`value_pool_size`), this rank's rows of them."""
     if config.value_pool_size is None:
         return None, None
-    return build_value_tables(config, config.value_pool_size, MemoryInitScales.from_config(config))
+    with deferred_value_tables():
+        values, pre_values = build_value_tables(config, config.value_pool_size, MemoryInitScales.from_config(config))
+    return served_tables(config, values, pre_values, None)
+
+
+def served_tables(
+    config, values: DeferredValueTable, pre_values: DeferredValueTable | None, quantization: str | None
+) -> tuple[nn.Module, nn.Module | None]:
+    """The value (and pre-value) table in place of their placeholders: float, or the values in `quantization`'s format;
+    across a tensor-parallel group of P ranks, this rank's N/P rows behind `TensorParallelRows`."""
+    size = get_tensor_model_parallel_world_size()
+
+    def table(deferred: DeferredValueTable, quantized: bool) -> nn.Module:
+        rows = deferred.num_embeddings // size
+        if quantized:
+            local = quantized_table(config, rows)
+        else:
+            local = MemoryValueTable(rows, deferred.embedding_dim, deferred.init_std)
+        return local if size == 1 else TensorParallelRows(local, deferred.num_embeddings)
+
+    return table(values, bool(quantization)), None if pre_values is None else table(pre_values, False)
 
 
 def quantized_table(config, num_rows: int) -> QuantizedValueTable:

@@ -14,7 +14,9 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import CacheConfig, VllmConfig
+from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import get_act_fn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -43,7 +45,8 @@ class UltraMemAttention(nn.Module):
     def __init__(self, config, cache_config: CacheConfig | None, prefix: str):
         super().__init__()
         num_heads, self.head_dim = config.num_attention_heads, config.hidden_size // config.num_attention_heads
-        self.q_size = num_heads * self.head_dim
+        local_heads = num_heads // get_tensor_model_parallel_world_size()  # this rank's heads
+        self.q_size = local_heads * self.head_dim
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
             self.head_dim,
@@ -53,7 +56,7 @@ class UltraMemAttention(nn.Module):
             prefix=f"{prefix}.qkv_proj",
         )
         self.o_proj = RowParallelLinear(
-            self.q_size, config.hidden_size, bias=config.attention_bias, prefix=f"{prefix}.o_proj"
+            num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias, prefix=f"{prefix}.o_proj"
         )
         self.rotary_emb = get_rope(
             self.head_dim,
@@ -62,7 +65,7 @@ class UltraMemAttention(nn.Module):
             rope_parameters=config.rope_parameters,
         )
         self.attn = Attention(
-            num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads=num_heads, cache_config=cache_config,
+            local_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads=local_heads, cache_config=cache_config,
             prefix=f"{prefix}.attn",
         )  # fmt: skip
 
@@ -120,6 +123,7 @@ class UltraMemDecoderLayer(nn.Module):
         return hidden_states if memory_output is None else hidden_states + memory_output
 
 
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0})
 class UltraMemModel(nn.Module):
     """Embedding, the blocks with their memory layers, final LayerNorm: token ids (T,) -> hidden states (T, D).
 
@@ -173,8 +177,10 @@ class UltraMemModel(nn.Module):
 class UltraMemForCausalLM(nn.Module, HasInnerState, IsHybrid):
     """vLLM's UltraMem causal LM. Hybrid: each memory layer's query convolution keeps a (D, k-1) state per request.
 
-    Tensor and pipeline parallelism, speculative decoding and offloaded tables are refused with one line
-    (`support.check_supported`, which vLLM also runs in the main process before the engine starts).
+    Under tensor parallelism the attention heads, the MLP and the value tables' rows are split across the group (the
+    memory layers' other parts are replicated). Pipeline parallelism, speculative decoding and offloaded tables are
+    refused with one line (`support.check_supported`, which vLLM also runs in the main process before the engine
+    starts).
     """
 
     # checkpoint name -> (this model's parameter, shard of the fused QKV projection)

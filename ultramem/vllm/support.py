@@ -46,16 +46,30 @@ def check_supported(vllm_config: Any) -> None:
             f"pipeline_parallel_size={parallel.pipeline_parallel_size} is not supported by ultramem.vllm (a memory "
             "layer's output may be added blocks after it reads, across a stage boundary): use tensor_parallel_size."
         )
-    if parallel.tensor_parallel_size > 1:
-        raise UnsupportedByVllm(
-            f"tensor_parallel_size={parallel.tensor_parallel_size} is not supported by ultramem.vllm (the value "
-            "tables are not sharded across the TP group yet): use tensor_parallel_size=1, or int4 tables "
-            "(`python -m ultramem.quantize CKPT OUT --format int4`) to fit one device."
-        )
+    _check_tensor_parallel(config, parallel.tensor_parallel_size)
     if getattr(vllm_config, "speculative_config", None) is not None:
         raise UnsupportedByVllm(
             "speculative decoding is not supported by ultramem.vllm (the query-conv states are not rolled back for "
             "rejected draft tokens): remove speculative_config."
+        )
+
+
+def _check_tensor_parallel(config: Any, size: int) -> None:
+    """Each rank holds an equal block of every value table's rows and an equal share of the attention heads."""
+    if size == 1:
+        return
+    # a shared pool holds every table; otherwise each memory layer holds its own
+    field = "memory_num_values" if config.value_pool_size is None else "value_pool_size"
+    rows = getattr(config, field)
+    if config.memory_layers and rows % size:
+        raise UnsupportedByVllm(
+            f"tensor_parallel_size={size} does not divide UltraMemConfig.{field}={rows} (each rank holds an equal "
+            f"block of the value rows): use a tensor_parallel_size dividing {rows}."
+        )
+    if config.num_attention_heads % size:
+        raise UnsupportedByVllm(
+            f"tensor_parallel_size={size} does not divide num_attention_heads={config.num_attention_heads}: use a "
+            f"tensor_parallel_size dividing it."
         )
 
 
