@@ -22,7 +22,7 @@ pytest.importorskip(
     "vllm.entrypoints.llm", reason="vLLM is not installed: .ci/vllm_tests.sh runs these in its own venv"
 )
 
-from serving_support import ENGINE_ENV, build_checkpoint, prompts, reference_ids  # noqa: E402
+from serving_support import ENGINE_ENV, V2, build_checkpoint, prompts, reference_ids  # noqa: E402
 
 MAX_TOKENS = 16
 STARTUP_S = 300
@@ -34,11 +34,12 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """(base URL, model path, the Transformers model); the server process is stopped by its PID afterwards."""
-    path = tmp_path_factory.mktemp("vllm") / "tucker-k5"
-    model = build_checkpoint(path)
+@pytest.fixture(scope="module", params=[{}, V2], ids=["ultramem", "ultramemv2"])
+def server(request, tmp_path_factory):
+    """(base URL, model path, the Transformers model) of UltraMem (skip-layer, kernel-5 conv) or UltraMemV2; the
+    server process is stopped by its PID afterwards."""
+    path = tmp_path_factory.mktemp("vllm") / "checkpoint"
+    model = build_checkpoint(path, **request.param)
     port = _free_port()
     log = (path.parent / "server.log").open("w")
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--host", "127.0.0.1"]
