@@ -263,7 +263,8 @@ class UltraMemForCausalLM(nn.Module, HasInnerState, IsHybrid):
         return loaded
 
     def _group_size(self, table_name: str) -> int:
-        return self.get_submodule(table_name.rsplit(".", 1)[0]).group_size
+        store = self.get_submodule(table_name.rsplit(".", 1)[0])
+        return getattr(store, "table", store).group_size  # a TensorParallelRows holds this rank's table
 
 
 def _join(prefix: str, name: str) -> str:
