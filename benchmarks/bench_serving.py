@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,6 @@ MODELS = {
     size: (f"{size}-dense", f"{size}-ultramem", f"{size}-ultramemv2", f"{size}-ultramem:int4")
     for size in ("tiny", "small")
 }
-ENGINES = ("transformers", "vllm")
 
 
 def parse_args():
@@ -53,7 +53,7 @@ def parse_args():
     add("--requests", type=int, default=32, help="prompts per run")
     add("--prompt-len", type=int, default=64, help="tokens per prompt")
     add("--max-tokens", type=int, default=32, help="tokens generated per request")
-    add("--batch-sizes", type=_batch_sizes, default=[1, 8, 32], help="comma-separated requests served together")
+    add("--batch-sizes", type=cli.int_list, default=[1, 8, 32], help="comma-separated requests served together")
     add("--enforce-eager", action="store_true", help="vLLM without torch.compile")
     add(
         "--vllm-child", nargs=2, metavar=("REQUEST", "RESULT"), help=argparse.SUPPRESS
@@ -67,16 +67,6 @@ def parse_args():
         if size not in MODELS:
             raise SystemExit(f"--sizes: {size!r} is not one of {sorted(MODELS)}")
     return args
-
-
-def _batch_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(part) for part in text.split(",")]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated integers >= 1, e.g. 1,8,32")
-    return sizes
 
 
 def prompts(args) -> list[list[int]]:
@@ -109,17 +99,12 @@ def run_transformers(model: torch.nn.Module, batch: list[list[int]], args) -> li
         with torch.no_grad():
             model.generate(inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
 
-    rows = []
-    for size in args.batch_sizes:
-        first = batch[:size]
-        generate(first, 2)  # warm-up
-        ttft = [_timed(lambda: generate(first, 1), args.device) for _ in range(args.iters)]
-        total = sum(
-            _timed(lambda i=i: generate(batch[i : i + size], args.max_tokens), args.device)
-            for i in range(0, len(batch), size)
+    return [
+        dict(batch=size, **_rates(total, statistics.median(ttft), args))
+        for size, total, ttft in time_batches(
+            generate, batch, args.batch_sizes, args.iters, args.max_tokens, args.device
         )
-        rows.append(dict(batch=size, **_rates(total, statistics.median(ttft), args)))
-    return rows
+    ]
 
 
 def run_vllm(folder: Path, batch: list[list[int]], args) -> list[dict[str, Any]]:
@@ -148,17 +133,24 @@ def vllm_child(request_file: str, result_file: str) -> None:
     def generate(prompts: list, new_tokens: int) -> None:
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
 
-    ttft, total = [], []
-    for size in request["batch_sizes"]:
-        generate(batch[:size], 2)  # warm-up
-        ttft.append([_timed(lambda: generate(batch[:size], 1), None) for _ in range(request["iters"])])
-        total.append(
-            sum(
-                _timed(lambda i=i: generate(batch[i : i + size], request["max_tokens"]), None)
-                for i in range(0, len(batch), size)
-            )
-        )
+    timed = time_batches(generate, batch, request["batch_sizes"], request["iters"], request["max_tokens"], None)
+    total, ttft = [total for _, total, _ in timed], [ttft for _, _, ttft in timed]
     Path(result_file).write_text(json.dumps(dict(ttft=ttft, total=total)))
+
+
+def time_batches(
+    generate: Callable[[list, int], None], batch: list, sizes: list[int], iters: int, max_tokens: int, device
+) -> list[tuple[int, float, list[float]]]:
+    """For each size b: (b, seconds to serve `batch` b requests at a time, `iters` times to first token of b requests)."""
+    timed = []
+    for size in sizes:
+        generate(batch[:size], 2)  # warm-up
+        ttft = [_timed(lambda: generate(batch[:size], 1), device) for _ in range(iters)]
+        total = sum(
+            _timed(lambda i=i: generate(batch[i : i + size], max_tokens), device) for i in range(0, len(batch), size)
+        )
+        timed.append((size, total, ttft))
+    return timed
 
 
 def _timed(fn, device: torch.device | None) -> float:
