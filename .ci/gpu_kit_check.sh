@@ -21,7 +21,7 @@ if [ ! -f "$work/venv/image-ready" ]; then
     # (the image's NumPy is not recorded; on the GPU the kernels are compiled and NumPy plays no part in them).
     python -m pip install -q torch==2.13.0
     python -m pip install -q transformers==5.17.0 accelerate==1.15.0 huggingface_hub==1.33.0 tokenizers==0.23.2 \
-        safetensors==0.8.0 triton==3.6.0 matplotlib "numpy<2.4" pandas pyarrow
+        safetensors==0.8.0 triton==3.6.0 matplotlib "numpy<2.4" pandas pyarrow pytest pytest-timeout psutil
     touch "$work/venv/image-ready"
 fi
 . "$work/venv/bin/activate"
@@ -31,5 +31,7 @@ echo "gpu_kit_check: image-like environment ready in $(( $(date +%s) - start )) 
 python benchmarks/gpu_kit.py --kit "$work/kit" \
     --python-version "$(python -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 python -m pip install -q --no-index --no-deps --target "$work/site" "$work"/kit/*.whl
-PYTHONPATH="$PWD/$work/site:$PWD" python benchmarks/gpu_campaign.py --smoke --results-root "$work/results"
+# The campaign's test (every step at smoke size, resumed by call, stopped by its budget) with the kit on the path
+PYTHONPATH="$PWD/$work/site:$PWD" ULTRAMEM_GPU_KIT_CHECK=1 python -m pytest -q -p no:cacheprovider \
+    tests/benchmarks/test_benchmarks_speed.py::test_gpu_campaign_smoke_runs_by_call_resumes_and_stops_within_its_budget
 echo "gpu_kit_check: passed in $(( $(date +%s) - start )) s"

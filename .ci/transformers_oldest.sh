@@ -4,7 +4,8 @@
 # project installed without its dependency pins, then the model tests and the Trainer tests (single process, one
 # DDP launch). Optional packages are not installed: their tests skip (peft, triton, deepspeed) or are deselected
 # below (the two that run lm_eval). Transformers' own common tests need that release's sources
-# (.ci/transformers_tests.sh) and are skipped here. About 5 minutes on 2 CPU cores.
+# (.ci/transformers_tests.sh) and are skipped here; the retrieval-health runs (the model's own math, through the
+# Trainer the other training tests cover) run in the main suite only. About 8 minutes on 2 CPU cores.
 #
 #   .ci/transformers_oldest.sh [pytest args]     e.g. -x, or a test path to run instead of the selection
 set -euo pipefail
@@ -20,7 +21,7 @@ printf '*\n' > "$venv/.gitignore"  # the folder ignores itself
 . "$venv/bin/activate"
 pip install -q torch==2.13.0
 pip install -q "transformers==5.17.0" "accelerate==1.15.0" "huggingface_hub==1.33.0" "tokenizers==0.23.2" \
-    "safetensors==0.8.0" datasets pytest pytest-timeout psutil pyyaml matplotlib tqdm numpy
+    "safetensors==0.8.0" datasets pytest pytest-timeout pytest-xdist psutil pyyaml matplotlib tqdm numpy
 pip install -q --no-deps -e .
 python -c "import transformers, ultramem; assert transformers.__version__ == '5.17.0', transformers.__version__"
 echo "environment ready in $(( $(date +%s) - start )) s: $(pip list 2>/dev/null | grep -E '^(torch|transformers|accelerate) ' | tr -s ' ' | paste -sd ',')"
@@ -28,8 +29,8 @@ echo "environment ready in $(( $(date +%s) - start )) s: $(pip list 2>/dev/null 
 if [ "$#" -gt 0 ]; then
     python -m pytest -q -p no:cacheprovider "$@"
 else
-    python -m pytest -q -p no:cacheprovider tests/model tests/training \
-        --ignore tests/training/test_training_distributed.py \
+    python -m pytest -q -p no:cacheprovider -n auto --dist loadscope tests/model tests/training \
+        --ignore tests/training/test_training_distributed.py --ignore tests/training/test_retrieval_health.py \
         --deselect tests/model/test_save_load.py::test_tools_name_the_fix_for_a_folder_without_tokenizer \
         --deselect tests/model/test_save_load.py::test_lm_eval_cli_names_the_fix_for_a_folder_without_tokenizer
     python -m pytest -q -p no:cacheprovider tests/training/test_training_distributed.py::test_ddp_matches_single_process

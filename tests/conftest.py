@@ -14,7 +14,8 @@ import pytest  # noqa: E402
 
 from ultramem import UltraMemConfig  # noqa: E402
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Two threads, shared between pytest-xdist's workers (`-n auto`: one per core) rather than oversubscribing the cores
+torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
 def small_config(memory_implementation: str | None = None, **overrides) -> UltraMemConfig:

@@ -177,6 +177,7 @@ def test_ci_runs_the_readmes_test_command() -> None:
     assert readme_command in ci_commands, f".ci/run does not run README.md's test command: {readme_command}"
 
 
+@pytest.mark.xdist_group("documented_blocks")  # in file order, on one worker: a block may use what an earlier one wrote
 @pytest.mark.parametrize("block", TESTED, ids=str)
 def test_documented_snippets_run_as_written(block: Block, workdir: Path) -> None:
     if block.mode == "vllm":  # needs vLLM's own environment: .ci/vllm_tests.sh runs these blocks

@@ -230,6 +230,10 @@ def test_bench_offload_builds_loads_offloaded_and_cleans_up(bench, tmp_path):
     assert not any(checkpoints.iterdir())  # built by the run, deleted after it
 
 
+@pytest.mark.skipif(
+    not os.environ.get("ULTRAMEM_GPU_KIT_CHECK"),
+    reason="runs in .ci/gpu_kit_check.sh, with the GPU image's package versions and the kit on the path (5 minutes)",
+)
 def test_gpu_campaign_smoke_runs_by_call_resumes_and_stops_within_its_budget(tmp_path):
     """`gpu_campaign.py --smoke`: the GPU campaign's driver on CPU (kernels in Triton's interpreter). A call runs its
     steps, writing every result and the targets' README; steps that ran are not run again, a budget too small for

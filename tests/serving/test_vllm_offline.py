@@ -137,11 +137,12 @@ def _serve_and_compare(path, model, **engine) -> dict:
     return result
 
 
-@pytest.mark.parametrize("variant", [V2, MEMORY_PLUS, PEER_GELU], ids=["ultramemv2", "memory_plus", "peer_gelu_conv4"])
+@pytest.mark.parametrize("variant", [MEMORY_PLUS, PEER_GELU], ids=["memory_plus", "peer_gelu_conv4"])
 def test_family_under_batching_chunked_prefill_and_prefix_caching(variant, tmp_path):
-    """UltraMemV2 (MLP site, PEER pre-values, single projector, shared pool), Memory+ (PKM in place of MLPs, silu
-    gate, shared table) and a GELU'd PEER gate with a kernel-4 query conv: the Transformers model's own memory
-    modules, served."""
+    """Memory+ (PKM in place of MLPs, silu gate, shared table) and a GELU'd PEER gate with a kernel-4 query conv: the
+    Transformers model's own memory modules, served. UltraMemV2 is served compiled (`test_compiled_mode`) and in
+    eager mode with tensor parallel (`test_tensor_parallel_shards_the_value_rows`), each engine starting in a minute
+    of CI's time."""
     path = tmp_path / "checkpoint"
     _serve_and_compare(path, build_checkpoint(path, **variant))
 
@@ -176,13 +177,13 @@ def test_tensor_parallel_shards_the_value_rows(variant, tucker, tmp_path):
         assert rank == {name: rows // 2 for name, rows in whole.items()}, (rank, whole)
 
 
-@pytest.mark.parametrize("format", ["int8", "int4"])
-def test_quantized_tables(format, tucker, tmp_path):
-    """A checkpoint converted by `python -m ultramem.quantize` serves its uint8 tables through the quantized lookup
-    (the table is never dequantized whole), with the tokens of Transformers loading the same checkpoint."""
+def test_quantized_tables(tucker, tmp_path):
+    """A checkpoint converted to int8 by `python -m ultramem.quantize` serves its uint8 tables through the quantized
+    lookup (the table is never dequantized whole), with the tokens of Transformers loading the same checkpoint. int4
+    is served with tensor parallel (`test_tensor_parallel_shards_the_value_rows`)."""
     source, _ = tucker
-    path = tmp_path / format
-    subprocess.run([sys.executable, "-m", "ultramem.quantize", str(source), str(path), "--format", format], check=True)
+    path = tmp_path / "int8"
+    subprocess.run([sys.executable, "-m", "ultramem.quantize", str(source), str(path), "--format", "int8"], check=True)
     model = UltraMemForCausalLM.from_pretrained(path).eval()
     assert model.model.memory_layers[0].values.weight.dtype == torch.uint8  # the reference reads int tables too
     _serve_and_compare(path, model)

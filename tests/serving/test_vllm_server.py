@@ -34,12 +34,12 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.fixture(scope="module", params=[{}, V2], ids=["ultramem", "ultramemv2"])
-def server(request, tmp_path_factory):
-    """(base URL, model path, the Transformers model) of UltraMem (skip-layer, kernel-5 conv) or UltraMemV2; the
-    server process is stopped by its PID afterwards."""
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(base URL, model path, the Transformers model) of UltraMemV2; the server process is stopped by its PID
+    afterwards. (docs/serving.md's server block, run by the vLLM job, serves the main job's UltraMem.)"""
     path = tmp_path_factory.mktemp("vllm") / "checkpoint"
-    model = build_checkpoint(path, **request.param)
+    model = build_checkpoint(path, **V2)
     port = _free_port()
     log = (path.parent / "server.log").open("w")
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--host", "127.0.0.1"]
