@@ -10,7 +10,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off PIP_NO_CACHE_DIR=1
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
 work=.gpu-kit-check
 [ -n "${GPU_KIT_CHECK_KEEP:-}" ] || trap 'rm -rf "$work"' EXIT
-rm -rf "$work/kit" "$work/site" "$work/results"
+rm -rf "$work/kit" "$work/site"
 start=$(date +%s)
 if [ ! -f "$work/venv/image-ready" ]; then
     rm -rf "$work/venv"

@@ -5,7 +5,7 @@
 # DDP launch). Optional packages are not installed: their tests skip (peft, triton, deepspeed) or are deselected
 # below (the two that run lm_eval). Transformers' own common tests need that release's sources
 # (.ci/transformers_tests.sh) and are skipped here; the retrieval-health runs (the model's own math, through the
-# Trainer the other training tests cover) run in the main suite only. About 8 minutes on 2 CPU cores.
+# Trainer the other training tests cover) run in the main suite only. About 5 minutes on 2 CPU cores.
 #
 #   .ci/transformers_oldest.sh [pytest args]     e.g. -x, or a test path to run instead of the selection
 set -euo pipefail

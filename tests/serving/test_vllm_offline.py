@@ -141,8 +141,7 @@ def _serve_and_compare(path, model, **engine) -> dict:
 def test_family_under_batching_chunked_prefill_and_prefix_caching(variant, tmp_path):
     """Memory+ (PKM in place of MLPs, silu gate, shared table) and a GELU'd PEER gate with a kernel-4 query conv: the
     Transformers model's own memory modules, served. UltraMemV2 is served compiled (`test_compiled_mode`) and in
-    eager mode with tensor parallel (`test_tensor_parallel_shards_the_value_rows`), each engine starting in a minute
-    of CI's time."""
+    eager mode with tensor parallel (`test_tensor_parallel_shards_the_value_rows`)."""
     path = tmp_path / "checkpoint"
     _serve_and_compare(path, build_checkpoint(path, **variant))
 
