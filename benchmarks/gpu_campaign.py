@@ -11,7 +11,8 @@ command (see benchmarks/README.md for the plan and the seconds per step):
     python benchmarks/gpu_campaign.py --smoke      # the same driver on CPU at tiny sizes, kernels interpreted (CI)
 
 Call 1: correctness (never skipped), kernel bandwidth, decoding at 680M. Call 2: the 151M training step and decode
-latency as the memory grows 16x. Calls 3-5: quality at "small", decoding at 1.6B, offloading at 1.6B.
+latency as the memory grows 16x. Calls 3-5: quality at "small", decoding at 1.6B, offloading at 1.6B. Call 8: the mission (train with
+DeepSpeed, lm_eval, model card; benchmarks/mission.py).
 Everything lands in `benchmarks/results/<device>/`: each step's JSON/PNG the moment it exists, its log in `logs/`,
 `campaign.json` (device, versions, every step's exact command, exit status and duration) and README.md, the targets
 read as met or missed from what has been measured so far. A step that ran is not run again (`--redo NAME` forces
@@ -38,7 +39,7 @@ from lib import env, targets
 TIMED_OUT = 124
 # Seconds of the call's device limit the driver may spend (the rest: the kit's install, interpreter start-up, copying
 # the results back).
-CALL_BUDGETS = {1: 500, 2: 220, 3: 540, 4: 500, 5: 540, 6: 540, 7: 500}
+CALL_BUDGETS = {1: 500, 2: 220, 3: 540, 4: 500, 5: 540, 6: 540, 7: 500, 8: 440}
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,9 @@ def gpu_steps() -> list[Step]:
         Step("quality_variants_small", 6, 540, "bench_quality.py --scale small --rows all --seeds 2 --seeded-rows "
              "all --bf16 --max-steps 300 --batch-size 32 --block-size 512 --learning-rate 1e-3 --eval-points 6 "
              f"--eval-blocks 64 {QUALITY}", resumable=True),
+        # call 8 (480 s, the kit's install included): the mission (issue 35), ultramem-train under DeepSpeed ZeRO-2,
+        # lm_eval on its checkpoint, the model card (benchmarks/mission.py; mission.json)
+        Step("mission", 8, 440, "mission.py --results-dir {results}"),
     ]  # fmt: skip
 
 
@@ -131,6 +135,7 @@ def smoke_steps() -> list[Step]:
              "--name scaling_tiny"),
         Step("quality_tiny", 3, 600, "bench_quality.py --scale tiny --rows Dense,UltraMem --seeds 1 --max-steps 2 "
              f"--batch-size 2 --block-size 32 --eval-points 1 --eval-blocks 2 {QUALITY}", resumable=True),
+        Step("mission", 8, 400, "mission.py --smoke --results-dir {results} --checkpoint-dir {results}/checkpoints"),
     ]  # fmt: skip
 
 

@@ -6,6 +6,7 @@ without a GPU here (StaticCache decoding, the closed-form SVD) are checked in te
 
 import importlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -268,12 +269,13 @@ def test_gpu_campaign_smoke_runs_by_call_resumes_and_stops_within_its_budget(tmp
     assert f"| {len(checks['rows'])}/{len(checks['rows'])} comparisons within tolerance | met |" in readme
     assert "| Train step UltraMem / dense <= 1.3 (151M) | not measured yet | - |" in readme
 
-    rest = campaign()
+    rest = campaign("--budget-s", "900")  # calls 2, 3 and 8 (the mission) in one go
     assert rest.returncode == 0, rest.stdout[-4000:] + rest.stderr[-4000:]
     assert (
-        "3 step(s) to run: train_tiny, scaling_tiny, quality_tiny" in rest.stdout
+        "4 step(s) to run: train_tiny, scaling_tiny, quality_tiny, mission" in rest.stdout
         and "gpu_campaign: complete" in rest.stdout
     )
+    check_mission(results)
     after = json.loads((results / "campaign.json").read_text())
     assert after["steps"]["decode_tiny"] == state["steps"]["decode_tiny"]  # not run again
     assert (results / "quality_tiny.json").exists() and (results / "train_tiny.json").exists()
@@ -287,6 +289,26 @@ def test_gpu_campaign_smoke_runs_by_call_resumes_and_stops_within_its_budget(tmp
 
     refused = campaign("--redo", "bench_everything")
     assert refused.returncode == 2 and "--redo bench_everything: allowed step names are check_gpu" in refused.stderr
+
+
+def check_mission(results: Path) -> None:
+    """mission.py --smoke's record (issue 35): every stage passed; ZeRO-2 over 2 processes as the saved
+    TrainingArguments say; finite losses; lm_eval's scores for 3 benchmarks; the card written from them."""
+    mission = json.loads((results / "mission.json").read_text())
+    assert [(name, stage["returncode"]) for name, stage in mission["stages"].items()] == [
+        ("train", 0), ("eval", 0), ("memory", 0), ("card", 0)]  # fmt: skip
+    train = mission["train"]
+    assert (train["zero_stage"], train["world_size"], train["steps"]) == (2, 2, 4)
+    losses = [train["loss_first"], train["loss_last"], *train["eval_losses"]]
+    assert len(losses) == 4 and all(math.isfinite(x) and 5 < x < 20 for x in losses), losses
+    assert train["tokens_per_second"] > 0
+    assert mission["stages"]["train"]["command"][2:4] == ["torch.distributed.run", "--nproc_per_node"]
+    assert mission["stages"]["eval"]["command"][2:5] == ["lm_eval", "--model", "hf"]
+    scores = mission["eval"]["scores"]
+    assert sorted(scores) == ["arc_challenge", "boolq", "winogrande"] and all(0 <= v <= 100 for v in scores.values())
+    assert mission["memory"]["memory_implementation"] == "embedding_bag"  # the CPU default, as loaded by lm_eval
+    card = Path(mission["card_path"]).read_text()
+    assert all(f"{value:.2f}" in card for value in scores.values()) and "ARC-C" in card, card[-2000:]
 
 
 def test_the_first_two_calls_are_planned_inside_their_device_limits(bench):
