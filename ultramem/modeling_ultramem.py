@@ -48,7 +48,7 @@ from transformers.utils.output_capturing import capture_outputs
 from transformers.utils.versions import require_version
 
 from .configuration_ultramem import BLOCK_SITE, NO_QUERY_NORM, SWILU, TUCKER, UltraMemConfig
-from .inference_cache import InferenceCache
+from .inference_cache import CacheEntry, InferenceCache
 from .init_scales import MemoryInitScales, ScaledLayerNorm, ValueProjector
 from .memory_implementations import MemoryOps, check_memory_implementation, memory_ops_for
 from .memory_ops import (
@@ -312,12 +312,14 @@ class KeyRetrieval(nn.Module):
         for keys in (self.row_keys, self.col_keys):
             init.normal_(keys, std=keys.shape[-1] ** -0.5)
 
+    def cached_entries(self) -> dict[str, CacheEntry]:
+        """What `inference_cache` keeps, by name (for forwards and `refresh_inference_cache`): the LayerNorm'd keys."""
+        parameters = (self.row_keys, self.col_keys, *self.key_norm.parameters())
+        return {"keys": (parameters, lambda: (self.key_norm(self.row_keys), self.key_norm(self.col_keys)))}
+
     def axis_scores(self, row_query: torch.Tensor, col_query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """S_row and S_col (B, T, H, r, n) of every key; the LayerNorm'd keys are cached at inference."""
-        parameters = (self.row_keys, self.col_keys, *self.key_norm.parameters())
-        row_keys, col_keys = self.inference_cache.get(
-            "keys", parameters, lambda: (self.key_norm(self.row_keys), self.key_norm(self.col_keys))
-        )
+        row_keys, col_keys = self.inference_cache.get("keys", *self.cached_entries()["keys"])
         row = torch.einsum("bthrd,hrnd->bthrn", row_query, row_keys)
         col = torch.einsum("bthrd,hrnd->bthrn", col_query, col_keys)
         return row, col
@@ -394,6 +396,10 @@ class TuckerQueryKeyRetrieval(KeyRetrieval):
         row = torch.einsum("hak,...han->...hkn", left * singular_values.unsqueeze(-2), row_scores.float())
         return row, torch.einsum("hkb,...hbn->...hkn", right_h, col_scores.float())
 
+    def cached_entries(self) -> dict[str, CacheEntry]:
+        """The keys and the leading singular vectors of the cores."""
+        return {**super().cached_entries(), "singular_vectors": ((self.cores,), self.leading_singular_vectors)}
+
     @torch.no_grad()
     def leading_singular_vectors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """u, t of the rank-1 SVD of each head's summed core: (H, r) each, of arbitrary (joint) sign."""
@@ -405,7 +411,7 @@ class TuckerQueryKeyRetrieval(KeyRetrieval):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Virtual addresses (B, T, H, m) and per-core scores (B, T, H, m, h)."""
         row_scores, col_scores = self.axis_scores(row_query, col_query)  # (B, T, H, r, n)
-        leading = self.inference_cache.get("singular_vectors", (self.cores,), self.leading_singular_vectors)
+        leading = self.inference_cache.get("singular_vectors", *self.cached_entries()["singular_vectors"])
         u, t = leading  # the balance loss is on the rank-1 projections a = u^T S_row, b = t^T S_col
         row_scores = self.with_balance_loss(
             row_scores, lambda: ((row_scores * u.unsqueeze(-1)).sum(-2), (col_scores * t.unsqueeze(-1)).sum(-2))
@@ -728,12 +734,28 @@ class UltraMemModel(UltraMemPreTrainedModel):
             if not retrievals:
                 loss = self.norm.weight.new_zeros((), dtype=torch.float32)
             else:
-                cores = tuple(retrieval.cores for retrieval in retrievals)
-                loss = self.inference_cache.get("aux_loss", cores, lambda: self._aux_loss_by_device(cores))
+                # a copy: the cached tensor changes in place with the cores, an output must not
+                loss = self.inference_cache.get("aux_loss", *self._aux_loss_entry(retrievals)).clone()
         if not self.training:
             return loss
         balance = [layer.retrieval.last_balance_loss for layer in self.memory_layers]
         return sum((value.to(loss.device) for value in balance if value is not None), loss)
+
+    def refresh_inference_cache(self) -> None:
+        """Brings every tensor cached from the weights up to date, eagerly, and lets the next compiled forward read
+        them instead of computing them in its graph (see `InferenceCache`). For compiled decoding steps: call it
+        before each (`generate` does, in `prepare_inputs_for_generation`)."""
+        retrievals = [layer.retrieval for layer in self.memory_layers]
+        for retrieval in retrievals:
+            for name, entry in retrieval.cached_entries().items():
+                retrieval.inference_cache.refresh(name, *entry)
+        tucker = [retrieval for retrieval in retrievals if isinstance(retrieval, TuckerQueryKeyRetrieval)]
+        if tucker:
+            self.inference_cache.refresh("aux_loss", *self._aux_loss_entry(tucker))
+
+    def _aux_loss_entry(self, retrievals: list[TuckerQueryKeyRetrieval]) -> CacheEntry:
+        cores = tuple(retrieval.cores for retrieval in retrievals)
+        return cores, lambda: self._aux_loss_by_device(cores)
 
     def _aux_loss_by_device(self, cores: tuple[torch.Tensor, ...]) -> torch.Tensor:
         cores_by_device: dict[torch.device, list[torch.Tensor]] = {}
@@ -839,6 +861,16 @@ class UltraMemForCausalLM(ContinuousBatchingCheck, UltraMemPreTrainedModel, Gene
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def refresh_inference_cache(self) -> None:
+        """See `UltraMemModel.refresh_inference_cache`."""
+        self.model.refresh_inference_cache()
+
+    def prepare_inputs_for_generation(self, *args, **kwargs) -> dict:
+        """Eager before every step of `generate`, whose static-cache steps are compiled: they read the cached
+        tensors, brought up to date here, instead of computing them in their graph."""
+        self.refresh_inference_cache()
+        return super().prepare_inputs_for_generation(*args, **kwargs)
 
     @_accepts_past_key_values
     @can_return_tuple

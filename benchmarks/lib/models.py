@@ -94,12 +94,17 @@ def decode_step(model: PreTrainedModel, batch: int, args: argparse.Namespace) ->
     """
     cache = filled_static_cache(model, batch, args.context, decode_cache_length(args))
     tokens = torch.randint(1, model.config.vocab_size, (batch, 1), device=model.device)
-    forward = model.forward
+    forward, refresh = model.forward, None
     if args.mode == "compile":
         torch._dynamo.reset()
         forward = torch.compile(model.forward, mode="reduce-overhead", dynamic=False)
+        # UltraMem: the step then reads the tensors cached from the weights instead of computing them in its graph,
+        # as in `generate` (see `ultramem.inference_cache`)
+        refresh = getattr(model, "refresh_inference_cache", None)
 
     def step() -> None:
+        if refresh is not None:
+            refresh()
         forward(input_ids=tokens, cache=cache, use_cache=True)
 
     return step

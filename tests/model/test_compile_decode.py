@@ -8,6 +8,9 @@ H200 run: 931 launches per ultramem-680m-x12 step, 1 for the dense model). fullg
 the aot_eager backend traces what Inductor would get, without Inductor's compile time.
 """
 
+import copy
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch._dynamo
@@ -49,11 +52,14 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _decode(forward, model: UltraMemForCausalLM, prompt: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
+def _decode(
+    forward, model: UltraMemForCausalLM, prompt: torch.Tensor, tokens: torch.Tensor, after_prefill=lambda: None
+) -> list[torch.Tensor]:
     """Logits of the prefill of `prompt` (B, T) by `model.forward`, then of each decoding step of `tokens` (B, S) by
     `forward`, on a fresh StaticCache."""
     cache = StaticCache(config=model.config, max_cache_len=CACHE_LENGTH)
     logits = [model(input_ids=prompt, cache=cache, use_cache=True).logits]
+    after_prefill()
     for step in range(tokens.shape[1]):
         logits.append(forward(input_ids=tokens[:, step : step + 1], cache=cache, use_cache=True).logits)
     return logits
@@ -104,3 +110,86 @@ def test_the_device_default_implementation_is_chosen_inside_a_graph():
         return x if memory_ops_for(None, torch.device("cuda")) is not None else -x
 
     torch.compile(uses_default, backend="eager", fullgraph=True)(torch.ones(1))
+
+
+def _graph_computes(graph: torch.fx.GraphModule) -> dict[str, bool]:
+    """Whether a Dynamo graph normalizes keys (runs a `key_norm`) and takes an SVD of the cores."""
+    stacks = [str(node.meta.get("nn_module_stack", {})) for node in graph.graph.nodes]
+    targets = [str(node.target) for node in graph.graph.nodes]
+    return {"key_norm": any("key_norm" in stack for stack in stacks), "svd": any("svd" in t for t in targets)}
+
+
+def _change_weights(model: UltraMemForCausalLM, how: str, inputs: torch.Tensor) -> None:
+    """In place, as training and checkpoint loading do (two models changed alike stay alike)."""
+    if how == "optimizer step":
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        with torch.enable_grad():
+            model(input_ids=inputs, labels=inputs).loss.backward()
+        optimizer.step()
+    elif how == "load_state_dict":
+        torch.manual_seed(1)
+        model.load_state_dict(UltraMemForCausalLM(model.config).state_dict())
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("refreshed", [False, True], ids=["no-refresh", "refreshed"])
+@torch.no_grad()
+def test_compiled_decode_follows_weights_changed_in_place_and_reads_the_refreshed_cache(refreshed, variant):
+    """Weights changed in place between compiled steps (after the eager prefill), by an optimizer step or by
+    `load_state_dict`: the compiled steps give the eager logits of the new weights, with no recompilation. A step
+    after `refresh_inference_cache` reads the LayerNorm'd keys, the cores' singular vectors and the aux loss from
+    the cache, so its graph has no key norm and no SVD (what the CUDA-graph decode step recomputed); a step with no
+    refresh before it computes them in its graph."""
+    torch.manual_seed(0)
+    model = UltraMemForCausalLM(small_config("torch", **VARIANTS[variant])).eval()
+    reference = copy.deepcopy(model)
+    prompt, tokens = torch.randint(1, 97, (2, PROMPT_LENGTH)), torch.randint(1, 97, (2, DECODE_STEPS))
+    graphs: list[torch.fx.GraphModule] = []
+    compiled = torch.compile(
+        model.forward, backend=lambda graph, _: graphs.append(graph) or graph.forward, fullgraph=True, dynamic=False
+    )
+
+    def step(**inputs) -> torch.Tensor:
+        if refreshed:
+            model.refresh_inference_cache()
+        return compiled(**inputs)
+
+    previous = None
+    for how in ("nothing", "optimizer step", "load_state_dict"):
+        eager = _decode(reference.forward, reference, prompt, tokens, lambda: _change_weights(reference, how, prompt))
+        got = _decode(step, model, prompt, tokens, lambda: _change_weights(model, how, prompt))
+        for i, (expected, actual) in enumerate(zip(eager, got)):
+            torch.testing.assert_close(actual, expected, msg=lambda message: f"after {how}, step {i}: {message}")
+        assert previous is None or not torch.allclose(got[-1], previous[-1])
+        previous = got
+    assert [_graph_computes(graph) for graph in graphs] == [{"key_norm": not refreshed, "svd": not refreshed}]
+
+
+@torch.no_grad()
+def test_static_cache_generate_compiled_matches_eager_before_and_after_a_weight_change():
+    """`generate` with a static cache compiles its steps (here on CPU too) and refreshes the cache before each in
+    `prepare_inputs_for_generation`: token for token the eager generation, before and after an in-place change."""
+    from transformers import CompileConfig
+
+    torch.manual_seed(0)
+    model = UltraMemForCausalLM(small_config("torch")).eval()
+    prompt = torch.randint(1, 97, (2, PROMPT_LENGTH))
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(graph: torch.fx.GraphModule, _) -> Callable:
+        graphs.append(graph)
+        return graph.forward
+
+    compile_config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
+    compile_config._compile_all_devices = True
+    generate = dict(max_new_tokens=DECODE_STEPS + 2, do_sample=False, cache_implementation="static")
+
+    generated = []
+    for _ in range(2):
+        generated.append(model.generate(prompt, disable_compile=True, **generate))
+        assert torch.equal(model.generate(prompt, compile_config=compile_config, **generate), generated[-1])
+        for layer in model.model.memory_layers:
+            layer.retrieval.row_keys.mul_(-1.5)
+            layer.retrieval.cores.add_(0.5)
+    assert not torch.equal(*generated)
+    assert [_graph_computes(graph) for graph in graphs] == [{"key_norm": False, "svd": False}]  # one graph

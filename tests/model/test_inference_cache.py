@@ -8,6 +8,7 @@ import torch
 from conftest import small_config
 
 from ultramem import UltraMemForCausalLM
+from ultramem.inference_cache import InferenceCache
 
 INPUT_IDS = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1))
 
@@ -52,7 +53,7 @@ def test_eval_no_grad_reuses_the_cache_and_matches_uncached(retrieval_mode):
     assert torch.equal(first, second)
     assert torch.equal(second, _uncached_logits(model))
     expected = {"keys", "singular_vectors"} if retrieval_mode == "tucker" else {"keys"}
-    assert set(model.model.memory_layers[0].retrieval.inference_cache.entries) == expected
+    assert set(model.model.memory_layers[0].retrieval.inference_cache.versions) == expected
 
 
 def test_train_empties_the_cache_and_training_forwards_bypass_it():
@@ -60,11 +61,11 @@ def test_train_empties_the_cache_and_training_forwards_bypass_it():
     calls = _count_key_norm_calls(model)
     _cached_logits(model)
     model.train()
-    assert not any(cache.entries for cache in _caches(model))
+    assert not any(cache.versions for cache in _caches(model))
     with torch.no_grad():
         before = calls[0]
         model(input_ids=INPUT_IDS)
-    assert calls[0] > before and not any(cache.entries for cache in _caches(model))
+    assert calls[0] > before and not any(cache.versions for cache in _caches(model))
     model(input_ids=INPUT_IDS, labels=INPUT_IDS).loss.backward()
     retrieval = model.model.memory_layers[0].retrieval
     assert retrieval.row_keys.grad is not None and retrieval.cores.grad is not None
@@ -108,14 +109,18 @@ def test_dtype_change_invalidates_the_cache():
     assert torch.equal(_cached_logits(model), _uncached_logits(model))
 
 
-def test_aux_loss_is_cached_and_follows_the_cores():
+def test_aux_loss_is_cached_and_follows_the_cores(monkeypatch):
     model = _model()
+    computed = []
+    compute = model.model._aux_loss_by_device
+    monkeypatch.setattr(model.model, "_aux_loss_by_device", lambda cores: computed.append(1) or compute(cores))
     with torch.no_grad():
         aux = model.model.aux_loss()
-        assert model.model.aux_loss() is aux  # the cached tensor
+        assert torch.equal(model.model.aux_loss(), aux) and len(computed) == 1  # the cached value
         model.model.memory_layers[0].retrieval.cores.mul_(3.0)
         cached = model.model.aux_loss()
-    assert cached is not aux and torch.equal(cached, model.model.aux_loss().detach())
+    assert len(computed) == 2 and not torch.equal(cached, aux)  # `aux`, a copy, kept its value
+    assert torch.equal(cached, model.model.aux_loss().detach())
 
 
 def test_replacing_a_parameter_invalidates_the_cache():
@@ -138,6 +143,33 @@ def test_a_filled_cache_is_neither_saved_nor_copied(tmp_path):
     expected = _cached_logits(model)
     torch.save(model, tmp_path / "model.pt")
     for again in (torch.load(tmp_path / "model.pt", weights_only=False), copy.deepcopy(model)):
-        assert all(not cache.entries for cache in _caches(again))
+        assert all(not cache.versions for cache in _caches(again))
         torch.testing.assert_close(_cached_logits(again), expected, rtol=0, atol=0)
-    assert all(cache.entries for cache in _caches(model))
+    assert all(cache.versions for cache in _caches(model))
+
+
+@torch.no_grad()
+def test_a_refresh_lets_one_compiled_read_use_the_cache_updated_in_place():
+    """Under torch.compile the weights' versions cannot be checked: a compiled read uses the cache only right after
+    an eager `refresh`, and then recomputes until the next one. A refresh writes into the same buffer, the address
+    a CUDA graph captured."""
+    cache, weight = InferenceCache().eval(), torch.nn.Parameter(torch.ones(3))
+    entry = ((weight,), lambda: weight * 2)
+    compiled = torch.compile(lambda: cache.get("double", *entry), backend="eager", fullgraph=True)
+    cache.refresh("double", *entry)
+    buffer = cache.double_0
+    assert torch.equal(compiled(), buffer)
+    weight.add_(1)  # no refresh after it: the next compiled read computes
+    assert torch.equal(compiled(), torch.full((3,), 4.0)) and torch.equal(buffer, torch.full((3,), 2.0))
+    cache.refresh("double", *entry)
+    assert cache.double_0 is buffer and torch.equal(buffer, torch.full((3,), 4.0))
+    assert torch.equal(compiled(), buffer)
+
+
+def test_refresh_adds_no_state_dict_keys_or_parameters():
+    model = _model()
+    keys, parameters = set(model.state_dict()), len(list(model.parameters()))
+    model.refresh_inference_cache()
+    _cached_logits(model)
+    assert set(model.state_dict()) == keys and len(list(model.parameters())) == parameters
+    assert any(cache._buffers for cache in _caches(model))
