@@ -83,8 +83,9 @@ class InferenceCache(nn.Module):
             old = self._buffers.get(f"{name}_{i}")
             if old is not None and (old.shape, old.dtype, old.device) == (tensor.shape, tensor.dtype, tensor.device):
                 old.copy_(tensor)
-            else:
-                self.register_buffer(f"{name}_{i}", tensor.detach().clone(), persistent=False)
+            else:  # not an inference tensor, which a later refresh outside `torch.inference_mode` could not write
+                with torch.inference_mode(False):
+                    self.register_buffer(f"{name}_{i}", tensor.detach().clone(), persistent=False)
         self.arity[name] = len(tensors) if isinstance(value, tuple) else 0
 
     def _stored(self, name: str) -> Derived:

@@ -101,6 +101,19 @@ def test_in_place_edit_invalidates_the_cache(parameter):
     assert torch.equal(fresh, _uncached_logits(model))
 
 
+def test_a_cache_filled_in_inference_mode_is_refilled_outside_it():
+    """The cached tensors are updated in place: those first computed under `torch.inference_mode` (as vLLM runs)
+    must not be inference tensors, which no write outside it may touch."""
+    model = _model()
+    with torch.inference_mode():
+        model(input_ids=INPUT_IDS)
+    with torch.no_grad():
+        for layer in model.model.memory_layers:
+            layer.retrieval.row_keys.add_(0.5)
+            layer.retrieval.cores.add_(0.5)
+    assert torch.equal(_cached_logits(model), _uncached_logits(model))
+
+
 def test_dtype_change_invalidates_the_cache():
     model = _model()
     _cached_logits(model)
