@@ -6,6 +6,10 @@ the step as one graph. One graph break inside the model's layer loop makes Dynam
 each layer's call on its own, once per layer until the recompile limit, after which the layers run eagerly (the first
 H200 run: 931 launches per ultramem-680m-x12 step, 1 for the dense model). fullgraph=True turns a break into an error;
 the aot_eager backend traces what Inductor would get, without Inductor's compile time.
+
+A step right after `refresh_inference_cache` (as `generate` and the decode benchmark call it) reads what is derived
+from the weights alone (LayerNorm'd keys, the cores' SVD, the aux loss) from `InferenceCache` instead of computing it
+in its graph, and still follows weights changed in place between steps.
 """
 
 import copy
@@ -16,7 +20,7 @@ import torch
 import torch._dynamo
 from conftest import small_config
 from torch._dynamo.testing import CompileCounterWithBackend
-from transformers import StaticCache
+from transformers import CompileConfig, StaticCache
 
 from ultramem import UltraMemForCausalLM
 from ultramem.kernels import triton_available
@@ -112,6 +116,16 @@ def test_the_device_default_implementation_is_chosen_inside_a_graph():
     torch.compile(uses_default, backend="eager", fullgraph=True)(torch.ones(1))
 
 
+def _capturing(graphs: list[torch.fx.GraphModule]) -> Callable:
+    """A Dynamo backend that keeps the graphs it is given in `graphs` and runs them as they are."""
+
+    def backend(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        graphs.append(graph)
+        return graph.forward
+
+    return backend
+
+
 def _graph_computes(graph: torch.fx.GraphModule) -> dict[str, bool]:
     """Whether a Dynamo graph normalizes keys (runs a `key_norm`) and takes an SVD of the cores."""
     stacks = [str(node.meta.get("nn_module_stack", {})) for node in graph.graph.nodes]
@@ -145,9 +159,7 @@ def test_compiled_decode_follows_weights_changed_in_place_and_reads_the_refreshe
     reference = copy.deepcopy(model)
     prompt, tokens = torch.randint(1, 97, (2, PROMPT_LENGTH)), torch.randint(1, 97, (2, DECODE_STEPS))
     graphs: list[torch.fx.GraphModule] = []
-    compiled = torch.compile(
-        model.forward, backend=lambda graph, _: graphs.append(graph) or graph.forward, fullgraph=True, dynamic=False
-    )
+    compiled = torch.compile(model.forward, backend=_capturing(graphs), fullgraph=True, dynamic=False)
 
     def step(**inputs) -> torch.Tensor:
         if refreshed:
@@ -169,18 +181,11 @@ def test_compiled_decode_follows_weights_changed_in_place_and_reads_the_refreshe
 def test_static_cache_generate_compiled_matches_eager_before_and_after_a_weight_change():
     """`generate` with a static cache compiles its steps (here on CPU too) and refreshes the cache before each in
     `prepare_inputs_for_generation`: token for token the eager generation, before and after an in-place change."""
-    from transformers import CompileConfig
-
     torch.manual_seed(0)
     model = UltraMemForCausalLM(small_config("torch")).eval()
     prompt = torch.randint(1, 97, (2, PROMPT_LENGTH))
     graphs: list[torch.fx.GraphModule] = []
-
-    def backend(graph: torch.fx.GraphModule, _) -> Callable:
-        graphs.append(graph)
-        return graph.forward
-
-    compile_config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
+    compile_config = CompileConfig(fullgraph=True, dynamic=False, backend=_capturing(graphs), mode=None)
     compile_config._compile_all_devices = True
     generate = dict(max_new_tokens=DECODE_STEPS + 2, do_sample=False, cache_implementation="static")
 
