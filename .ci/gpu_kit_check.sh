@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The carried GPU kit (issue 22), checked on CPU: a fresh virtual environment holding the GPU image's versions of the
 # packages that matter (not this project's dependencies), the kit built by benchmarks/gpu_kit.py for this Python and
-# installed exactly as on the GPU machine (--no-index --no-deps --target), then the campaign's smoke run end to end.
+# installed exactly as on the GPU machine (--no-index --no-deps --target), then the campaign's smoke run end to end,
+# the mission's included (call 8: ultramem-train under DeepSpeed ZeRO-2 and lm_eval, both from the kit; issue 35).
 # Everything lives in .gpu-kit-check/ inside the clone and is deleted afterwards (GPU_KIT_CHECK_KEEP=1 keeps the
 # image-like environment for the next run); pip caches nothing.
 set -euo pipefail
@@ -31,7 +32,9 @@ echo "gpu_kit_check: image-like environment ready in $(( $(date +%s) - start )) 
 python benchmarks/gpu_kit.py --kit "$work/kit" \
     --python-version "$(python -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 python -m pip install -q --no-index --no-deps --target "$work/site" "$work"/kit/*.whl
-# The campaign's test (every step at smoke size, resumed by call, stopped by its budget) with the kit on the path
+# The campaign's test (every step at smoke size, resumed by call, stopped by its budget; the mission's record checked)
+# with the kit on the path: deepspeed and lm-eval come from it alone (the image has neither)
+python -c "import importlib.util as u; assert not u.find_spec('deepspeed') and not u.find_spec('lm_eval')"
 PYTHONPATH="$PWD/$work/site:$PWD" ULTRAMEM_GPU_KIT_CHECK=1 python -m pytest -q -p no:cacheprovider \
     tests/benchmarks/test_benchmarks_speed.py::test_gpu_campaign_smoke_runs_by_call_resumes_and_stops_within_its_budget
 echo "gpu_kit_check: passed in $(( $(date +%s) - start )) s"

@@ -3,8 +3,8 @@
 The GPU machine cannot reach a package registry; files reach it only inside the working tree. This script compares
 what the campaign requires (this package's `pyproject.toml` dependencies plus `CAMPAIGN_REQUIREMENTS`) with the
 image's declared versions (`IMAGE`), downloads exactly the wheels that are missing or too old for the image's Python
-and platform (and, transitively, what those wheels need that the image cannot give), and prints the one command
-that installs and runs them there:
+and platform (and, transitively, what those wheels need that the image cannot give; DeepSpeed, an sdist only, is
+built here into a pure-Python wheel), and prints the one command that installs and runs them there:
 
     python benchmarks/gpu_kit.py                        # builds .whl/ for the GPU image (CPython 3.12, x86_64)
     python benchmarks/gpu_kit.py --python-version 3.11  # the same kit for this machine's Python (the CPU check)
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -73,8 +74,25 @@ IMAGE: dict[str, str | None] = {
         ]
     ),  # fmt: skip
 }
-# What the campaign imports beyond the package's own dependencies: its correctness step is a pytest suite (tests/gpu).
-CAMPAIGN_REQUIREMENTS = ["pytest>=8"]
+# What the campaign imports beyond the package's own dependencies: its correctness step is a pytest suite (tests/gpu);
+# the mission (benchmarks/mission.py, call 8) trains under DeepSpeed and scores with lm-eval (pyproject's extras).
+CAMPAIGN_REQUIREMENTS = ["pytest>=8", "deepspeed>=0.19,<0.20", "lm-eval==0.4.13"]
+# Only an sdist on PyPI: built here into a pure-Python wheel, its C++/CUDA ops left to be JIT-built (never, in the
+# mission: the Trainer's torch AdamW, no DeepSpeed optimizer), so nothing needs nvcc on the GPU machine.
+SDIST_ONLY = {"deepspeed"}
+# lm-eval's requirements that `lm_eval --model hf` with the mission's tasks (ARC-C, BoolQ, WinoGrande, HellaSwag: acc,
+# acc_norm) never imports: left out, not carried (scikit-learn alone would bring SciPy, ~50 MiB). The kit check
+# (.ci/gpu_kit_check.sh) runs the mission's smoke without them.
+NOT_IMPORTED = {
+    "scikit-learn": "lm-eval imports it inside its f1/mcc metrics only",
+    "evaluate": "lm-eval's HF-evaluate metrics only",
+    "rouge-score": "lm-eval's ROUGE metric only",
+    "sqlitedict": "lm-eval's --use_cache only",
+    "word2number": "lm-eval's math-task filters only",
+    "more-itertools": "lm-eval's tasks other than the mission's",
+    "jsonlines": "lm-eval's decontamination tooling only",
+    "zstandard": "lm-eval's decontamination tooling only",
+}
 
 
 def campaign_requirements() -> list[Requirement]:
@@ -106,11 +124,22 @@ def download(requirements: list[Requirement], folder: Path, python_version: str)
     """The newest wheels meeting `requirements` for the target, without their dependencies (resolved here)."""
     platforms = [flag for platform in PLATFORMS for flag in ("--platform", platform)]
     command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
-               "--python-version", python_version, "--implementation", "cp", *platforms, "--dest", str(folder),
-               *[str(r) for r in requirements]]  # fmt: skip
+               "--python-version", python_version, "--implementation", "cp", *platforms, "--dest", str(folder)]  # fmt: skip
     before = set(folder.glob("*.whl"))
-    subprocess.run(command, check=True)
+    binary = [r for r in requirements if canonicalize_name(r.name) not in SDIST_ONLY]
+    if binary:
+        subprocess.run([*command, *[str(r) for r in binary]], check=True)
+    for requirement in requirements:
+        if canonicalize_name(requirement.name) in SDIST_ONLY:
+            build_wheel(requirement, folder)
     return sorted(set(folder.glob("*.whl")) - before)
+
+
+def build_wheel(requirement: Requirement, folder: Path) -> None:
+    """A pure-Python wheel of `requirement` built from its sdist with this environment's torch (DS_BUILD_OPS=0)."""
+    command = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "--no-cache-dir",
+               "--no-binary", requirement.name, "--wheel-dir", str(folder), str(requirement)]  # fmt: skip
+    subprocess.run(command, check=True, env=dict(os.environ, DS_BUILD_OPS="0"))
 
 
 def wheel_metadata(wheel: Path) -> tuple[str, Version, list[Requirement]]:
@@ -131,6 +160,7 @@ def build(python_version: str, kit: Path = KIT) -> dict:
     environment = marker_environment(python_version)
     carried: dict[str, dict] = {}  # name -> {"version", "wheel", "why"}
     assumed: set[str] = set()
+    left_out: dict[str, str] = {}
     pending = [(r, "campaign") for r in campaign_requirements()]
     with tempfile.TemporaryDirectory() as staging:
         staging = Path(staging)
@@ -140,6 +170,9 @@ def build(python_version: str, kit: Path = KIT) -> dict:
                 if requirement.marker is not None and not requirement.marker.evaluate(environment):
                     continue
                 name = canonicalize_name(requirement.name)
+                if name in NOT_IMPORTED and why != "campaign":
+                    left_out[name] = f"{why}: {NOT_IMPORTED[name]}"
+                    continue
                 if name in carried:
                     if not requirement.specifier.contains(carried[name]["version"], prereleases=True):
                         raise SystemExit(
@@ -178,6 +211,7 @@ def build(python_version: str, kit: Path = KIT) -> dict:
         "image": IMAGE,
         "carried": {name: {**entry, "version": str(entry["version"])} for name, entry in sorted(carried.items())},
         "assumed_present": sorted(assumed),
+        "left_out": dict(sorted(left_out.items())),
         "size_mib": round(size / 2**20, 2),
         "install": install_command(kit),
     }

@@ -373,7 +373,8 @@ def test_gpu_kit_carries_what_the_image_cannot_satisfy(bench):
     assert kit.image_satisfies(Requirement("regex>=2025.10.22")) is None  # present, version not recorded
     assert kit.image_satisfies(Requirement("datasets>=3.0")) is False  # absent
     names = {r.name for r in kit.campaign_requirements()}
-    assert {"torch", "transformers", "pytest"} <= names
+    assert {"torch", "transformers", "pytest", "deepspeed", "lm-eval"} <= names
+    assert kit.SDIST_ONLY == {"deepspeed"} and "scikit-learn" in kit.NOT_IMPORTED  # the mission's kit (issue 35)
     marker = Requirement('tomli>=2; python_version < "3.11"').marker
     assert not marker.evaluate(kit.marker_environment("3.12")) and marker.evaluate(kit.marker_environment("3.10"))
     line = kit.install_command(kit.KIT, call=2)
