@@ -76,7 +76,8 @@ IMAGE: dict[str, str | None] = {
 }
 # What the campaign imports beyond the package's own dependencies: its correctness step is a pytest suite (tests/gpu);
 # the mission (benchmarks/mission.py, call 8) trains under DeepSpeed and scores with lm-eval (pyproject's extras).
-CAMPAIGN_REQUIREMENTS = ["pytest>=8", "deepspeed>=0.19,<0.20", "lm-eval==0.4.13"]
+# lm-eval imports requests (lm_eval.utils) without requiring it.
+CAMPAIGN_REQUIREMENTS = ["pytest>=8", "deepspeed>=0.19,<0.20", "lm-eval==0.4.13", "requests"]
 # Only an sdist on PyPI: built here into a pure-Python wheel, its C++/CUDA ops left to be JIT-built (never, in the
 # mission: the Trainer's torch AdamW, no DeepSpeed optimizer), so nothing needs nvcc on the GPU machine.
 SDIST_ONLY = {"deepspeed"}
@@ -155,6 +156,15 @@ def wheel_metadata(wheel: Path) -> tuple[str, Version, list[Requirement]]:
     )
 
 
+def with_extras(requires: list[Requirement], extras: set[str], environment: dict[str, str]) -> list[Requirement]:
+    """A wheel's requirements without extras, and those of the `extras` asked for (marker `extra == "..."`, decided
+    here: the marker is dropped)."""
+    base = [r for r in requires if not r.marker or "extra" not in str(r.marker)]
+    chosen = [Requirement(str(r).split(";")[0]) for r in requires if r.marker and "extra" in str(r.marker)
+              and any(r.marker.evaluate({**environment, "extra": extra}) for extra in extras)]  # fmt: skip
+    return base + chosen
+
+
 def build(python_version: str, kit: Path = KIT) -> dict:
     """Resolve and download the kit into `kit` (replaced); returns its record (also written to kit/kit.json)."""
     environment = marker_environment(python_version)
@@ -162,6 +172,7 @@ def build(python_version: str, kit: Path = KIT) -> dict:
     assumed: set[str] = set()
     left_out: dict[str, str] = {}
     pending = [(r, "campaign") for r in campaign_requirements()]
+    pending_extras: list[tuple[Requirement, str]] = []
     with tempfile.TemporaryDirectory() as staging:
         staging = Path(staging)
         while pending:
@@ -178,6 +189,10 @@ def build(python_version: str, kit: Path = KIT) -> dict:
                         raise SystemExit(
                             f"gpu_kit: {why} needs {requirement}, but the kit carries {name} {carried[name]['version']}"
                         )
+                    new = requirement.extras - carried[name]["extras"]  # e.g. typepy[datetime] after typepy
+                    carried[name]["extras"] |= new
+                    pending_extras += [(r, f"{name}[{','.join(sorted(new))}]")
+                                       for r in with_extras(carried[name]["requires"], new, environment)]  # fmt: skip
                     continue
                 fits = image_satisfies(requirement)
                 if fits is None:
@@ -185,20 +200,22 @@ def build(python_version: str, kit: Path = KIT) -> dict:
                 elif not fits:  # several requirements of one missing package in a wave: all of them at once
                     merged, whys = wave.get(name, (Requirement(name), []))
                     merged.specifier &= requirement.specifier
+                    merged.extras |= requirement.extras
                     wave[name] = (merged, [*whys, why])
-            pending = []
+            pending, pending_extras = pending_extras, []
             if wave:
                 for wheel in download([r for r, _ in wave.values()], staging, python_version):
                     name, version, requires = wheel_metadata(wheel)
                     image = (IMAGE[name] or "present") if name in IMAGE else "absent"
+                    extras = set(wave[name][0].extras)
                     carried[name] = {
                         "version": version,
                         "wheel": wheel.name,
                         "why": f"{'; '.join(wave[name][1])} (image: {image})",
+                        "extras": extras,
+                        "requires": requires,
                     }
-                    pending += [
-                        (r, f"{name} {version}") for r in requires if not r.marker or "extra" not in str(r.marker)
-                    ]
+                    pending += [(r, f"{name} {version}") for r in with_extras(requires, extras, environment)]
         if kit.exists():
             shutil.rmtree(kit)
         kit.mkdir(parents=True)
@@ -209,7 +226,10 @@ def build(python_version: str, kit: Path = KIT) -> dict:
         "python_version": python_version,
         "platforms": PLATFORMS,
         "image": IMAGE,
-        "carried": {name: {**entry, "version": str(entry["version"])} for name, entry in sorted(carried.items())},
+        "carried": {
+            name: {"version": str(entry["version"]), "wheel": entry["wheel"], "why": entry["why"]}
+            for name, entry in sorted(carried.items())
+        },
         "assumed_present": sorted(assumed),
         "left_out": dict(sorted(left_out.items())),
         "size_mib": round(size / 2**20, 2),
