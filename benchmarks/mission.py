@@ -118,6 +118,7 @@ def training_record(checkpoint: Path, block: int) -> dict[str, Any]:
     train = [entry["loss"] for entry in history if "loss" in entry]
     evaluation = [entry["eval_loss"] for entry in history if "eval_loss" in entry]
     summary = next(entry for entry in reversed(history) if "train_runtime" in entry)
+    health = [entry for entry in history if any(key.startswith("memory/") for key in entry)]
     return {
         "zero_stage": arguments.hf_deepspeed_config.config["zero_optimization"]["stage"],
         "world_size": arguments.world_size,
@@ -129,6 +130,10 @@ def training_record(checkpoint: Path, block: int) -> dict[str, Any]:
         "train_runtime_s": summary["train_runtime"],
         # samples are packed blocks of `block` tokens; the runtime includes the in-training evaluations
         "tokens_per_second": round(summary["train_samples_per_second"] * block, 1),
+        # per-layer retrieval health (rows read, query similarity) the Trainer logged, first and last: a collapsed
+        # memory trains and scores too, so the mission's record says whether its layers kept retrieving
+        "memory_health_first": {k: v for k, v in (health or [{}])[0].items() if k.startswith("memory/")},
+        "memory_health_last": {k: v for k, v in (health or [{}])[-1].items() if k.startswith("memory/")},
     }
 
 

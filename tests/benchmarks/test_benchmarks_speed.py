@@ -302,6 +302,8 @@ def check_mission(results: Path) -> None:
     losses = [train["loss_first"], train["loss_last"], *train["eval_losses"]]
     assert len(losses) == 4 and all(math.isfinite(x) and 5 < x < 20 for x in losses), losses
     assert train["tokens_per_second"] > 0
+    for health in (train["memory_health_first"], train["memory_health_last"]):  # per layer, as the Trainer logged
+        assert all(0 < health[f"memory/layer_{i}/slot_usage"] <= 1 for i in (0, 1)), health
     assert mission["stages"]["train"]["command"][2:4] == ["torch.distributed.run", "--nproc_per_node"]
     assert mission["stages"]["eval"]["command"][2:5] == ["lm_eval", "--model", "hf"]
     scores = mission["eval"]["scores"]
