@@ -19,6 +19,13 @@ For a ratio on a machine whose speed drifts (shared cores), `--interleave` times
 
     OMP_NUM_THREADS=1 python benchmarks/bench_decode.py --device cpu --sizes tiny --batch-sizes 1 --interleave --iters 300
 
+Where a step's time goes (issue 34): `--account N` profiles N more steps of every model and batch and splits the
+median one into kernel time, copies/memsets, gaps on the device's timeline and the launching call's host time,
+per memory layer in eager mode (`lib.step_account` says what a CUDA-graph replay lets one attribute); the rows get
+an "account" entry and a table of the split, with UltraMem minus dense part by part, is printed before the last:
+
+    python benchmarks/bench_decode.py --device cuda --sizes 680m --batch-sizes 1,16 --account 20 --name decode_account
+
 Writes benchmarks/results/decode_<device>.json and .png; the table is printed last.
 """
 
@@ -27,7 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lib import cli, models, report, timing
+from lib import cli, models, report, step_account, timing
 
 from ultramem.sizing import decode_memory_access
 
@@ -43,9 +50,13 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--interleave", action="store_true",
                         help="hold the three models of a size at once and time their steps in turn (one step of each "
                         "per round), so machine drift does not enter their ratios")  # fmt: skip
+    parser.add_argument("--account", type=int, nargs="?", const=10, default=0, metavar="STEPS",
+                        help="also profile STEPS (10 if not given) steps of each model and batch and split them into "
+                        "kernels, copies, gaps and host time (see lib.step_account)")  # fmt: skip
     parser.add_argument("--analytic-sizes", type=cli.sizes, default=["680m", "1.6b"],
                         help="sizes whose analytic memory access is tabulated (meta device, nothing timed)")  # fmt: skip
     args = cli.resolve(parser.parse_args(argv), DEFAULT_NAME)
+    cli.at_least(args, account=0)
     cuda = args.device.type == "cuda"
     args.sizes = args.sizes or (["680m", "1.6b"] if cuda else ["tiny"])
     args.batch_sizes = args.batch_sizes or ([2**i for i in range(11)] if cuda else [1, 4, 16])
@@ -83,7 +94,7 @@ def bench_model(size: str, kind: str, args) -> tuple[list[dict[str, Any]], dict[
     with torch.no_grad():
         for batch in args.batch_sizes:
             try:
-                rows.append(row_of(info, model, batch, args, models.time_decode(model, batch, args)))
+                rows.append(row_of(info, model, batch, args, models.time_decode(model, batch, args, args.account)))
             except RuntimeError as error:
                 if not timing.is_out_of_memory(error):
                     raise
@@ -105,9 +116,9 @@ def bench_size_interleaved(size: str, args) -> tuple[list[dict[str, Any]], list[
             steps = {kind: models.decode_step(model, batch, args) for kind, (model, _) in peers.items()}
             times = timing.measure_interleaved(steps, args.device, args.warmup, args.iters, args.statistic)
             for kind, (model, info) in peers.items():
-                rows.append(
-                    row_of(info, model, batch, args, {**times[kind], **timing.count_launches(steps[kind], args.device)})
-                )
+                launches = timing.count_launches(steps[kind], args.device)
+                account = models.account_decode(model, steps[kind], args, args.account)
+                rows.append(row_of(info, model, batch, args, {**times[kind], **launches, **account}))
     infos = [info for _, info in peers.values()]
     del peers, steps
     timing.release(args.device)
@@ -169,6 +180,24 @@ TABLE_COLUMNS = {"size": "size", "batch": "batch", "dense_ms": "dense ms", "ultr
                  "ultramem_ops": "U ops", "moe_ops": "M ops"}  # fmt: skip
 
 
+def account_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The accounted split of every row that has one, and after each (size, batch) UltraMem minus dense."""
+    table = []
+    for size, batch in dict.fromkeys((r["size"], r["batch"]) for r in rows if "account" in r):
+        split = {r["kind"]: r["account"] for r in rows if (r["size"], r["batch"]) == (size, batch) and "account" in r}
+        table += [{"size": size, "batch": batch, "kind": kind, **split[kind]} for kind in KINDS if kind in split]
+        if "ultramem" in split and "dense" in split:
+            difference = step_account.difference(split["ultramem"], split["dense"])
+            table.append({"size": size, "batch": batch, "kind": "U - D", **difference})
+    return table
+
+
+ACCOUNT_COLUMNS = {"size": "size", "batch": "batch", "kind": "kind", "step_ms": "step ms", "kernel_ms": "kernels",
+                   "copy_ms": "copies", "gap_ms": "gaps", "gap_before_ms": "gap before", "gap_between_ms": "between",
+                   "gap_after_ms": "after", "host_ms": "host", "host_runtime_ms": "host runtime",
+                   "memory_device_ms": "memory kernels", "memory_host_ms": "memory host"}  # fmt: skip
+
+
 def plot(args, rows: list[dict[str, Any]]) -> None:
     panels = []
     for size in args.sizes:
@@ -202,7 +231,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(report.format_table(analytic, ANALYTIC_COLUMNS) + "\n")
     settings = {"sizes": args.sizes, "batch_sizes": args.batch_sizes, "context": args.context, "mode": args.mode,
                 "cache": "StaticCache", "attention": "sdpa", "warmup": args.warmup, "iters": args.iters,
-                "interleave": args.interleave}  # fmt: skip
+                "interleave": args.interleave, "account_steps": args.account}  # fmt: skip
     payload = {
         "settings": settings,
         "analytic_model": "ultramem.sizing.decode_memory_access: bytes read per step = every dense weight once + B "
@@ -214,6 +243,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ratios": ratio_rows(rows),
         "complete": True,
     }
+    if args.account:
+        payload["account"] = account_rows(rows)
+        print(f"\nWhere a step's time goes (ms; median of {args.account} profiled steps, {args.mode}):")
+        print(report.format_table(payload["account"], ACCOUNT_COLUMNS) + "\n")
     if not args.no_plot:
         plot(args, rows)
     report.finish(args, payload, report.format_table(payload["ratios"], TABLE_COLUMNS))

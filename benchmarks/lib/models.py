@@ -13,7 +13,7 @@ from transformers import PreTrainedModel, StaticCache
 from ultramem.presets import get_config
 from ultramem.sizing import build_model
 
-from . import timing
+from . import step_account, timing
 
 # The three models of equal compute at each size: this project's dense backbone, UltraMem, and Mixtral.
 PEERS: dict[str, dict[str, str]] = {
@@ -55,8 +55,10 @@ def use_memory_implementation(model: PreTrainedModel, name: str) -> PreTrainedMo
 
 
 def decode_cache_length(args: argparse.Namespace) -> int:
-    """Cache slots a decoding benchmark needs: the context, the 2-token prefill, every timed and profiled step."""
-    return args.context + 3 + args.warmup + args.iters
+    """Cache slots a decoding benchmark needs: the context, the 2-token prefill, every timed and profiled step
+    (with `args.account`, one more and that many accounted steps)."""
+    account = getattr(args, "account", 0) or 0
+    return args.context + 3 + args.warmup + args.iters + (account + 1 if account else 0)
 
 
 def decode_overrides(preset: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -110,11 +112,22 @@ def decode_step(model: PreTrainedModel, batch: int, args: argparse.Namespace) ->
     return step
 
 
-def time_decode(model: PreTrainedModel, batch: int, args: argparse.Namespace) -> dict[str, float]:
-    """Time of one decoding step (`decode_step`), then one more step under the profiler counting its launches."""
+def time_decode(model: PreTrainedModel, batch: int, args: argparse.Namespace, account: int = 0) -> dict[str, Any]:
+    """Time of one decoding step (`decode_step`), then one more step under the profiler counting its launches, and
+    with `account` that many profiled steps split into kernels, copies, gaps and host time (`step_account`)."""
     step = decode_step(model, batch, args)
     measured = timing.measure(step, args.device, args.warmup, args.iters, args.statistic)
-    return {**measured, **timing.count_launches(step, args.device)}
+    return {**measured, **timing.count_launches(step, args.device), **account_decode(model, step, args, account)}
+
+
+def account_decode(model: PreTrainedModel, step: Callable[[], None], args: argparse.Namespace, steps: int) -> dict:
+    """{"account": the `step_account` split of `steps` profiled calls of `step`}, or {} for none. Memory layers
+    are annotated in eager mode only: hooks added to a compiled model would recompile it, and their ranges
+    vanish inside compiled code anyway."""
+    if not steps:
+        return {}
+    modules = step_account.memory_layers(model) if args.mode == "eager" else None
+    return {"account": step_account.account_call(step, args.device, steps, modules)}
 
 
 def choose_moe_implementation(
