@@ -61,9 +61,10 @@ def decode_cache_length(args: argparse.Namespace) -> int:
     return args.context + 3 + args.warmup + args.iters + (account + 1 if account else 0)
 
 
-def decode_overrides(preset: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Config overrides for decoding benchmarks: positions for the whole cache, no router-logit collection."""
-    overrides: dict[str, Any] = {"max_position_embeddings": decode_cache_length(args)}
+def decode_overrides(preset: str, args: argparse.Namespace, positions: int | None = None) -> dict[str, Any]:
+    """Config overrides for decoding benchmarks: positions for the whole cache (`positions`, else
+    `decode_cache_length`), no router-logit collection."""
+    overrides: dict[str, Any] = {"max_position_embeddings": positions or decode_cache_length(args)}
     if preset.startswith(("moe", "tiny-moe")):
         overrides["output_router_logits"] = False
     return overrides

@@ -1,0 +1,219 @@
+"""Per-token time of `model.generate` as users call it, for dense, UltraMem and MoE models of equal compute
+(issue 34, item 5: the user's path, where bench_decode times one isolated step).
+
+Greedy decoding of exactly `--new-tokens` tokens (min_new_tokens = max_new_tokens) after a random prompt of
+`--prompt` tokens, for the models of `lib.models.PEERS` (as in bench_decode), with one of two caches:
+
+- `eager`: generate's default, a DynamicCache and the eager forward;
+- `static`: `cache_implementation="static"`. On CUDA Transformers then compiles the decoding forward by itself
+  (`torch.compile(mode="reduce-overhead")`, CUDA graphs; the prefill stays eager), as users get it; elsewhere it
+  runs eagerly. `--no-auto-compile` (generate's `disable_compile=True`) keeps it eager on CUDA too. Each row says
+  whether Transformers compiled (`compiled`).
+
+A stopping criterion that never stops records `time.perf_counter()` (and the process CPU time) after a device
+synchronize each time generate has appended a token: one timestamp per new token. The time to the first one is
+the prefill (with generate's setup), reported apart and excluded; the per-token times are the differences between
+consecutive timestamps, `--iters` generate calls (5) after `--warmup` untimed ones (1), summarized as in every speed
+script (`--statistic`). generate synchronizes at every token anyway (its stopping check), so the criterion's
+synchronize adds no wait of its own.
+
+H100 / H200 (bf16; the issue's target: static-cache UltraMem/dense <= 1.10 at batch 1 and 16):
+
+    python benchmarks/bench_generate.py --device cuda --sizes 680m --batch-sizes 1,16
+
+CPU (tiny presets, float32, a few seconds):
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_generate.py --device cpu --sizes tiny
+
+Writes benchmarks/results/generate_<device>.json and .png; the table (per-token ms, UltraMem/dense and
+MoE/UltraMem for every size, batch and cache) is printed last.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+from lib import cli, models, report, timing
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+DEFAULT_NAME = "generate"
+KINDS = ("dense", "ultramem", "moe")
+CACHES = ("eager", "static")
+
+
+def parse_args(argv: list[str] | None = None):
+    parser = cli.make_parser(__doc__, DEFAULT_NAME)
+    # one call is many steps: a single warm-up call compiles, records the CUDA graphs and replays them
+    parser.set_defaults(warmup=1, iters=5)
+    add = parser.add_argument
+    add("--sizes", type=cli.sizes, default=None, help="680m on CUDA; tiny on CPU")
+    add("--batch-sizes", type=cli.int_list, default=None, help="1,16 on CUDA; 1,4 on CPU")
+    add("--prompt", type=int, default=None, help="prompt tokens (2048 on CUDA, 32 on CPU)")
+    add("--new-tokens", type=int, default=None, help="tokens generated per call (64 on CUDA, 8 on CPU)")
+    add("--caches", default=",".join(CACHES), help="eager (DynamicCache) and/or static (cache_implementation)")
+    add("--no-auto-compile", action="store_true", help="generate(disable_compile=True): a static cache stays eager")
+    cli.add_moe_argument(parser, "at the middle batch size, with the first cache")
+    args = cli.resolve(parser.parse_args(argv), DEFAULT_NAME)
+    cuda = args.device.type == "cuda"
+    args.sizes = args.sizes or (["680m"] if cuda else ["tiny"])
+    args.batch_sizes = args.batch_sizes or ([1, 16] if cuda else [1, 4])
+    args.prompt = args.prompt if args.prompt is not None else (2048 if cuda else 32)
+    args.new_tokens = args.new_tokens if args.new_tokens is not None else (64 if cuda else 8)
+    args.caches = cli.names(args.caches, CACHES, "--caches")
+    cli.at_least(args, prompt=1, new_tokens=2)  # two timestamps make one per-token time
+    return args
+
+
+class TokenClock(StoppingCriteria):
+    """Never stops; records wall-clock and process CPU time after a device synchronize at every new token."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
+        timing.synchronize(self.device)
+        self.wall.append(time.perf_counter())
+        self.cpu.append(time.process_time())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def generate_once(model, prompt: torch.Tensor, cache: str, args) -> tuple[float, list[float], list[float], bool]:
+    """One greedy generate call: prefill ms (to the first token), the per-token wall and CPU ms after it, and
+    whether Transformers compiled the forward."""
+    clock = TokenClock(args.device)
+    options = {"cache_implementation": "static"} if cache == "static" else {}
+    timing.synchronize(args.device)
+    start = time.perf_counter()
+    output = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                            max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                            stopping_criteria=StoppingCriteriaList([clock]), disable_compile=args.no_auto_compile,
+                            pad_token_id=model.config.pad_token_id or 0, **options)  # fmt: skip
+    if output.shape[1] != prompt.shape[1] + args.new_tokens or len(clock.wall) != args.new_tokens:
+        raise RuntimeError(f"expected {args.new_tokens} new tokens, got {output.shape[1] - prompt.shape[1]}")
+    wall = [(b - a) * 1e3 for a, b in zip(clock.wall, clock.wall[1:])]
+    cpu = [(b - a) * 1e3 for a, b in zip(clock.cpu, clock.cpu[1:])]
+    return (clock.wall[0] - start) * 1e3, wall, cpu, hasattr(model, "_compiled_call")
+
+
+def time_generate(model, batch: int, cache: str, args) -> dict[str, Any]:
+    """Per-token time of `args.iters` generate calls after `args.warmup` (`timing.summarize` of every token's)."""
+    prompt = torch.randint(1, model.config.vocab_size, (batch, args.prompt), device=args.device)
+    for _ in range(args.warmup):
+        generate_once(model, prompt, cache, args)
+    prefill, wall, cpu, compiled = [], [], [], False
+    for _ in range(args.iters):
+        prefill_ms, wall_ms, cpu_ms, compiled = generate_once(model, prompt, cache, args)
+        prefill.append(prefill_ms)
+        wall.append(wall_ms)
+        cpu.append(cpu_ms)
+    flat = timing.summarize([t for run in wall for t in run], [t for run in cpu for t in run], args.statistic)
+    return {**flat, "prefill_ms": statistics.median(prefill), "compiled": compiled, "token_ms": wall}
+
+
+def build_peer(size: str, kind: str, args) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The eval-mode model of `kind` at `size` (positions for prompt and new tokens), MoE on its chosen path."""
+    preset = models.PEERS[size][kind]
+    overrides = models.decode_overrides(preset, args, positions=args.prompt + args.new_tokens)
+    model = models.build(preset, args.device, args.dtype, **overrides).eval()
+    info: dict[str, Any] = {"size": size, "kind": kind, "preset": preset}
+    if kind == "moe":
+        batch = args.batch_sizes[len(args.batch_sizes) // 2]
+        with torch.no_grad():
+            info["moe_implementation"], info["moe_probe_ms"] = models.choose_moe_implementation(
+                model, args.moe_impl, lambda m: time_generate(m, batch, args.caches[0], args)
+            )
+    return model, info
+
+
+def bench_model(size: str, kind: str, args) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    model, info = build_peer(size, kind, args)
+    rows = []
+    with torch.no_grad():
+        for cache in args.caches:
+            for batch in args.batch_sizes:
+                timed = time_generate(model, batch, cache, args)
+                rows.append({"size": size, "kind": kind, "batch": batch, "cache": cache, **timed})
+                print(f"{info['preset']:<20} {cache:>6} batch {batch:>4}: {timed['ms']:8.3f} ms/token "
+                      f"(prefill {timed['prefill_ms']:.1f} ms, compiled {timed['compiled']})")  # fmt: skip
+            timing.release(args.device)  # a compiled forward holds its cache: dropped between caches
+    del model
+    timing.release(args.device)
+    return rows, info
+
+
+def ratio_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (size, cache, batch): the three per-token times and UltraMem/dense, MoE/UltraMem."""
+    by_key = {(r["size"], r["cache"], r["batch"], r["kind"]): r["ms"] for r in rows}
+    table = []
+    for size, cache, batch in dict.fromkeys((r["size"], r["cache"], r["batch"]) for r in rows):
+        ms = {kind: by_key.get((size, cache, batch, kind)) for kind in KINDS}
+        table.append({"size": size, "cache": cache, "batch": batch, **{f"{k}_ms": v for k, v in ms.items()},
+                      "ultramem/dense": ratio(ms["ultramem"], ms["dense"]),
+                      "moe/ultramem": ratio(ms["moe"], ms["ultramem"])})  # fmt: skip
+    return table
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+TABLE_COLUMNS = {"size": "size", "cache": "cache", "batch": "batch", "dense_ms": "dense ms/token",
+                 "ultramem_ms": "ultramem ms/token", "moe_ms": "moe ms/token", "ultramem/dense": "U/D",
+                 "moe/ultramem": "M/U"}  # fmt: skip
+
+
+def plot(args, rows: list[dict[str, Any]], ratios: list[dict[str, Any]]) -> None:
+    panels = []
+    for size in args.sizes:
+        series = {
+            f"{kind} {cache}": (
+                [r["batch"] for r in rows if (r["size"], r["kind"], r["cache"]) == (size, kind, cache)],
+                [r["ms"] for r in rows if (r["size"], r["kind"], r["cache"]) == (size, kind, cache)],
+            )
+            for kind in KINDS
+            for cache in args.caches
+        }
+        panels.append(report.Panel(f"{size}: generate, per token", "ms / token", series, xlabel="batch size"))
+        of_size = [r for r in ratios if r["size"] == size]
+        series = {
+            f"{name} {cache}": (
+                [r["batch"] for r in of_size if r["cache"] == cache],
+                [r[name] for r in of_size if r["cache"] == cache],
+            )  # fmt: skip
+            for name in ("ultramem/dense", "moe/ultramem")
+            for cache in args.caches
+        }
+        panels.append(report.Panel(f"{size}: ratios (target U/D <= 1.10)", "ratio", series, xlabel="batch size",
+                                   draw=lambda axis: axis.axhline(1.10, color="grey", ls=":")))  # fmt: skip
+    title = f"generate, greedy, prompt {args.prompt} + {args.new_tokens} tokens, prefill excluded"
+    report.plot(args.results_dir / f"{args.name}.png", panels, title)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    rows, infos = [], []
+    for size in args.sizes:
+        for kind in KINDS:
+            model_rows, info = bench_model(size, kind, args)
+            rows, infos = rows + model_rows, infos + [info]
+            report.save(args, {"complete": False, "rows": rows})  # kept should the run be cut short
+    settings = {"sizes": args.sizes, "batch_sizes": args.batch_sizes, "prompt": args.prompt,
+                "new_tokens": args.new_tokens, "caches": args.caches, "auto_compile": not args.no_auto_compile,
+                "decoding": "greedy, min_new_tokens = max_new_tokens", "warmup": args.warmup, "iters": args.iters,
+                "per_token": "differences of timestamps taken after a synchronize at every new token; the first "
+                "(prefill, prefill_ms) excluded"}  # fmt: skip
+    payload = {"settings": settings, "models": infos, "rows": rows, "ratios": ratio_rows(rows), "complete": True}
+    if not args.no_plot:
+        plot(args, rows, payload["ratios"])
+    report.finish(args, payload, report.format_table(payload["ratios"], TABLE_COLUMNS))
+    return payload
+
+
+if __name__ == "__main__":
+    main()

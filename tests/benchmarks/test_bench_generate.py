@@ -1,0 +1,59 @@
+"""CPU smoke test of benchmarks/bench_generate.py (issue 34, item 5): generate as users call it, per-token times
+from one timestamp per new token with the prefill excluded. Structure and consistency only, no timing asserted."""
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench_generate():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_generate
+
+        yield bench_generate
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_bench_generate_times_every_new_token_after_the_prefill(bench_generate, tmp_path, capsys):
+    new_tokens = 4
+    argv = ["--device", "cpu", "--sizes", "tiny", "--batch-sizes", "1,2", "--prompt", "8", "--new-tokens",
+            str(new_tokens), "--warmup", "1", "--iters", "2", "--statistic", "median", "--moe-impl", "eager",
+            "--results-dir", str(tmp_path), "--name", "generate"]  # fmt: skip
+    bench_generate.main(argv)
+    payload = json.loads((tmp_path / "generate.json").read_text())
+    assert payload["complete"] and payload["environment"]["device"].startswith("CPU")
+    rows = payload["rows"]
+    assert {(r["kind"], r["cache"], r["batch"]) for r in rows} == {
+        (kind, cache, batch)
+        for kind in ("dense", "ultramem", "moe")
+        for cache in ("eager", "static")
+        for batch in (1, 2)
+    }
+    for row in rows:
+        # one timestamp per new token: new_tokens - 1 per-token times a call, the prefill apart
+        assert len(row["token_ms"]) == 2 and all(len(run) == new_tokens - 1 for run in row["token_ms"])
+        assert all(t > 0 for run in row["token_ms"] for t in run) and row["prefill_ms"] > 0
+        assert row["ms"] == pytest.approx(statistics.median(t for run in row["token_ms"] for t in run))
+        assert row["compiled"] is False  # Transformers compiles a static cache's forward on CUDA only
+    by_key = {(r["cache"], r["batch"], r["kind"]): r["ms"] for r in rows}
+    for ratio in payload["ratios"]:
+        key = (ratio["cache"], ratio["batch"])
+        assert ratio["ultramem/dense"] == pytest.approx(by_key[(*key, "ultramem")] / by_key[(*key, "dense")])
+        assert ratio["moe/ultramem"] == pytest.approx(by_key[(*key, "moe")] / by_key[(*key, "ultramem")])
+    assert (tmp_path / "generate.png").stat().st_size > 0
+    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("tiny")  # the table is printed last
+
+
+def test_bench_generate_needs_two_new_tokens(bench_generate):
+    with pytest.raises(SystemExit, match="--new-tokens must be >= 2"):
+        bench_generate.parse_args(["--device", "cpu", "--new-tokens", "1"])
+    with pytest.raises(SystemExit, match="--caches"):
+        bench_generate.parse_args(["--device", "cpu", "--caches", "paged"])
