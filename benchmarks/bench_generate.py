@@ -140,7 +140,9 @@ def bench_model(size: str, kind: str, args) -> tuple[list[dict[str, Any]], dict[
                 rows.append({"size": size, "kind": kind, "batch": batch, "cache": cache, **timed})
                 print(f"{info['preset']:<20} {cache:>6} batch {batch:>4}: {timed['ms']:8.3f} ms/token "
                       f"(prefill {timed['prefill_ms']:.1f} ms, compiled {timed['compiled']})")  # fmt: skip
-            timing.release(args.device)  # a compiled forward holds its cache: dropped between caches
+                # as in a fresh process: a compiled forward (and the cache its CUDA graphs hold) is dropped, so the
+                # next batch size is compiled for its own static shapes, not recompiled with a dynamic batch
+                timing.release(args.device)
     del model
     timing.release(args.device)
     return rows, info

@@ -19,6 +19,8 @@ range (on the launching thread) holding the runtime call that launched it. What 
 
 On CPU there are no device events: the top-level CPU operators (not called from another operator) stand in for
 kernels, so "gaps" are the host time between operators (Python, dispatch), which is how this module is tested.
+That reading holds for eager steps only: a compiled CPU step's generated C++ kernels have no profiler ranges, so
+its "kernels" are the wrapper ranges around the compiled call (nearly the whole step), not its kernels.
 The profiler's own per-operator overhead inflates eager gaps; a graph replay has few host operators to inflate.
 """
 
@@ -156,9 +158,9 @@ def _account_step(step: Span, launched: list[tuple[Span, Span]], host: list[Span
         part["launches"] += 1
     memory_host = [m for m in memory_ranges if step.holds(m.start)]
     for memory in memory_host:
-        parts.setdefault(memory.name[len(memory_prefix) :], {"device_ms": 0.0, "launches": 0})
-        parts[memory.name[len(memory_prefix) :]]["host_ms"] = memory.dur * ms
-    outside = {}
+        part = parts.setdefault(memory.name[len(memory_prefix) :], {"device_ms": 0.0, "launches": 0})
+        part["host_ms"] = part.get("host_ms", 0.0) + memory.dur * ms
+    outside: dict[str, float] = {}  # device work launched outside a graph replay, by name
     for d, launcher in launched:
         if not on_host and "GraphLaunch" not in launcher.name:
             outside[d.name[:120]] = outside.get(d.name[:120], 0.0) + d.dur * ms
