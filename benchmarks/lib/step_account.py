@@ -16,6 +16,8 @@ range (on the launching thread) holding the runtime call that launched it. What 
   counted as "graph replay" without a layer; kernels launched outside the graph (copies into its static inputs,
   eager work around it such as refreshing UltraMem's inference cache) stay "rest", and `outside_graph` names them.
   Per-layer shares of a replay are therefore not measured here: profile the eager step for those.
+- device work whose launching call is missing from the trace (no correlation id) goes to the step it runs in,
+  as "unlinked".
 
 On CPU there are no device events: the top-level CPU operators (not called from another operator) stand in for
 kernels, so "gaps" are the host time between operators (Python, dispatch), which is how this module is tested.
@@ -42,6 +44,7 @@ STEP_RANGE = "account step"  # the record_function range around each profiled ca
 MEMORY_PREFIX = "memory "  # prefix of the ranges `annotate` puts around memory layers
 GRAPH_REPLAY = "graph replay"
 REST = "rest"
+UNLINKED = "unlinked"  # device work whose launching call the trace does not name
 HOST_CATEGORIES = {"cpu_op", "user_annotation", "cuda_runtime", "cuda_driver"}
 KERNEL_CATEGORIES = {"kernel"}
 COPY_CATEGORIES = {"gpu_memcpy", "gpu_memset"}
@@ -121,15 +124,21 @@ def account_trace(trace: Iterable[dict[str, Any]], memory_prefix: str = MEMORY_P
     launched = [(d, d if on_host else runtime.get(d.correlation)) for d in device]
     memory_ranges = [s for s in host if s.cat == "user_annotation" and s.name.startswith(memory_prefix)]
     splits = []
-    for step in steps:  # a device event belongs to the step whose call launched it
+    for index, step in enumerate(steps):  # a device event belongs to the step whose call launched it
         in_step = [(d, by) for d, by in launched if by is not None and step.holds(by.start)]
+        # one whose launch is not in the trace (no correlation id): to the step it runs in, marked unlinked
+        following = steps[index + 1].start if index + 1 < len(steps) else float("inf")
+        unlinked = [d for d, by in launched if by is None and step.start <= d.start < following]
+        in_step += [(d, Span(UNLINKED, UNLINKED, d.start, d.start, tid=None)) for d in unlinked]
         host_in_step = [s for s in host if step.holds(s.start)]
         splits.append(_account_step(step, in_step, host_in_step, memory_ranges, memory_prefix, on_host))
     return splits
 
 
 def _label(launcher: Span, memory_ranges: list[Span], memory_prefix: str) -> str:
-    """The memory layer whose range holds `launcher` on its thread, else graph replay or the rest of the model."""
+    """The memory layer whose range holds `launcher` on its thread, else graph replay, unlinked or the rest."""
+    if launcher.cat == UNLINKED:
+        return UNLINKED
     for memory in memory_ranges:
         if memory.tid == launcher.tid and memory.holds(launcher.start):
             return memory.name[len(memory_prefix) :]
@@ -190,7 +199,7 @@ def median_split(steps: list[dict[str, Any]]) -> dict[str, Any]:
     if not steps:
         raise ValueError(f"no '{STEP_RANGE}' range in the trace")
     median = sorted(steps, key=lambda step: step["step_ms"])[(len(steps) - 1) // 2]
-    memory = [p["device_ms"] for label, p in median["parts"].items() if label not in (REST, GRAPH_REPLAY)]
+    memory = [p["device_ms"] for label, p in median["parts"].items() if label not in (REST, GRAPH_REPLAY, UNLINKED)]
     return {**median, "memory_device_ms": sum(memory), "steps_ms": [step["step_ms"] for step in steps]}
 
 

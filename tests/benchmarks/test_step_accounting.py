@@ -83,6 +83,16 @@ def test_a_hand_made_cuda_trace_splits_exactly(lib):
     assert split["memory_device_ms"] == pytest.approx(0.020)
 
 
+def test_device_work_without_its_launch_goes_to_the_step_it_runs_in(lib):
+    sa = lib.step_account
+    trace = [x(sa.STEP_RANGE, "user_annotation", 0, 10), x(sa.STEP_RANGE, "user_annotation", 100, 10),
+             x("K", "kernel", 50, 20, tid=7), x("K", "kernel", 120, 5, tid=7, correlation=42)]  # fmt: skip
+    first, second = sa.account_trace(trace)
+    assert first["parts"] == {"unlinked": {"device_ms": pytest.approx(0.020), "launches": 1}}
+    assert first["step_ms"] == pytest.approx(0.070) and first["gap_after_ms"] == 0
+    assert second["parts"]["unlinked"]["launches"] == 1 and sa.median_split([first])["memory_device_ms"] == 0
+
+
 def test_on_a_cpu_trace_top_level_operators_are_the_kernels(lib):
     sa = lib.step_account
     trace = [
