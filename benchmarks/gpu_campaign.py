@@ -39,7 +39,7 @@ from lib import env, targets
 TIMED_OUT = 124
 # Seconds of the call's device limit the driver may spend (the rest: the kit's install, interpreter start-up, copying
 # the results back).
-CALL_BUDGETS = {1: 500, 2: 220, 3: 540, 4: 500, 5: 540, 6: 540, 7: 500, 8: 440}
+CALL_BUDGETS = {1: 500, 2: 220, 3: 540, 4: 500, 5: 540, 6: 540, 7: 500, 8: 440, 9: 500, 10: 500}
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,16 @@ def gpu_steps() -> list[Step]:
         # call 8 (480 s, the kit's install included): the mission (issue 35), ultramem-train under DeepSpeed ZeRO-2,
         # lm_eval on its checkpoint, the model card (benchmarks/mission.py; mission.json)
         Step("mission", 8, 440, "mission.py --results-dir {results}"),
+        # call 9 (issue 34): where the decode step's time goes, split from profiler traces (lib/step_account.py):
+        # under CUDA graphs the totals (kernels, copies, gaps, host) and what runs outside the graph; eager, the share
+        # of each memory layer
+        Step("decode_680m_account", 9, 330, f"bench_decode.py {GRAPHS} --sizes 680m --batch-sizes 1,16 "
+             "--analytic-sizes 680m --account 20 --name decode_680m_account"),
+        Step("decode_680m_account_eager", 9, 150, f"bench_decode.py {DECODE} --sizes 680m --batch-sizes 1,16 "
+             "--analytic-sizes 680m --account 5 --name decode_680m_account_eager"),
+        # call 10 (issue 34): `generate` as users call it, default and static cache (Transformers compiles the latter)
+        Step("generate_680m", 10, 480, "bench_generate.py --device cuda --sizes 680m --batch-sizes 1,16 --moe-impl "
+             f"grouped_mm {OUT} --name generate_680m"),
     ]  # fmt: skip
 
 
@@ -136,6 +146,10 @@ def smoke_steps() -> list[Step]:
         Step("quality_tiny", 3, 600, "bench_quality.py --scale tiny --rows Dense,UltraMem --seeds 1 --max-steps 2 "
              f"--batch-size 2 --block-size 32 --eval-points 1 --eval-blocks 2 {QUALITY}", resumable=True),
         Step("mission", 8, 400, "mission.py --smoke --results-dir {results} --checkpoint-dir {results}/checkpoints"),
+        Step("decode_account_tiny", 9, 300, f"bench_decode.py {timing} --sizes tiny --batch-sizes 1 --context 8 "
+             "--analytic-sizes tiny --account 2 --name decode_account_tiny"),
+        Step("generate_tiny", 10, 300, f"bench_generate.py {timing} --sizes tiny --batch-sizes 1 --prompt 8 "
+             "--new-tokens 3 --name generate_tiny"),
     ]  # fmt: skip
 
 
