@@ -21,6 +21,7 @@ value table lives is `value_stores`' business, how the kernels compute is `memor
 """
 
 import functools
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -871,6 +872,10 @@ class UltraMemForCausalLM(ContinuousBatchingCheck, UltraMemPreTrainedModel, Gene
         tensors, brought up to date here, instead of computing them in their graph."""
         self.refresh_inference_cache()
         return super().prepare_inputs_for_generation(*args, **kwargs)
+
+    # generate checks the model kwargs it is given against this signature (Transformers 5.17: `past_key_values` is
+    # refused when it only sees *args, **kwargs): the parent's, named as this release names its arguments
+    prepare_inputs_for_generation.__signature__ = inspect.signature(GenerationMixin.prepare_inputs_for_generation)
 
     @_accepts_past_key_values
     @can_return_tuple
