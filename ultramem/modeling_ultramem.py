@@ -314,13 +314,16 @@ class KeyRetrieval(nn.Module):
             init.normal_(keys, std=keys.shape[-1] ** -0.5)
 
     def cached_entries(self) -> dict[str, CacheEntry]:
-        """What `inference_cache` keeps, by name (for forwards and `refresh_inference_cache`): the LayerNorm'd keys."""
+        """What `inference_cache` keeps, by name (for `refresh_inference_cache`): the LayerNorm'd keys."""
+        return {"keys": self._keys_entry()}
+
+    def _keys_entry(self) -> CacheEntry:
         parameters = (self.row_keys, self.col_keys, *self.key_norm.parameters())
-        return {"keys": (parameters, lambda: (self.key_norm(self.row_keys), self.key_norm(self.col_keys)))}
+        return parameters, lambda: (self.key_norm(self.row_keys), self.key_norm(self.col_keys))
 
     def axis_scores(self, row_query: torch.Tensor, col_query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """S_row and S_col (B, T, H, r, n) of every key; the LayerNorm'd keys are cached at inference."""
-        row_keys, col_keys = self.inference_cache.get("keys", *self.cached_entries()["keys"])
+        row_keys, col_keys = self.inference_cache.get("keys", *self._keys_entry())
         row = torch.einsum("bthrd,hrnd->bthrn", row_query, row_keys)
         col = torch.einsum("bthrd,hrnd->bthrn", col_query, col_keys)
         return row, col
@@ -412,7 +415,7 @@ class TuckerQueryKeyRetrieval(KeyRetrieval):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Virtual addresses (B, T, H, m) and per-core scores (B, T, H, m, h)."""
         row_scores, col_scores = self.axis_scores(row_query, col_query)  # (B, T, H, r, n)
-        leading = self.inference_cache.get("singular_vectors", *self.cached_entries()["singular_vectors"])
+        leading = self.inference_cache.get("singular_vectors", (self.cores,), self.leading_singular_vectors)
         u, t = leading  # the balance loss is on the rank-1 projections a = u^T S_row, b = t^T S_col
         row_scores = self.with_balance_loss(
             row_scores, lambda: ((row_scores * u.unsqueeze(-1)).sum(-2), (col_scores * t.unsqueeze(-1)).sum(-2))
