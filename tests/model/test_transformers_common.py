@@ -42,11 +42,20 @@ SOURCES = Path(
 )
 FOUND = (SOURCES / "transformers_tests" / "test_modeling_common.py").is_file()
 if not FOUND and not os.environ.get(SKIP_VARIABLE) and "ULTRAMEM_TRANSFORMERS_SOURCES" not in os.environ:
-    # First run in a clone: fetch them (pip, from PyPI), so README's test command runs them with nothing else to do
+    # First run in a clone: fetch them (pip, from PyPI), so README's test command runs them with nothing else to do.
+    # pytest-xdist's workers all import this module at once: one fetches under a lock, the others wait and find the
+    # sources (two fetches at once replace each other's folder, and the workers then collect different tests).
+    import fcntl
+    import hashlib
     import subprocess
+    import tempfile
 
     fetch = Path(__file__).resolve().parents[2] / ".ci" / "transformers_tests.sh"
-    subprocess.run(["bash", str(fetch), "--fetch-only"], capture_output=True, text=True, timeout=600)
+    lock_name = f"ultramem-transformers-src-{hashlib.sha1(str(SOURCES).encode()).hexdigest()[:12]}.lock"
+    with open(Path(tempfile.gettempdir()) / lock_name, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (SOURCES / "transformers_tests" / "test_modeling_common.py").is_file():
+            subprocess.run(["bash", str(fetch), "--fetch-only"], capture_output=True, text=True, timeout=600)
     FOUND = (SOURCES / "transformers_tests" / "test_modeling_common.py").is_file()
 MISSING = (
     f"Transformers {transformers.__version__}'s test sources are not in {SOURCES}: run `.ci/transformers_tests.sh "
