@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -23,6 +24,7 @@ from triton.compiler import ASTSource
 from ultramem.kernels import _triton_candidate_topk as candidates
 from ultramem.kernels import _triton_lookup_reduce as lookup
 from ultramem.kernels import _triton_quantized_lookup as quantized
+from ultramem.kernels import _triton_tucker_topk as selection
 
 PRESETS = {"151m": "ultramem-151m-x12", "680m": "ultramem-680m-x12", "1.6b": "ultramem-1.6b-x12"}
 TRITON_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -158,6 +160,15 @@ def kernel_launches(config_name: str, dtype: str) -> dict[str, tuple]:
         dict(RANK=config.tucker_rank, M_PAD=padded, K_PAD=topk_padded),
         warps,
     )
+    padded, topk_padded, warps = selection.selection_tile(config.memory_num_keys, config.memory_topk)
+    launches["tucker_topk"] = (
+        selection._tucker_topk_kernel,
+        dict(row_ptr=f"*{t}", col_ptr=f"*{t}", u_ptr=f"*{t}", t_ptr=f"*{t}", cores_ptr=f"*{t}", index_ptr="*i64",
+             scores_out_ptr=f"*{t}", num_heads="i32", num_keys="i32", topk="i32"),
+        dict(RANK=config.tucker_rank, NUM_CORES=config.mcs_cores, N_PAD=padded, M_PAD=topk_padded,
+             DTYPE=selection.TRITON_DTYPES[getattr(torch, dtype)]),
+        warps,
+    )  # fmt: skip
     return launches
 
 
@@ -246,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
                     )
                 )
                 print(f"{name:36s} {config_name:5s} sm_{arch} warps={warps} {usage}", flush=True)
-    print(json.dumps(report))
+    print(json.dumps(report, default=str))  # constexpr dtypes as their names
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from .memory_ops import (
     lookup_reduce,
     lookup_reduce_embedding_bag,
     tucker_candidate_topk,
+    tucker_topk,
 )
 
 
@@ -41,15 +42,26 @@ class MemoryOps(Protocol):
         self, row_scores: torch.Tensor, col_scores: torch.Tensor, cores: torch.Tensor, topk: int
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def tucker_topk(
+        self,
+        row_scores: torch.Tensor,
+        col_scores: torch.Tensor,
+        cores: torch.Tensor,
+        leading_vectors: tuple[torch.Tensor, torch.Tensor],
+        topk: int,
+        signed: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
     def lookup_dot(self, table: torch.Tensor, rows: torch.Tensor, query: torch.Tensor) -> torch.Tensor: ...
 
 
 TORCH_MEMORY_OPS: MemoryOps = SimpleNamespace(
-    lookup_reduce=lookup_reduce, tucker_candidate_topk=tucker_candidate_topk, lookup_dot=lookup_dot
+    lookup_reduce=lookup_reduce, tucker_candidate_topk=tucker_candidate_topk, tucker_topk=tucker_topk, lookup_dot=lookup_dot
 )
 EMBEDDING_BAG_MEMORY_OPS: MemoryOps = SimpleNamespace(
     lookup_reduce=lookup_reduce_embedding_bag,
     tucker_candidate_topk=tucker_candidate_topk,
+    tucker_topk=tucker_topk,
     lookup_dot=lookup_dot_embedding_bag,
 )
 

@@ -58,7 +58,6 @@ from .memory_ops import (
     physical_slots,
     product_key_topk,
     tucker_aux_loss,
-    tucker_topk,
     with_loss_gradient,
 )
 from .moved_names import moved_attribute
@@ -420,9 +419,7 @@ class TuckerQueryKeyRetrieval(KeyRetrieval):
         row_scores = self.with_balance_loss(
             row_scores, lambda: ((row_scores * u.unsqueeze(-1)).sum(-2), (col_scores * t.unsqueeze(-1)).sum(-2))
         )
-        return tucker_topk(
-            row_scores, col_scores, self.cores, leading, self.topk, self.signed_candidates, ops.tucker_candidate_topk
-        )
+        return ops.tucker_topk(row_scores, col_scores, self.cores, leading, self.topk, self.signed_candidates)
 
     def aux_loss(self) -> torch.Tensor:
         return tucker_aux_loss(self.cores, self.aux_loss_alpha, self.aux_loss_tau)

@@ -378,6 +378,7 @@ def test_kernels_compile_for_ampere_and_hopper():
             "lookup_dot.query_grad",
             "lookup_dot.table_grad_segments",
             "tucker_candidate_topk",
+            "tucker_topk",
             *(
                 f"quantized_lookup_reduce.{kernel}_{format}"
                 for kernel in ("forward", "score_grad")

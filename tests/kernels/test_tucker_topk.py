@@ -1,0 +1,157 @@
+"""TDQKR's one-kernel selection at inference (`kernels.tucker_topk`, `ultramem::tucker_topk`) against the reference
+composition (`memory_ops.tucker_topk`), in Triton's interpreter on CPU; and where it hands over to the reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from test_kernels import poison  # noqa: F401 (a fixture: buffers the kernels allocate start as NaN)
+
+from ultramem import kernels, memory_ops
+from ultramem.kernels.tucker_topk import fuses
+
+# The Triton cases run on CPU tensors in Triton's interpreter: tests/conftest.py sets TRITON_INTERPRET=1 before
+# anything imports triton on a machine without CUDA.
+interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton cases run on CPU tensors in Triton's interpreter"
+)
+
+
+def _random_inputs(batch, heads, rank, num_keys, num_cores, dtype=torch.float32, seed=0):
+    """Axis scores (batch, H, r, n) x2, cores (H, h, r, r) and the leading singular vectors of their sum."""
+    generator = torch.Generator().manual_seed(seed)
+    row, col = (torch.randn(batch, heads, rank, num_keys, generator=generator).to(dtype) for _ in range(2))
+    cores = torch.randn(heads, num_cores, rank, rank, generator=generator).to(dtype)
+    _, u, t = memory_ops.core_svd(cores.sum(1).float())
+    return row, col, cores, (u.to(dtype), t.to(dtype))
+
+
+def _tie_free_inputs(batch, heads, rank, num_keys, num_cores, dtype, seed=0):
+    """Inputs whose rank-1 projections have no ties in a 16-bit dtype: u = t = e_1, so the projections are the first
+    rank component, there a permutation of k/64 (k < n <= 256, exact in bfloat16 and float16)."""
+    row, col, cores, _ = _random_inputs(batch, heads, rank, num_keys, num_cores, dtype, seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    for axis in (row, col):
+        for index in range(batch * heads):
+            axis.view(-1, rank, num_keys)[index, 0] = torch.randperm(num_keys, generator=generator).to(dtype) / 64
+    first = torch.zeros(heads, rank, dtype=dtype)
+    first[:, 0] = 1
+    return row, col, cores, (first, first.clone())
+
+
+@interpreted
+@pytest.mark.parametrize(
+    "batch, heads, rank, num_keys, num_cores, topk",
+    [(3, 2, 2, 12, 2, 4), (2, 1, 3, 37, 3, 7), (2, 2, 1, 20, 1, 1), (1, 2, 2, 9, 2, 9), (2, 2, 2, 70, 2, 33)],
+    ids=["paper-like", "rank3-h3", "rank1", "topk=n", "topk33"],
+)
+@pytest.mark.usefixtures("poison")
+def test_matches_the_reference(batch, heads, rank, num_keys, num_cores, topk):
+    """float32: the reference's addresses in its order, and its per-core scores."""
+    inputs = _random_inputs(batch, heads, rank, num_keys, num_cores)
+    with torch.no_grad():
+        index, scores = kernels.tucker_topk(*inputs, topk)
+        expected_index, expected_scores = memory_ops.tucker_topk(*inputs, topk)
+    assert index.dtype == torch.int64 and index.shape == (batch, heads, topk)
+    torch.testing.assert_close(index, expected_index, rtol=0, atol=0)
+    torch.testing.assert_close(scores, expected_scores, rtol=1e-5, atol=1e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.usefixtures("poison")
+def test_half_precision_matches_the_unfused_kernels(dtype):
+    """16-bit scores: the projections are rounded as the reference rounds them, so (without ties) the same axis
+    candidates; the grid is scored in float32 as the candidate kernel scores it, so the same winners in the same order.
+    The winners' scores are rounded once from float32 (the reference's einsum rounds in between)."""
+    inputs = _tie_free_inputs(2, 2, 2, 50, 2, dtype)
+    with torch.no_grad():
+        index, scores = kernels.tucker_topk(*inputs, 8)
+        expected_index, expected_scores = memory_ops.tucker_topk(*inputs, 8, False, kernels.tucker_candidate_topk)
+    assert scores.dtype == dtype
+    torch.testing.assert_close(index, expected_index, rtol=0, atol=0)
+    torch.testing.assert_close(scores.float(), expected_scores.float(), rtol=2e-2, atol=5e-2)
+
+
+@interpreted
+@pytest.mark.usefixtures("poison")
+def test_batch_dims_and_a_negative_quadrant():
+    """Any leading dims (B, T) pass through; a token whose best rank-1 score is in the (bottom, bottom) quadrant takes
+    its candidates there, as the reference does."""
+    row, col, cores, vectors = _random_inputs(6, 2, 2, 30, 2, seed=3)
+    row[0, 0, 0] -= 10 * (vectors[0][0, 0].sign() * row[0, 0].new_ones(30))  # a drops far below zero for token 0
+    col[0, 0, 0] -= 10 * (vectors[1][0, 0].sign() * col[0, 0].new_ones(30))
+    row, col = row.view(2, 3, 2, 2, 30), col.view(2, 3, 2, 2, 30)
+    with torch.no_grad():
+        index, scores = kernels.tucker_topk(row, col, cores, vectors, 5)
+        expected_index, expected_scores = memory_ops.tucker_topk(row, col, cores, vectors, 5)
+    assert index.shape == (2, 3, 2, 5) and scores.shape == (2, 3, 2, 5, 2)
+    torch.testing.assert_close(index, expected_index, rtol=0, atol=0)
+    torch.testing.assert_close(scores, expected_scores, rtol=1e-5, atol=1e-5)
+
+
+@interpreted
+def test_autograd_and_signed_candidates_take_the_reference_composition():
+    """Training (a gradient wanted) and signed candidates run the reference with the candidate kernel: the per-core
+    scores carry gradients to the axis scores and the cores."""
+    row, col, cores, vectors = _random_inputs(2, 2, 2, 16, 2)
+    leaves = [tensor.requires_grad_() for tensor in (row, col, cores)]
+    assert not fuses(row, col, cores, 4, signed=False)
+    index, scores = kernels.tucker_topk(row, col, cores, vectors, 4)
+    expected_index, expected_scores = memory_ops.tucker_topk(row, col, cores, vectors, 4)
+    torch.testing.assert_close(index, expected_index, rtol=0, atol=0)
+    grads = torch.autograd.grad(scores.sum(), leaves)
+    expected_grads = torch.autograd.grad(expected_scores.sum(), leaves)
+    for grad, expected in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, expected)
+    with torch.no_grad():
+        assert fuses(row, col, cores, 4, signed=False) and not fuses(row, col, cores, 4, signed=True)
+        signed_index, _ = kernels.tucker_topk(row, col, cores, vectors, 4, signed=True)
+        torch.testing.assert_close(signed_index, memory_ops.tucker_topk(row, col, cores, vectors, 4, True)[0])
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(col=(2, 2, 2, 15)), "row_scores and col_scores must both be"),
+        (dict(cores=(2, 2, 3, 3)), "cores must be (H, h, r, r)"),
+        (dict(u=(2, 3)), "u must be (H, r)"),
+        (dict(topk=17), "topk must be an int in [1, 16]"),
+    ],
+)
+def test_rejects_bad_input_with_one_named_error(change, message):
+    shapes = dict(row=(2, 2, 2, 16), col=(2, 2, 2, 16), cores=(2, 2, 2, 2), u=(2, 2), t=(2, 2), topk=4) | change
+    row, col, cores, u, t = (torch.zeros(shapes[name]) for name in ("row", "col", "cores", "u", "t"))
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        kernels.tucker_topk(row, col, cores, (u, t), shapes["topk"])
+
+
+@interpreted
+def test_custom_op_passes_opcheck():
+    """Schema, fake (meta) implementation and dispatch of `ultramem::tucker_topk`."""
+    row, col, cores, (u, t) = _random_inputs(3, 2, 2, 12, 2)
+    torch.library.opcheck(torch.ops.ultramem.tucker_topk, (row, col, u, t, cores, 4))
+
+
+@interpreted
+def test_model_decodes_through_the_fused_selection():
+    """A model on the Triton path generates, token for token, what the reference path generates, and its decode
+    step runs the fused selection once per memory layer and no `topk`."""
+    from conftest import small_config
+
+    from ultramem import UltraMemForCausalLM
+
+    torch.manual_seed(0)
+    model = UltraMemForCausalLM(small_config(memory_implementation="torch")).eval()
+    prompt = torch.randint(1, 97, (2, 5))
+    expected = model.generate(prompt, max_new_tokens=4, do_sample=False)
+    model.set_memory_implementation("triton")
+    with torch.profiler.profile() as profile:
+        generated = model.generate(prompt, max_new_tokens=4, do_sample=False)
+    torch.testing.assert_close(generated, expected, rtol=0, atol=0)
+    calls = {event.key: event.count for event in profile.key_averages()}
+    steps, memory_layers = 4, len(model.config.memory_layers)  # the prefill and 3 decode steps
+    assert calls.get("ultramem::tucker_topk") == steps * memory_layers
+    assert "aten::topk" not in calls

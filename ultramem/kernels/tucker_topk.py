@@ -1,0 +1,99 @@
+"""`tucker_topk`, TDQKR's whole selection, with the inference path fused into one Triton kernel.
+
+Same contract as `ultramem.memory_ops.tucker_topk` (the reference). Where nothing needs a gradient and the candidates
+are unsigned, one kernel per memory layer does the rank-1 projections, both axes' top-m, the exact m x m candidate
+scores, the final top-m and the winners' per-core scores (`ultramem::tucker_topk`). Otherwise, training above all, the
+reference composition runs with the fused candidate kernel (`tucker_candidate_topk`), whose winners' scores carry
+autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ultramem.kernels._checks import FLOAT_DTYPES, check_dtype, check_same_device
+from ultramem.kernels._device import require_launchable
+from ultramem.kernels.candidate_topk import MAX_CANDIDATES, tucker_candidate_topk
+from ultramem.memory_ops import tucker_topk as reference
+
+MAX_KEYS = 8192  # both axes' n projections and their sort keys stay in registers of one program
+
+
+@torch.library.custom_op("ultramem::tucker_topk", mutates_args=())
+def _tucker_topk_op(
+    row_scores: torch.Tensor,
+    col_scores: torch.Tensor,
+    u: torch.Tensor,
+    t: torch.Tensor,
+    cores: torch.Tensor,
+    topk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from ultramem.kernels import _triton_tucker_topk  # lazy: see lookup_reduce._kernels
+
+    return _triton_tucker_topk.tucker_topk_index(row_scores, col_scores, u, t, cores, topk)
+
+
+@_tucker_topk_op.register_fake
+def _(row_scores, col_scores, u, t, cores, topk):
+    batch, num_heads = row_scores.shape[:2]
+    index = row_scores.new_empty((batch, num_heads, topk), dtype=torch.int64)
+    dtype = torch.promote_types(row_scores.dtype, cores.dtype)
+    return index, row_scores.new_empty((batch, num_heads, topk, cores.shape[1]), dtype=dtype)
+
+
+def _check_inputs(
+    row_scores: torch.Tensor,
+    col_scores: torch.Tensor,
+    cores: torch.Tensor,
+    leading_vectors: tuple[torch.Tensor, torch.Tensor],
+    topk: int,
+) -> None:
+    u, t = leading_vectors
+    for name, tensor in (("row_scores", row_scores), ("col_scores", col_scores), ("cores", cores), ("u", u), ("t", t)):
+        check_dtype(name, tensor, FLOAT_DTYPES)
+    check_same_device(row_scores=row_scores, col_scores=col_scores, cores=cores, u=u, t=t)
+    if row_scores.dim() < 3 or col_scores.shape != row_scores.shape:
+        raise ValueError(
+            f"row_scores and col_scores must both be (..., H, r, n), got {tuple(row_scores.shape)} "
+            f"and {tuple(col_scores.shape)}"
+        )
+    num_heads, rank, num_keys = row_scores.shape[-3:]
+    if cores.dim() != 4 or cores.shape[0] != num_heads or cores.shape[-2:] != (rank, rank):
+        raise ValueError(f"cores must be (H, h, r, r) with H = {num_heads}, r = {rank}, got {tuple(cores.shape)}")
+    for name, vector in (("u", u), ("t", t)):
+        if vector.shape != (num_heads, rank):
+            raise ValueError(f"{name} must be (H, r) = {(num_heads, rank)}, got {tuple(vector.shape)}")
+    if not isinstance(topk, int) or not 1 <= topk <= num_keys:
+        raise ValueError(f"topk must be an int in [1, {num_keys}] (n), got {topk!r}")
+
+
+def fuses(row_scores: torch.Tensor, col_scores: torch.Tensor, cores: torch.Tensor, topk: int, signed: bool) -> bool:
+    """Whether the one-kernel selection applies: no gradient wanted, unsigned candidates, sizes it holds in registers."""
+    wants_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (row_scores, col_scores, cores))
+    return not (wants_grad or signed) and topk <= MAX_CANDIDATES and row_scores.shape[-1] <= MAX_KEYS
+
+
+def tucker_topk(
+    row_scores: torch.Tensor,
+    col_scores: torch.Tensor,
+    cores: torch.Tensor,
+    leading_vectors: tuple[torch.Tensor, torch.Tensor],
+    topk: int,
+    signed: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Virtual addresses x * n + y (..., H, m) and per-core scores (..., H, m, h); see memory_ops for the contract."""
+    _check_inputs(row_scores, col_scores, cores, leading_vectors, topk)
+    if not fuses(row_scores, col_scores, cores, topk, signed):
+        return reference(row_scores, col_scores, cores, leading_vectors, topk, signed, tucker_candidate_topk)
+    require_launchable(row_scores.device)
+    lead, (num_heads, rank, num_keys) = row_scores.shape[:-3], row_scores.shape[-3:]
+    u, t = leading_vectors
+    index, scores = _tucker_topk_op(
+        row_scores.reshape(-1, num_heads, rank, num_keys).contiguous(),
+        col_scores.reshape(-1, num_heads, rank, num_keys).contiguous(),
+        u.contiguous(),
+        t.contiguous(),
+        cores.detach().contiguous(),
+        topk,
+    )
+    return index.view(*lead, num_heads, topk), scores.view(*lead, num_heads, topk, cores.shape[1])
