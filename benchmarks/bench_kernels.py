@@ -14,7 +14,8 @@ own (E, h) and at E = h = 1: the PyTorch reference, `memory_ops.lookup_reduce_em
 `F.embedding_bag` with per-sample weights, the CPU path) and the Triton kernels. Forward, backward and
 forward+backward are timed separately; forward bandwidth counts the bytes that must move (gathered rows,
 indices, scores, output) and is compared with a measured device-to-device copy. `tucker_candidate_topk` (the fused m x m scoring and top-m) is timed against
-its PyTorch path at the same configurations. The JSON's `summary` reads the issue's targets at >= 4,096 tokens
+its PyTorch path at the same configurations, and TDQKR's whole selection at inference (`tucker_topk`: the reference
+composition, the same with the candidate kernel, the one-kernel selection). The JSON's `summary` reads the issue's targets at >= 4,096 tokens
 (Triton forward as % of copy bandwidth; forward+backward against the PyTorch path and embedding_bag). The table
 is printed last.
 """
@@ -53,6 +54,7 @@ class MemoryShape:
     groups: int
     cores: int
     rank: int
+    num_keys: int
 
     @property
     def slots(self) -> int:
@@ -79,7 +81,7 @@ class Result:
 def memory_shape(name: str, num_rows: int | None) -> MemoryShape:
     c = get_config(PRESETS[name])
     return MemoryShape(name, c.memory_heads, c.memory_topk, c.memory_value_dim, num_rows or c.memory_num_values,
-                       c.ive_expansion, c.mcs_cores, c.tucker_rank)  # fmt: skip
+                       c.ive_expansion, c.mcs_cores, c.tucker_rank, c.memory_num_keys)  # fmt: skip
 
 
 def lookup_impls(interpreted: bool, op: str = "lookup_reduce") -> dict:
@@ -213,6 +215,42 @@ def bench_candidates(
     return results
 
 
+def bench_selection(
+    shape: MemoryShape,
+    dtype: torch.dtype,
+    tokens_list: list[int],
+    device: torch.device,
+    repeats: int,
+    interpreted: bool,
+) -> list[Result]:
+    """TDQKR's whole selection at inference (no gradient), from the axis scores (T, H, r, n) to the m addresses and
+    their per-core scores: the reference composition, the same with the candidate kernel (the Triton path in training)
+    and the one-kernel selection `kernels.tucker_topk`. Forward only: the fused kernel runs only without autograd."""
+    impls = {"torch": lambda *args: memory_ops.tucker_topk(*args)}
+    if kernels.triton_available() and not interpreted:
+        impls["triton-unfused"] = lambda *args: memory_ops.tucker_topk(*args, False, kernels.tucker_candidate_topk)
+        impls["triton"] = kernels.tucker_topk
+    cores = torch.randn(shape.heads, shape.cores, shape.rank, shape.rank, device=device, dtype=dtype)
+    _, u, t = memory_ops.core_svd(cores.sum(1).float())
+    results = []
+    for tokens in tokens_list:
+        row, col = (
+            torch.randn(tokens, shape.heads, shape.rank, shape.num_keys, device=device, dtype=dtype) for _ in "rc"
+        )
+        for impl, fn in impls.items():
+            result = Result("tucker_topk", shape.name, shape.groups, shape.cores, str(dtype).removeprefix("torch."),
+                            tokens, impl)  # fmt: skip
+            try:
+                with torch.no_grad():
+                    result.forward_ms = timing.median_ms(
+                        lambda fn=fn: fn(row, col, cores, (u.to(dtype), t.to(dtype)), shape.topk), device, repeats
+                    )
+            except torch.OutOfMemoryError:
+                result.status = "out of memory"
+            results.append(result)
+    return results
+
+
 def summary(results: list[Result], op: str = "lookup_reduce") -> list[dict]:
     """The issue's targets per (config, E, h, dtype, tokens >= 4096): Triton's forward as % of the copy bandwidth,
     and its forward+backward speed-up over the PyTorch path and embedding_bag."""
@@ -262,9 +300,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--own-shape-only", action="store_true", help="time each config at its own (E, h) only, not also at E = h = 1"
     )
-    parser.add_argument("--no-candidates", action="store_true", help="skip tucker_candidate_topk")
+    parser.add_argument(
+        "--no-candidates", action="store_true", help="skip tucker_candidate_topk and the whole selection (tucker_topk)"
+    )
     parser.add_argument("--repeats", type=int, help="timed calls per measurement (median reported)")
     parser.add_argument("--out-dir", type=Path, default=env.RESULTS_DIR)
+    parser.add_argument("--name", default="bench_kernels", help="file stem of the JSON and PNG (<name>_<device>)")
     return parser.parse_args(argv)
 
 
@@ -282,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
 
     copy_gbps = timing.copy_bandwidth_gbps(device, (2**24 if args.smoke else 2**28 if quick else 2**30), repeats)
-    path = args.out_dir / f"bench_kernels_{env.device_tag(device)}.json"
+    path = args.out_dir / f"{args.name}_{env.device_tag(device)}.json"
     report_ = {
         "environment": env.environment(device),
         "copy_gbps": copy_gbps,
@@ -311,6 +352,7 @@ def main(argv: list[str] | None = None) -> None:
                 report.write_json(path, report_)
             if not args.no_candidates:
                 results += bench_candidates(shape, dtype, tokens_list, device, repeats, interpreted)
+                results += bench_selection(shape, dtype, tokens_list, device, repeats, interpreted)
             report_["results"] = [asdict(r) for r in results]
             report.write_json(path, report_)
 

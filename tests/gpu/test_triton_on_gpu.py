@@ -214,6 +214,31 @@ def test_tucker_candidate_topk_matches_the_reference(device, check, dtype):
             check(f"tucker_candidate_topk backward: {name}", relative_error(grad, ref), TOLERANCE[dtype], **detail)
 
 
+@pytest.mark.parametrize("tokens", [8 if SMOKE else 64, TOKENS], ids=["decode", "prefill"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_fused_tucker_topk_matches_the_reference(device, check, dtype, tokens):
+    """TDQKR's one-kernel selection at inference picks the reference composition's addresses (float32: all of them, in
+    order; bfloat16: ties in the projections may change a few) with the same per-core scores."""
+    config = get_config(MEMORY)
+    heads, rank, cores_ = config.memory_heads, config.tucker_rank, config.mcs_cores
+    num_keys, topk = (32, 4) if SMOKE else (config.memory_num_keys, config.memory_topk)
+    generator = torch.Generator(device=device).manual_seed(2)
+    row, col = (torch.randn(tokens, heads, rank, num_keys, device=device, generator=generator).to(dtype) for _ in "rc")
+    cores = torch.randn(heads, cores_, rank, rank, device=device, generator=generator).to(dtype)
+    _, u, t = memory_ops.core_svd(cores.sum(1).float())
+    inputs = (row, col, cores, (u.to(dtype), t.to(dtype)))
+    with torch.no_grad():
+        index, scores = kernels.tucker_topk(*inputs, topk)
+        ref_index, ref_scores = memory_ops.tucker_topk(*inputs, topk, False, kernels.tucker_candidate_topk)
+    detail = dict(config=MEMORY, dtype=dtype_name(dtype), tokens=tokens, num_keys=num_keys, topk=topk)
+    differing = 1.0 - (index.sort(-1).values == ref_index.sort(-1).values).float().mean().item()
+    check("tucker_topk fused: fraction of addresses differing", differing,
+          0.0 if dtype == torch.float32 else 0.02, **detail)  # fmt: skip
+    got = scores.float().sum(-1).sort(-1, descending=True).values
+    want = ref_scores.float().sum(-1).sort(-1, descending=True).values
+    check("tucker_topk fused: winners' scores", relative_error(got, want), TOLERANCE[dtype], **detail)
+
+
 def model_on(device: torch.device, dtype: torch.dtype, preset: str, **overrides):
     """A preset model built directly on `device` in `dtype`, dropout off (two training-mode forwards would draw
     different masks and compare those instead of the kernels)."""
