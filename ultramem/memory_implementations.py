@@ -56,7 +56,10 @@ class MemoryOps(Protocol):
 
 
 TORCH_MEMORY_OPS: MemoryOps = SimpleNamespace(
-    lookup_reduce=lookup_reduce, tucker_candidate_topk=tucker_candidate_topk, tucker_topk=tucker_topk, lookup_dot=lookup_dot
+    lookup_reduce=lookup_reduce,
+    tucker_candidate_topk=tucker_candidate_topk,
+    tucker_topk=tucker_topk,
+    lookup_dot=lookup_dot,
 )
 EMBEDDING_BAG_MEMORY_OPS: MemoryOps = SimpleNamespace(
     lookup_reduce=lookup_reduce_embedding_bag,

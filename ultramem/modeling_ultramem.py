@@ -268,6 +268,16 @@ class MemoryQuery(nn.Module):
             if config.qk_layernorm
             else nn.Identity()
         )
+        self.inference_cache = InferenceCache()
+
+    def cached_entries(self) -> dict[str, CacheEntry]:
+        """What `inference_cache` keeps (for `refresh_inference_cache`): the projection with the across-token
+        normalisation folded in, which is linear at inference."""
+        folds = self.across_tokens is not None and type(self.proj) is nn.Linear
+        return {"projection": self._projection_entry()} if folds else {}
+
+    def _projection_entry(self) -> CacheEntry:
+        return (self.proj.weight, *self.across_tokens.statistics()), lambda: self.across_tokens.folded(self.proj.weight)
 
     def forward(
         self,
@@ -278,9 +288,12 @@ class MemoryQuery(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.conv is not None:
             x = self.conv(x, padding_mask, cache, sequence_ids)
-        query = self.proj(x)  # (B, T, H * (1|2) * Dk)
-        if self.across_tokens is not None:
-            query = self.across_tokens(query, padding_mask)
+        if self.across_tokens is None:
+            query = self.proj(x)  # (B, T, H * (1|2) * Dk)
+        elif self.training or type(self.proj) is not nn.Linear:  # training: statistics of the projected query;
+            query = self.across_tokens(self.proj(x), padding_mask)  # an adapter or quantized layer: its own forward
+        else:  # running statistics: a linear map, folded into the projection (one GEMM)
+            query = F.linear(x, *self.inference_cache.get("projection", *self._projection_entry()))
         query = self.norm(query.unflatten(-1, (self.num_heads, self.num_queries, self.rank, self.part_dim)))
         return query[..., 0, :, :], query[..., -1, :, :]  # row and column queries, (B, T, H, r, Dk/r)
 
@@ -296,6 +309,7 @@ class KeyRetrieval(nn.Module):
         super().__init__()
         self.topk = config.memory_topk
         self.num_keys = config.memory_num_keys
+        self.shared_query = config.share_query
         part_dim = config.memory_key_dim // config.tucker_rank
         shape = (config.memory_heads, config.tucker_rank, config.memory_num_keys, part_dim)
         self.row_keys = nn.Parameter(torch.empty(shape))
@@ -317,14 +331,20 @@ class KeyRetrieval(nn.Module):
         return {"keys": self._keys_entry()}
 
     def _keys_entry(self) -> CacheEntry:
+        """The LayerNorm'd row and column keys side by side, (H, r, 2n, Dk/r): one GEMM scores both for a shared
+        query."""
         parameters = (self.row_keys, self.col_keys, *self.key_norm.parameters())
-        return parameters, lambda: (self.key_norm(self.row_keys), self.key_norm(self.col_keys))
+        return parameters, lambda: self.key_norm(torch.cat([self.row_keys, self.col_keys], dim=-2))
 
     def axis_scores(self, row_query: torch.Tensor, col_query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """S_row and S_col (B, T, H, r, n) of every key; the LayerNorm'd keys are cached at inference."""
-        row_keys, col_keys = self.inference_cache.get("keys", *self._keys_entry())
-        row = torch.einsum("bthrd,hrnd->bthrn", row_query, row_keys)
-        col = torch.einsum("bthrd,hrnd->bthrn", col_query, col_keys)
+        """S_row and S_col (B, T, H, r, n) of every key; the LayerNorm'd keys are cached at inference. With one query
+        for both axes (trick 5) they are one GEMM's halves (views)."""
+        keys = self.inference_cache.get("keys", *self._keys_entry())
+        if self.shared_query:
+            scores = torch.einsum("bthrd,hrnd->bthrn", row_query, keys)  # (B, T, H, r, 2n)
+            return scores[..., : self.num_keys], scores[..., self.num_keys :]
+        row = torch.einsum("bthrd,hrnd->bthrn", row_query, keys[..., : self.num_keys, :])
+        col = torch.einsum("bthrd,hrnd->bthrn", col_query, keys[..., self.num_keys :, :])
         return row, col
 
     def with_balance_loss(
@@ -747,9 +767,9 @@ class UltraMemModel(UltraMemPreTrainedModel):
         them instead of computing them in its graph (see `InferenceCache`). For compiled decoding steps: call it
         before each (`generate` does, in `prepare_inputs_for_generation`)."""
         retrievals = [layer.retrieval for layer in self.memory_layers]
-        for retrieval in retrievals:
-            for name, entry in retrieval.cached_entries().items():
-                retrieval.inference_cache.refresh(name, *entry)
+        for module in (*(layer.query for layer in self.memory_layers), *retrievals):
+            for name, entry in module.cached_entries().items():
+                module.inference_cache.refresh(name, *entry)
         tucker = [retrieval for retrieval in retrievals if isinstance(retrieval, TuckerQueryKeyRetrieval)]
         if tucker:
             self.inference_cache.refresh("aux_loss", *self._aux_loss_entry(tucker))

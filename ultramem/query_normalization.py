@@ -119,12 +119,30 @@ class QueryNormalization(nn.Module):
     ) -> torch.Tensor:
         if self.mode == RUNNING_CENTER:
             return query - mean.to(query.dtype)
-        centred = query.float() - mean.float()
+        return self._scaled(query.float() - mean.float(), cov, whitening).to(query.dtype)
+
+    def _scaled(self, centred: torch.Tensor, cov: torch.Tensor, whitening: torch.Tensor) -> torch.Tensor:
+        """The linear part of the normalisation, on float32 (..., G * P): each feature's 1/std, or each block times its
+        whitening matrix."""
         if self.mode == BATCH_NORM:
             var = torch.diagonal(cov, dim1=-2, dim2=-1).flatten().float()
-            return (centred * torch.rsqrt(var + self.eps)).to(query.dtype)
+            return centred * torch.rsqrt(var + self.eps)
+        if self.mode == RUNNING_CENTER:
+            return centred
         blocks = centred.unflatten(-1, (self.num_blocks, self.block_dim))  # (..., G, P)
-        return torch.einsum("...gi,gij->...gj", blocks, whitening.float()).flatten(-2).to(query.dtype)
+        return torch.einsum("...gi,gij->...gj", blocks, whitening.float()).flatten(-2)
+
+    def statistics(self) -> tuple[torch.Tensor, ...]:
+        """The buffers inference reads: what a linear map folded with this normalisation depends on."""
+        return self.running_mean, self.running_cov, self.whitening
+
+    def folded(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inference normalisation folded into the linear map before it: W (G * P, D) -> (W', b) in W's dtype, with
+        F.linear(x, W', b) = self(F.linear(x, W)) in eval mode. One GEMM then computes the normalised query at
+        inference, and the bias is added before the GEMM's output is rounded, after the common component is removed."""
+        scaled_weight = self._scaled(weight.float().T, self.running_cov, self.whitening).T  # (G * P, D)
+        bias = self._scaled(-self.running_mean.float(), self.running_cov, self.whitening)
+        return scaled_weight.to(weight.dtype), bias.to(weight.dtype)
 
     def pending_sums(self) -> torch.Tensor:
         """(G P + G P P + 1,) float32: the pending sum, sum of outer products about the running mean and token count,

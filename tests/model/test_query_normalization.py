@@ -197,3 +197,44 @@ def test_ranks_compute_what_one_process_holding_the_global_batch_does(mode):
         torch.testing.assert_close(rank_grad, whole.grad[part], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(mean, one.running_mean)
         torch.testing.assert_close(cov, one.running_cov, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["batch_center", "running_center", "batch_norm", "batch_whiten", "running_whiten"])
+def test_inference_folds_the_normalisation_into_the_projection(mode):
+    """At inference the normalisation is linear (running statistics), so the memory query folds it into its projection:
+    one GEMM gives what the projection then the normalisation give, for every mode, from trained statistics."""
+    norm = _norm(mode).train()
+    for step in range(3):
+        norm(_queries(seed=step).flatten(0, 1))
+        update_running_statistics([norm])
+    norm.eval()
+    generator = torch.Generator().manual_seed(5)
+    weight, x = torch.randn(FEATURES, 7, generator=generator), torch.randn(4, 7, generator=generator)
+    folded_weight, bias = norm.folded(weight)
+    assert norm.running_mean.abs().sum() > 0
+    torch.testing.assert_close(torch.nn.functional.linear(x, folded_weight, bias), norm(x @ weight.T))
+
+
+def test_the_folded_projection_follows_new_statistics_and_adapters_keep_their_own_forward():
+    """The folded projection is cached at inference like the keys: a change of the running statistics in place is
+    seen at the next forward; an adapter on the projection (not an nn.Linear) runs unfolded, its own forward."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = UltraMemForCausalLM(small_config(query_norm="batch_whiten")).eval()
+    input_ids = torch.randint(1, 97, (2, 6))
+    with torch.no_grad():
+        before = model(input_ids).logits
+        for layer in model.model.memory_layers:
+            layer.query.across_tokens.running_mean.add_(0.5)
+        after = model(input_ids).logits
+    with torch.enable_grad():  # grad mode bypasses the cache: the same computation from the current statistics
+        fresh = model(input_ids).logits.detach()
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, fresh, rtol=0, atol=0)
+    lora = get_peft_model(model, LoraConfig(target_modules=["query.proj"], init_lora_weights=False)).eval()
+    query = lora.base_model.model.model.memory_layers[0].query
+    assert query.cached_entries() == {}
+    with torch.no_grad():
+        adapted = lora(input_ids=input_ids).logits
+    assert not torch.allclose(adapted, after, rtol=1e-3, atol=1e-3)  # the adapter's delta is in the query

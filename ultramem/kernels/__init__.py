@@ -23,4 +23,11 @@ TRITON_MEMORY_OPS = SimpleNamespace(
 )
 MemoryImplementations.register("triton", TRITON_MEMORY_OPS)
 
-__all__ = ["TRITON_MEMORY_OPS", "lookup_dot", "lookup_reduce", "triton_available", "tucker_candidate_topk", "tucker_topk"]
+__all__ = [
+    "TRITON_MEMORY_OPS",
+    "lookup_dot",
+    "lookup_reduce",
+    "triton_available",
+    "tucker_candidate_topk",
+    "tucker_topk",
+]

@@ -28,7 +28,17 @@ def _position(keys, SIZE: tl.constexpr):
 
 
 @triton.jit
-def _axis_top(scores_ptr, vector_ptr, base, head, num_keys, RANK: tl.constexpr, N_PAD: tl.constexpr, DTYPE: tl.constexpr):
+def _axis_top(
+    scores_ptr,
+    vector_ptr,
+    base,
+    stride_rank,
+    head,
+    num_keys,
+    RANK: tl.constexpr,
+    N_PAD: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
     """The rank-1 projection p = v^T S (n,) of one axis, rounded as the reference rounds it (products in DTYPE, the
     promoted dtype of S and v, summed in float32, rounded once), and its min and max over the n keys; all float32
     holding DTYPE's values."""
@@ -37,7 +47,7 @@ def _axis_top(scores_ptr, vector_ptr, base, head, num_keys, RANK: tl.constexpr, 
     projected = tl.zeros((N_PAD,), dtype=tl.float32)
     for a in tl.static_range(RANK):
         weight = tl.load(vector_ptr + head * RANK + a).to(tl.float32)
-        row = tl.load(scores_ptr + base + a * num_keys + keys, mask=valid, other=0.0).to(tl.float32)
+        row = tl.load(scores_ptr + base + a * stride_rank + keys, mask=valid, other=0.0).to(tl.float32)
         projected += (row * weight).to(DTYPE).to(tl.float32)
     projected = projected.to(DTYPE).to(tl.float32)
     high = tl.max(tl.where(valid, projected, float("-inf")), axis=0)
@@ -54,6 +64,8 @@ def _tucker_topk_kernel(
     cores_ptr,
     index_ptr,
     scores_out_ptr,
+    stride_item,
+    stride_rank,
     num_heads,
     num_keys,
     topk,
@@ -66,12 +78,12 @@ def _tucker_topk_kernel(
     """Virtual addresses x * n + y of the top-m cells, best first, and their h per-core scores S_row^T C_i S_col."""
     item = tl.program_id(0).to(tl.int64)
     head = item % num_heads
-    base = item * RANK * num_keys
+    base = item * stride_item
 
     # Rank-1 projections and the quadrant: (top-m a, top-m b) or (bottom-m a, bottom-m b), whichever holds the higher
     # rank-1 score (`memory_ops.rank_one_candidates`)
-    row_projected, row_low, row_high = _axis_top(row_ptr, u_ptr, base, head, num_keys, RANK, N_PAD, DTYPE)
-    col_projected, col_low, col_high = _axis_top(col_ptr, t_ptr, base, head, num_keys, RANK, N_PAD, DTYPE)
+    row_projected, row_low, row_high = _axis_top(row_ptr, u_ptr, base, stride_rank, head, num_keys, RANK, N_PAD, DTYPE)
+    col_projected, col_low, col_high = _axis_top(col_ptr, t_ptr, base, stride_rank, head, num_keys, RANK, N_PAD, DTYPE)
     # compared in DTYPE, as the reference compares
     positive = (row_high * col_high).to(DTYPE).to(tl.float32) >= (row_low * col_low).to(DTYPE).to(tl.float32)
     sign = tl.where(positive, 1.0, -1.0)
@@ -87,14 +99,14 @@ def _tucker_topk_kernel(
     # Exact scores of the m x m candidate grid with the summed core (`memory_ops.tucker_candidate_topk`)
     grid = tl.zeros((M_PAD, M_PAD), dtype=tl.float32)
     for a in tl.static_range(RANK):
-        row_a = tl.load(row_ptr + base + a * num_keys + row_index).to(tl.float32)
+        row_a = tl.load(row_ptr + base + a * stride_rank + row_index).to(tl.float32)
         mixed = tl.zeros((M_PAD,), dtype=tl.float32)
         for b in tl.static_range(RANK):
             core_ab = tl.load(cores_ptr + (head * NUM_CORES * RANK + a) * RANK + b).to(tl.float32)
             for i in tl.static_range(1, NUM_CORES):  # summed in float32 and rounded once, as `cores.sum(-3)`
                 core_ab += tl.load(cores_ptr + ((head * NUM_CORES + i) * RANK + a) * RANK + b).to(tl.float32)
             core_ab = core_ab.to(cores_ptr.dtype.element_ty).to(tl.float32)
-            col_b = tl.load(col_ptr + base + b * num_keys + col_index).to(tl.float32)
+            col_b = tl.load(col_ptr + base + b * stride_rank + col_index).to(tl.float32)
             mixed += core_ab * col_b
         grid += row_a[:, None] * mixed[None, :]
     grid = tl.where(is_candidate[:, None] & is_candidate[None, :], grid, float("-inf"))
@@ -111,10 +123,10 @@ def _tucker_topk_kernel(
     for i in tl.static_range(NUM_CORES):
         score = tl.zeros((M_PAD,), dtype=tl.float32)
         for a in tl.static_range(RANK):
-            row_a = tl.load(row_ptr + base + a * num_keys + winner_row, mask=is_winner, other=0.0).to(tl.float32)
+            row_a = tl.load(row_ptr + base + a * stride_rank + winner_row, mask=is_winner, other=0.0).to(tl.float32)
             for b in tl.static_range(RANK):
                 core = tl.load(cores_ptr + ((head * NUM_CORES + i) * RANK + a) * RANK + b).to(tl.float32)
-                col_b = tl.load(col_ptr + base + b * num_keys + winner_col, mask=is_winner, other=0.0)
+                col_b = tl.load(col_ptr + base + b * stride_rank + winner_col, mask=is_winner, other=0.0)
                 score += row_a * core * col_b.to(tl.float32)
         tl.store(scores_out_ptr + (item * topk + winners) * NUM_CORES + i, score, mask=is_winner)
 
@@ -130,6 +142,12 @@ def selection_tile(num_keys: int, topk: int) -> tuple[int, int, int]:
     return padded, triton.next_power_of_2(topk), 16 if padded >= 4096 else 8 if padded >= 1024 else 4
 
 
+def _kernel_layout(row_scores: torch.Tensor, col_scores: torch.Tensor) -> bool:
+    """Whether the kernel reads both (B, H, r, n) as they are: the same strides, unit along n, tokens H heads apart."""
+    strides = row_scores.stride()
+    return strides == col_scores.stride() and strides[3] == 1 and strides[0] == row_scores.shape[1] * strides[1]
+
+
 def tucker_topk_index(
     row_scores: torch.Tensor,
     col_scores: torch.Tensor,
@@ -138,9 +156,12 @@ def tucker_topk_index(
     cores: torch.Tensor,
     topk: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, H, r, n) x2 contiguous, u and t (H, r), cores (H, h, r, r) -> (B, H, m) int64 and (B, H, m, h)."""
+    """(B, H, r, n) x2 with equal strides, unit stride along n and the heads' stride times H between tokens (views of
+    one GEMM's output qualify); u and t (H, r), cores (H, h, r, r) contiguous -> (B, H, m) int64 and (B, H, m, h)."""
     batch, num_heads, rank, num_keys = row_scores.shape
     num_cores = cores.shape[1]
+    if not _kernel_layout(row_scores, col_scores):
+        row_scores, col_scores = row_scores.contiguous(), col_scores.contiguous()
     index = torch.empty((batch, num_heads, topk), dtype=torch.int64, device=row_scores.device)
     dtype = torch.promote_types(row_scores.dtype, cores.dtype)  # the reference einsum's
     scores = torch.empty((batch, num_heads, topk, num_cores), dtype=dtype, device=row_scores.device)
@@ -155,6 +176,8 @@ def tucker_topk_index(
         cores,
         index,
         scores,
+        row_scores.stride(1),
+        row_scores.stride(2),
         num_heads,
         num_keys,
         topk,

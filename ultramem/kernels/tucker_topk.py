@@ -89,8 +89,8 @@ def tucker_topk(
     lead, (num_heads, rank, num_keys) = row_scores.shape[:-3], row_scores.shape[-3:]
     u, t = leading_vectors
     index, scores = _tucker_topk_op(
-        row_scores.reshape(-1, num_heads, rank, num_keys).contiguous(),
-        col_scores.reshape(-1, num_heads, rank, num_keys).contiguous(),
+        row_scores.reshape(-1, num_heads, rank, num_keys),  # views of one GEMM's output stay views (no copy)
+        col_scores.reshape(-1, num_heads, rank, num_keys),
         u.contiguous(),
         t.contiguous(),
         cores.detach().contiguous(),
