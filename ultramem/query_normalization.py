@@ -20,7 +20,7 @@ Modes (`UltraMemConfig.query_norm`), on the projected query before its per-part 
                       inference), shrunk towards its median eigenvalue by `WHITENING_SHRINKAGE`
 
 At inference every mode is per token (the running statistics are constants), so cached generation equals
-recomputation. Running statistics are updated from the statistics of the previous training forward, at the start of the
+recomputation, and linear: the memory query folds it into its projection (`QueryNormalization.folded`), one GEMM. Running statistics are updated from the statistics of the previous training forward, at the start of the
 next one (`UltraMemModel.forward` calls `update_running_statistics`, for the layers whose query projection is trained:
 a frozen one, as under LoRA, keeps the statistics it was saved with), never inside a forward: a layer that gradient
 checkpointing recomputes in the backward sees the statistics its forward saw. The pending statistics are buffers, so a
