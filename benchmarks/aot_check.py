@@ -160,12 +160,13 @@ def kernel_launches(config_name: str, dtype: str) -> dict[str, tuple]:
         dict(RANK=config.tucker_rank, M_PAD=padded, K_PAD=topk_padded),
         warps,
     )
-    padded, topk_padded, warps = selection.selection_tile(config.memory_num_keys, config.memory_topk)
+    chunk, topk_padded, warps = selection.selection_tile(config.memory_num_keys, config.memory_topk)
     launches["tucker_topk"] = (
         selection._tucker_topk_kernel,
         dict(row_ptr=f"*{t}", col_ptr=f"*{t}", u_ptr=f"*{t}", t_ptr=f"*{t}", cores_ptr=f"*{t}", index_ptr="*i64",
-             scores_out_ptr=f"*{t}", num_heads="i32", num_keys="i32", topk="i32"),
-        dict(RANK=config.tucker_rank, NUM_CORES=config.mcs_cores, N_PAD=padded, M_PAD=topk_padded,
+             scores_out_ptr=f"*{t}", stride_item="i32", stride_rank="i32", num_heads="i32", num_keys="i32",
+             topk="i32"),
+        dict(RANK=config.tucker_rank, NUM_CORES=config.mcs_cores, CHUNK=chunk, M_PAD=topk_padded,
              DTYPE=selection.TRITON_DTYPES[getattr(torch, dtype)]),
         warps,
     )  # fmt: skip

@@ -93,6 +93,22 @@ def test_batch_dims_and_a_negative_quadrant():
 
 
 @interpreted
+@pytest.mark.usefixtures("poison")
+def test_more_keys_than_one_chunk_merge_into_the_same_selection(monkeypatch):
+    """Axes longer than a chunk (MAX_CHUNK keys, 4,096 on the GPU) are taken a chunk at a time, each chunk's best
+    merged into the best so far: the same addresses as the reference, with n not a multiple of the chunk."""
+    from ultramem.kernels import _triton_tucker_topk
+
+    monkeypatch.setattr(_triton_tucker_topk, "MAX_CHUNK", 16)
+    inputs = _random_inputs(3, 2, 2, 57, 2, seed=7)
+    with torch.no_grad():
+        index, scores = kernels.tucker_topk(*inputs, 6)
+        expected_index, expected_scores = memory_ops.tucker_topk(*inputs, 6)
+    torch.testing.assert_close(index, expected_index, rtol=0, atol=0)
+    torch.testing.assert_close(scores, expected_scores, rtol=1e-5, atol=1e-5)
+
+
+@interpreted
 def test_autograd_and_signed_candidates_take_the_reference_composition():
     """Training (a gradient wanted) and signed candidates run the reference with the candidate kernel: the per-core
     scores carry gradients to the axis scores and the cores."""

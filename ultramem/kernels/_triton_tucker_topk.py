@@ -14,45 +14,65 @@ import triton.language as tl
 
 
 @triton.jit
-def _sortable(scores, positions, SIZE: tl.constexpr):
+def _sortable(scores, positions):
     """int64 keys whose descending order is the scores' (ties: the lower position first): the float's order-preserving
-    int32 image in the high word, the reversed position in the low word."""
+    int32 image in the high word, the reversed position (< 2^31) in the low word."""
     bits = scores.to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return (ordered.to(tl.int64) << 32) | (SIZE - 1 - positions).to(tl.int64)
+    return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - positions).to(tl.int64)
 
 
 @triton.jit
-def _position(keys, SIZE: tl.constexpr):
-    return SIZE - 1 - (keys & 0x7FFFFFFF)
+def _position(keys):
+    return 0x7FFFFFFF - (keys & 0x7FFFFFFF)
 
 
 @triton.jit
-def _axis_top(
-    scores_ptr,
-    vector_ptr,
-    base,
-    stride_rank,
-    head,
-    num_keys,
-    RANK: tl.constexpr,
-    N_PAD: tl.constexpr,
-    DTYPE: tl.constexpr,
-):
-    """The rank-1 projection p = v^T S (n,) of one axis, rounded as the reference rounds it (products in DTYPE, the
-    promoted dtype of S and v, summed in float32, rounded once), and its min and max over the n keys; all float32
-    holding DTYPE's values."""
-    keys = tl.arange(0, N_PAD)
-    valid = keys < num_keys
-    projected = tl.zeros((N_PAD,), dtype=tl.float32)
+def _projection(scores_ptr, vector_ptr, base, stride_rank, head, keys, valid, RANK: tl.constexpr, DTYPE: tl.constexpr):
+    """The rank-1 projection v^T S of one axis at `keys`, rounded as the reference rounds it (products in DTYPE, the
+    promoted dtype of S and v, summed in float32, rounded once); float32 holding DTYPE's values."""
+    projected = tl.zeros(keys.shape, dtype=tl.float32)
     for a in tl.static_range(RANK):
         weight = tl.load(vector_ptr + head * RANK + a).to(tl.float32)
         row = tl.load(scores_ptr + base + a * stride_rank + keys, mask=valid, other=0.0).to(tl.float32)
         projected += (row * weight).to(DTYPE).to(tl.float32)
-    projected = projected.to(DTYPE).to(tl.float32)
+    return projected.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _extremes(scores_ptr, vector_ptr, base, stride_rank, head, num_keys, RANK: tl.constexpr, CHUNK: tl.constexpr,
+              DTYPE: tl.constexpr):  # fmt: skip
+    """Min and max of one axis' projection over its n keys, CHUNK keys at a time."""
+    keys = tl.arange(0, CHUNK)
+    valid = keys < num_keys
+    projected = _projection(scores_ptr, vector_ptr, base, stride_rank, head, keys, valid, RANK, DTYPE)
     high = tl.max(tl.where(valid, projected, float("-inf")), axis=0)
     low = tl.min(tl.where(valid, projected, float("inf")), axis=0)
-    return projected, low, high
+    for start in range(CHUNK, num_keys, CHUNK):
+        keys = start + tl.arange(0, CHUNK)
+        valid = keys < num_keys
+        projected = _projection(scores_ptr, vector_ptr, base, stride_rank, head, keys, valid, RANK, DTYPE)
+        high = tl.maximum(high, tl.max(tl.where(valid, projected, float("-inf")), axis=0))
+        low = tl.minimum(low, tl.min(tl.where(valid, projected, float("inf")), axis=0))
+    return low, high
+
+
+@triton.jit
+def _axis_best(scores_ptr, vector_ptr, base, stride_rank, head, num_keys, sign, RANK: tl.constexpr,
+               CHUNK: tl.constexpr, M_PAD: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
+    """Sort keys of the M_PAD best keys of one axis by sign * projection, best first: each chunk's best merged into
+    those of the chunks before it."""
+    keys = tl.arange(0, CHUNK)
+    valid = keys < num_keys
+    projected = _projection(scores_ptr, vector_ptr, base, stride_rank, head, keys, valid, RANK, DTYPE)
+    best = tl.topk(_sortable(tl.where(valid, projected * sign, float("-inf")), keys), M_PAD)
+    for start in range(CHUNK, num_keys, CHUNK):
+        keys = start + tl.arange(0, CHUNK)
+        valid = keys < num_keys
+        projected = _projection(scores_ptr, vector_ptr, base, stride_rank, head, keys, valid, RANK, DTYPE)
+        chunk_best = tl.topk(_sortable(tl.where(valid, projected * sign, float("-inf")), keys), M_PAD)
+        best = tl.topk(tl.reshape(tl.join(best, chunk_best), (2 * M_PAD,)), M_PAD)
+    return best
 
 
 @triton.jit
@@ -71,7 +91,7 @@ def _tucker_topk_kernel(
     topk,
     RANK: tl.constexpr,
     NUM_CORES: tl.constexpr,
-    N_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
     M_PAD: tl.constexpr,
     DTYPE: tl.constexpr,
 ):
@@ -80,21 +100,19 @@ def _tucker_topk_kernel(
     head = item % num_heads
     base = item * stride_item
 
-    # Rank-1 projections and the quadrant: (top-m a, top-m b) or (bottom-m a, bottom-m b), whichever holds the higher
-    # rank-1 score (`memory_ops.rank_one_candidates`)
-    row_projected, row_low, row_high = _axis_top(row_ptr, u_ptr, base, stride_rank, head, num_keys, RANK, N_PAD, DTYPE)
-    col_projected, col_low, col_high = _axis_top(col_ptr, t_ptr, base, stride_rank, head, num_keys, RANK, N_PAD, DTYPE)
-    # compared in DTYPE, as the reference compares
+    # The quadrant: (top-m a, top-m b) or (bottom-m a, bottom-m b) of the rank-1 projections a = u^T S_row and
+    # b = t^T S_col, whichever holds the higher rank-1 score (`memory_ops.rank_one_candidates`); compared in DTYPE, as
+    # the reference compares
+    row_low, row_high = _extremes(row_ptr, u_ptr, base, stride_rank, head, num_keys, RANK, CHUNK, DTYPE)
+    col_low, col_high = _extremes(col_ptr, t_ptr, base, stride_rank, head, num_keys, RANK, CHUNK, DTYPE)
     positive = (row_high * col_high).to(DTYPE).to(tl.float32) >= (row_low * col_low).to(DTYPE).to(tl.float32)
     sign = tl.where(positive, 1.0, -1.0)
-    keys = tl.arange(0, N_PAD)
-    valid = keys < num_keys
-    row_best = tl.topk(_sortable(tl.where(valid, row_projected * sign, float("-inf")), keys, N_PAD), M_PAD)
-    col_best = tl.topk(_sortable(tl.where(valid, col_projected * sign, float("-inf")), keys, N_PAD), M_PAD)
+    row_best = _axis_best(row_ptr, u_ptr, base, stride_rank, head, num_keys, sign, RANK, CHUNK, M_PAD, DTYPE)
+    col_best = _axis_best(col_ptr, t_ptr, base, stride_rank, head, num_keys, sign, RANK, CHUNK, M_PAD, DTYPE)
     candidates = tl.arange(0, M_PAD)
     is_candidate = candidates < topk
-    row_index = tl.where(is_candidate, _position(row_best, N_PAD), 0)  # (M_PAD,) key indices, best first
-    col_index = tl.where(is_candidate, _position(col_best, N_PAD), 0)
+    row_index = tl.where(is_candidate, _position(row_best), 0)  # (M_PAD,) key indices, best first
+    col_index = tl.where(is_candidate, _position(col_best), 0)
 
     # Exact scores of the m x m candidate grid with the summed core (`memory_ops.tucker_candidate_topk`)
     grid = tl.zeros((M_PAD, M_PAD), dtype=tl.float32)
@@ -111,8 +129,8 @@ def _tucker_topk_kernel(
         grid += row_a[:, None] * mixed[None, :]
     grid = tl.where(is_candidate[:, None] & is_candidate[None, :], grid, float("-inf"))
     cell = candidates[:, None] * M_PAD + candidates[None, :]
-    best = tl.topk(tl.reshape(_sortable(grid, cell, M_PAD * M_PAD), (M_PAD * M_PAD,)), M_PAD)
-    winner_cell = _position(best, M_PAD * M_PAD)  # (M_PAD,) cells, best first
+    best = tl.topk(tl.reshape(_sortable(grid, cell), (M_PAD * M_PAD,)), M_PAD)
+    winner_cell = _position(best)  # (M_PAD,) cells, best first
     # The winners' key indices, by a one-hot reduction over the candidates (registers cannot be indexed)
     winner_row = tl.sum(tl.where((winner_cell // M_PAD)[:, None] == candidates[None, :], row_index[None, :], 0), 1)
     winner_col = tl.sum(tl.where((winner_cell % M_PAD)[:, None] == candidates[None, :], col_index[None, :], 0), 1)
@@ -134,12 +152,15 @@ def _tucker_topk_kernel(
 TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
+MAX_CHUNK = 2048  # keys an axis' sort holds at once; more are taken a chunk at a time, merged into the best so far
+
+
 def selection_tile(num_keys: int, topk: int) -> tuple[int, int, int]:
-    """(N_PAD, M_PAD, num_warps): 16 warps from 4,096 padded keys up, 8 from 1,024, keep the sort keys of both axes
-    at <= 8 int64 a thread and the kernel at <= 128 registers with no spills (`benchmarks/aot_check.py`: 126 on sm_90
-    at the 680M shape, n = 3,264)."""
-    padded = triton.next_power_of_2(num_keys)
-    return padded, triton.next_power_of_2(topk), 16 if padded >= 4096 else 8 if padded >= 1024 else 4
+    """(CHUNK, M_PAD, num_warps): chunks of up to 2,048 keys; 16 warps from a 64 x 64 candidate grid, else 8 from a
+    chunk of 1,024: at most 128 registers with no spills on sm_80 and sm_90 at the paper's shapes
+    (`benchmarks/aot_check.py`; the 680M shape took 252 with 8 warps, chunks of 4,096 spilled)."""
+    chunk, padded_topk = min(triton.next_power_of_2(num_keys), MAX_CHUNK), triton.next_power_of_2(topk)
+    return chunk, padded_topk, 16 if padded_topk * padded_topk >= 4096 else 8 if chunk >= 1024 else 4
 
 
 def _kernel_layout(row_scores: torch.Tensor, col_scores: torch.Tensor) -> bool:
@@ -167,7 +188,7 @@ def tucker_topk_index(
     scores = torch.empty((batch, num_heads, topk, num_cores), dtype=dtype, device=row_scores.device)
     if batch == 0:
         return index, scores
-    padded, topk_padded, warps = selection_tile(num_keys, topk)
+    chunk, topk_padded, warps = selection_tile(num_keys, topk)
     _tucker_topk_kernel[(batch * num_heads,)](
         row_scores,
         col_scores,
@@ -183,7 +204,7 @@ def tucker_topk_index(
         topk,
         RANK=rank,
         NUM_CORES=num_cores,
-        N_PAD=padded,
+        CHUNK=chunk,
         M_PAD=topk_padded,
         DTYPE=TRITON_DTYPES[torch.promote_types(row_scores.dtype, u.dtype)],
         num_warps=warps,

@@ -16,8 +16,6 @@ from ultramem.kernels._device import require_launchable
 from ultramem.kernels.candidate_topk import MAX_CANDIDATES, tucker_candidate_topk
 from ultramem.memory_ops import tucker_topk as reference
 
-MAX_KEYS = 8192  # both axes' n projections and their sort keys stay in registers of one program
-
 
 @torch.library.custom_op("ultramem::tucker_topk", mutates_args=())
 def _tucker_topk_op(
@@ -68,9 +66,10 @@ def _check_inputs(
 
 
 def fuses(row_scores: torch.Tensor, col_scores: torch.Tensor, cores: torch.Tensor, topk: int, signed: bool) -> bool:
-    """Whether the one-kernel selection applies: no gradient wanted, unsigned candidates, sizes it holds in registers."""
+    """Whether the one-kernel selection applies: no gradient wanted, unsigned candidates, an m x m grid it holds in
+    registers."""
     wants_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (row_scores, col_scores, cores))
-    return not (wants_grad or signed) and topk <= MAX_CANDIDATES and row_scores.shape[-1] <= MAX_KEYS
+    return not (wants_grad or signed) and topk <= MAX_CANDIDATES
 
 
 def tucker_topk(
