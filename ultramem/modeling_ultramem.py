@@ -273,8 +273,16 @@ class MemoryQuery(nn.Module):
     def cached_entries(self) -> dict[str, CacheEntry]:
         """What `inference_cache` keeps (for `refresh_inference_cache`): the projection with the across-token
         normalisation folded in, which is linear at inference."""
-        folds = self.across_tokens is not None and type(self.proj) is nn.Linear
-        return {"projection": self._projection_entry()} if folds else {}
+        return {"projection": self._projection_entry()} if self._folds() else {}
+
+    def _folds(self) -> bool:
+        """Whether inference folds the normalisation into the projection: a plain `nn.Linear` whose weight is held
+        here. An adapter or a quantized layer runs its own forward; a weight that ZeRO-3 partitions or accelerate
+        offloads (meta) is only whole inside the projection's own forward, which its hooks wrap."""
+        if self.across_tokens is None or type(self.proj) is not nn.Linear:
+            return False
+        weight = self.proj.weight
+        return not hasattr(weight, "ds_id") and weight.device.type != "meta"
 
     def _projection_entry(self) -> CacheEntry:
         return (self.proj.weight, *self.across_tokens.statistics()), lambda: self.across_tokens.folded(self.proj.weight)
@@ -288,12 +296,12 @@ class MemoryQuery(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.conv is not None:
             x = self.conv(x, padding_mask, cache, sequence_ids)
-        if self.across_tokens is None:
-            query = self.proj(x)  # (B, T, H * (1|2) * Dk)
-        elif self.training or type(self.proj) is not nn.Linear:  # training: statistics of the projected query;
-            query = self.across_tokens(self.proj(x), padding_mask)  # an adapter or quantized layer: its own forward
-        else:  # running statistics: a linear map, folded into the projection (one GEMM)
+        if not self.training and self._folds():  # running statistics: a linear map, folded into the projection
             query = F.linear(x, *self.inference_cache.get("projection", *self._projection_entry()))
+        else:
+            query = self.proj(x)  # (B, T, H * (1|2) * Dk)
+            if self.across_tokens is not None:
+                query = self.across_tokens(query, padding_mask)
         query = self.norm(query.unflatten(-1, (self.num_heads, self.num_queries, self.rank, self.part_dim)))
         return query[..., 0, :, :], query[..., -1, :, :]  # row and column queries, (B, T, H, r, Dk/r)
 

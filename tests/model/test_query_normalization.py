@@ -217,7 +217,8 @@ def test_inference_folds_the_normalisation_into_the_projection(mode):
 
 def test_the_folded_projection_follows_new_statistics_and_adapters_keep_their_own_forward():
     """The folded projection is cached at inference like the keys: a change of the running statistics in place is
-    seen at the next forward; an adapter on the projection (not an nn.Linear) runs unfolded, its own forward."""
+    seen at the next forward. A weight ZeRO-3 partitions, or an adapter on the projection (not an nn.Linear), runs
+    unfolded, through the projection's own forward."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
@@ -232,6 +233,12 @@ def test_the_folded_projection_follows_new_statistics_and_adapters_keep_their_ow
         fresh = model(input_ids).logits.detach()
     assert not torch.allclose(before, after)
     torch.testing.assert_close(after, fresh, rtol=0, atol=0)
+    query = model.model.memory_layers[0].query
+    query.proj.weight.ds_id = 0  # as ZeRO-3 marks the parameters it partitions: whole only inside proj's forward
+    assert query.cached_entries() == {}
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids).logits, after)  # unfolded: the same query, up to rounding
+    del query.proj.weight.ds_id
     lora = get_peft_model(model, LoraConfig(target_modules=["query.proj"], init_lora_weights=False)).eval()
     query = lora.base_model.model.model.memory_layers[0].query
     assert query.cached_entries() == {}
