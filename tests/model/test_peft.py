@@ -63,3 +63,20 @@ def test_lora_on_the_value_tables_is_refused_and_modules_to_save_trains_them() -
     saved(input_ids=input_ids, labels=input_ids).loss.backward()
     copies = [p for name, p in saved.named_parameters() if "values.modules_to_save" in name]
     assert copies and all(p.grad is not None and p.grad.abs().sum() > 0 for p in copies)
+
+
+def test_an_adapter_on_the_query_projection_is_not_folded_away_at_inference() -> None:
+    """At inference the query's normalisation is folded into a plain projection's weight; a LoRA-wrapped projection is
+    not an nn.Linear and runs its own forward, so the adapter's delta stays in the query."""
+    torch.manual_seed(0)
+    model = UltraMemForCausalLM(small_config(query_norm="batch_whiten")).eval()
+    input_ids = torch.randint(1, 97, (2, 6))
+    with torch.no_grad():
+        plain = model(input_ids).logits
+    config = peft.LoraConfig(target_modules=["query.proj"], init_lora_weights=False)
+    lora = peft.get_peft_model(model, config).eval()
+    query = lora.base_model.model.model.memory_layers[0].query
+    assert query.cached_entries() == {}
+    with torch.no_grad():
+        adapted = lora(input_ids=input_ids).logits
+    assert not torch.allclose(adapted, plain, rtol=1e-3, atol=1e-3)
