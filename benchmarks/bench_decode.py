@@ -26,6 +26,9 @@ an "account" entry and a table of the split, with UltraMem minus dense part by p
 
     python benchmarks/bench_decode.py --device cuda --sizes 680m --batch-sizes 1,16 --account 20 --name decode_account
 
+`--fused-selection` turns on the Triton path's opt-in one-kernel selection (`ultramem.kernels.fused_selection`) for
+the whole run, to time it against a run without.
+
 Writes benchmarks/results/decode_<device>.json and .png; the table is printed last.
 """
 
@@ -36,6 +39,7 @@ from typing import Any
 import torch
 from lib import cli, models, report, step_account, timing
 
+from ultramem.kernels import fused_selection
 from ultramem.sizing import decode_memory_access
 
 DEFAULT_NAME = "decode"
@@ -53,6 +57,8 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--account", type=int, nargs="?", const=10, default=0, metavar="STEPS",
                         help="also profile STEPS (10 if not given) steps of each model and batch and split them into "
                         "kernels, copies, gaps and host time (see lib.step_account)")  # fmt: skip
+    parser.add_argument("--fused-selection", action="store_true",
+                        help="UltraMem's Triton path with the one-kernel selection (opt-in; ultramem.kernels)")  # fmt: skip
     parser.add_argument("--analytic-sizes", type=cli.sizes, default=["680m", "1.6b"],
                         help="sizes whose analytic memory access is tabulated (meta device, nothing timed)")  # fmt: skip
     args = cli.resolve(parser.parse_args(argv), DEFAULT_NAME)
@@ -211,9 +217,8 @@ def plot(args, rows: list[dict[str, Any]]) -> None:
     report.plot(args.results_dir / f"{args.name}.png", panels, f"decode step, KV cache {args.context}, {args.mode}")
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    torch.manual_seed(0)
+def bench_sizes(args) -> tuple[list[dict], list[dict]]:
+    """Every size's rows and model descriptions, saved after each model should the run be cut short."""
     rows, infos = [], []
     for size in args.sizes:
         if args.interleave:
@@ -223,15 +228,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for kind in KINDS:
                 model_rows, info = bench_model(size, kind, args)
                 size_rows, size_infos = size_rows + model_rows, size_infos + [info]
-                report.save(args, {"complete": False, "rows": rows + size_rows})  # kept should the run be cut short
+                report.save(args, {"complete": False, "rows": rows + size_rows})
         rows += size_rows
         infos += size_infos
+    return rows, infos
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    with fused_selection(args.fused_selection):
+        rows, infos = bench_sizes(args)
     analytic = analytic_rows(args)
     print(f"\nAnalytic memory access per decode step ({args.dtype}, KV cache {args.context}):")
     print(report.format_table(analytic, ANALYTIC_COLUMNS) + "\n")
     settings = {"sizes": args.sizes, "batch_sizes": args.batch_sizes, "context": args.context, "mode": args.mode,
                 "cache": "StaticCache", "attention": "sdpa", "warmup": args.warmup, "iters": args.iters,
-                "interleave": args.interleave, "account_steps": args.account}  # fmt: skip
+                "interleave": args.interleave, "account_steps": args.account,
+                "fused_selection": args.fused_selection}  # fmt: skip
     payload = {
         "settings": settings,
         "analytic_model": "ultramem.sizing.decode_memory_access: bytes read per step = every dense weight once + B "

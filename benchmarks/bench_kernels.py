@@ -241,7 +241,7 @@ def bench_selection(
             result = Result("tucker_topk", shape.name, shape.groups, shape.cores, str(dtype).removeprefix("torch."),
                             tokens, impl)  # fmt: skip
             try:
-                with torch.no_grad():
+                with torch.no_grad(), kernels.fused_selection():  # opt-in: on here to time it
                     result.forward_ms = timing.median_ms(
                         lambda fn=fn: fn(row, col, cores, (u.to(dtype), t.to(dtype)), shape.topk), device, repeats
                     )

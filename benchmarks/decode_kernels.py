@@ -5,9 +5,10 @@ count is what issue 34 bounds (at most 6 kernels per memory layer). It needs no 
 kernels with its fusion decisions, the GEMMs and custom ops stay calls of their own (the Triton memory kernels run in
 Triton's interpreter here), so the count shows which operators remain; on CUDA the same script counts the Triton
 kernels Inductor generates. One decode step (sequence length 1) after a 2-token prefill in a static cache, the
-inference cache refreshed first as `generate` does.
+inference cache refreshed first as `generate` does. `triton+fused-selection` is the Triton path with the opt-in
+one-kernel selection (`ultramem.kernels.fused_selection`).
 
-    python benchmarks/decode_kernels.py --size tiny        # CPU, about 3 minutes
+    python benchmarks/decode_kernels.py --size tiny        # CPU, about 4 minutes
     python benchmarks/decode_kernels.py --size 680m --device cuda
 
 Prints the table and writes `decode_kernels_<device>.json` (every kernel and call by name); no timing, no plot.
@@ -28,6 +29,10 @@ if __name__ == "__main__" and not torch.cuda.is_available():  # before anything 
 
 from lib import env, models, report  # noqa: E402
 from torch._inductor.utils import run_and_get_code  # noqa: E402
+
+from ultramem.kernels import fused_selection  # noqa: E402
+
+IMPLEMENTATIONS = ["triton", "triton+fused-selection", "torch", "embedding_bag"]
 
 LAUNCH_PATTERNS = {
     "generated": re.compile(r"^\s+(cpp_fused_\w+)\(|^\s+(triton_\w+)\.run\(", re.M),  # Inductor's own kernels
@@ -73,8 +78,10 @@ def count(size: str, device: torch.device, batch: int, implementations: list[str
     del dense
     for implementation in implementations:
         model = models.build(presets["ultramem"], device, torch.float32, max_position_embeddings=8)
-        models.use_memory_implementation(model, implementation)
-        rows[f"ultramem/{implementation}"] = decode_step_launches(model, batch)
+        name, _, option = implementation.partition("+")
+        models.use_memory_implementation(model, name)
+        with fused_selection(option == "fused-selection"):
+            rows[f"ultramem/{implementation}"] = decode_step_launches(model, batch)
         memory_layers = len(model.config.memory_layers)
         del model
     base = sum(rows["dense"].values())
@@ -91,17 +98,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", default="tiny", choices=list(models.PEERS))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--implementations", nargs="+", default=["triton", "torch"])
+    parser.add_argument(
+        "--implementations", nargs="+", choices=IMPLEMENTATIONS, default=["triton", "triton+fused-selection", "torch"]
+    )
     parser.add_argument("--results-dir", type=Path, default=env.RESULTS_DIR)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     result = {"environment": env.environment(device), **count(args.size, device, args.batch, args.implementations)}
     path = args.results_dir / f"decode_kernels_{env.device_tag(device)}.json"
     report.write_json(path, result)
-    print(f"{'model':22s} {'launches':>8s} {'per memory layer over dense':>28s}")
+    print(f"{'model':32s} {'launches':>8s} {'per memory layer over dense':>28s}")
     for row in result["rows"]:
         extra = "" if row["per_memory_layer_over_dense"] is None else f"{row['per_memory_layer_over_dense']:.2f}"
-        print(f"{row['model']:22s} {row['launches']:8d} {extra:>28s}")
+        print(f"{row['model']:32s} {row['launches']:8d} {extra:>28s}")
     print(f"written: {path}")
 
 

@@ -39,7 +39,7 @@ from lib import env, targets
 TIMED_OUT = 124
 # Seconds of the call's device limit the driver may spend (the rest: the kit's install, interpreter start-up, copying
 # the results back).
-CALL_BUDGETS = {1: 500, 2: 220, 3: 540, 4: 500, 5: 540, 6: 540, 7: 500, 8: 440, 9: 500, 10: 500, 11: 300}
+CALL_BUDGETS = {1: 500, 2: 220, 3: 540, 4: 500, 5: 540, 6: 540, 7: 500, 8: 440, 9: 500, 10: 500, 11: 300, 12: 500}
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,12 @@ def gpu_steps() -> list[Step]:
              "64 4096 --own-shape-only --repeats 20 --out-dir {results} --name selection_680m"),
         # and the kernels the compiled decode step launches per memory layer (at most 6), counted in Inductor's code
         Step("decode_kernels_680m", 11, 180, f"decode_kernels.py --size 680m --device cuda {OUT}"),
+        # call 12 (issue 34): the decode step under CUDA graphs with the Triton path as it ships, then with the opt-in
+        # one-kernel selection, each against dense and MoE in its own run
+        Step("decode_680m_graphs_unfused", 12, 230, f"bench_decode.py {GRAPHS} --sizes 680m --batch-sizes 1,16 "
+             "--analytic-sizes 680m --name decode_680m_graphs_unfused"),
+        Step("decode_680m_graphs_fused_selection", 12, 230, f"bench_decode.py {GRAPHS} --sizes 680m --batch-sizes "
+             "1,16 --analytic-sizes 680m --fused-selection --name decode_680m_graphs_fused_selection"),
     ]  # fmt: skip
 
 
@@ -156,6 +162,8 @@ def smoke_steps() -> list[Step]:
              "--analytic-sizes tiny --account 2 --name decode_account_tiny"),
         Step("generate_tiny", 10, 300, f"bench_generate.py {timing} --sizes tiny --batch-sizes 1 --prompt 8 "
              "--new-tokens 3 --name generate_tiny"),
+        Step("decode_fused_selection_tiny", 12, 300, f"bench_decode.py {timing} --sizes tiny --batch-sizes 1 "
+             "--context 8 --analytic-sizes tiny --fused-selection --name decode_fused_selection_tiny"),
     ]  # fmt: skip
 
 

@@ -227,7 +227,7 @@ def test_fused_tucker_topk_matches_the_reference(device, check, dtype, tokens):
     cores = torch.randn(heads, cores_, rank, rank, device=device, generator=generator).to(dtype)
     _, u, t = memory_ops.core_svd(cores.sum(1).float())
     inputs = (row, col, cores, (u.to(dtype), t.to(dtype)))
-    with torch.no_grad():
+    with torch.no_grad(), kernels.fused_selection():  # opt-in until timed
         index, scores = kernels.tucker_topk(*inputs, topk)
         ref_index, ref_scores = memory_ops.tucker_topk(*inputs, topk, False, kernels.tucker_candidate_topk)
     detail = dict(config=MEMORY, dtype=dtype_name(dtype), tokens=tokens, num_keys=num_keys, topk=topk)
@@ -329,8 +329,8 @@ def test_model_forward_backward_triton_vs_torch(device, check, dtype):
 
 
 def test_cached_greedy_generation_triton_vs_torch(device, check):
-    """Greedy decoding with the KV / query-conv cache: the Triton path gives the reference path's tokens, and the
-    tokens of recomputing every step without a cache."""
+    """Greedy decoding with the KV / query-conv cache: the Triton path, with and without the one-kernel selection,
+    gives the reference path's tokens, and the tokens of recomputing every step without a cache."""
     model = model_on(device, torch.float32, "tiny-ultramem").eval()
     (batch, length), new = ((1, 4), 3) if SMOKE else ((3, 12), 24)  # the interpreter takes seconds a token
     prompt = torch.randint(
@@ -345,6 +345,8 @@ def test_cached_greedy_generation_triton_vs_torch(device, check):
         reference = use_memory_implementation(model, "torch").generate(prompt, **kwargs)
         cached = use_memory_implementation(model, "triton").generate(prompt, **kwargs)
         recomputed = model.generate(prompt, use_cache=False, **kwargs)
+        with kernels.fused_selection():  # the opt-in one-kernel selection
+            fused = model.generate(prompt, **kwargs)
     detail = dict(config="tiny-ultramem", new_tokens=new)
     check(
         "generate triton vs torch (cached, greedy): tokens differing",
@@ -355,6 +357,12 @@ def test_cached_greedy_generation_triton_vs_torch(device, check):
     check(
         "generate triton cached vs recomputed: tokens differing",
         (cached != recomputed).float().mean().item(),
+        0.0,
+        **detail,
+    )
+    check(
+        "generate triton with the fused selection vs torch: tokens differing",
+        (fused != reference).float().mean().item(),
         0.0,
         **detail,
     )

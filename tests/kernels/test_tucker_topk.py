@@ -1,22 +1,32 @@
 """TDQKR's one-kernel selection at inference (`kernels.tucker_topk`, `ultramem::tucker_topk`) against the reference
-composition (`memory_ops.tucker_topk`), in Triton's interpreter on CPU; and where it hands over to the reference."""
+composition (`memory_ops.tucker_topk`), in Triton's interpreter on CPU; where it hands over to the reference; and its
+switch (opt-in: off unless `fused_selection()` or `ULTRAMEM_FUSED_SELECTION=1`)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from test_kernels import poison  # noqa: F401 (a fixture: buffers the kernels allocate start as NaN)
 
 from ultramem import kernels, memory_ops
-from ultramem.kernels.tucker_topk import fuses
+from ultramem.kernels.tucker_topk import fused_selection, fuses
 
 # The Triton cases run on CPU tensors in Triton's interpreter: tests/conftest.py sets TRITON_INTERPRET=1 before
 # anything imports triton on a machine without CUDA.
 interpreted = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton cases run on CPU tensors in Triton's interpreter"
 )
+
+
+@pytest.fixture(autouse=True)
+def switched_on():
+    """Every case here runs with the one-kernel selection switched on; those about the switch turn it off inside."""
+    with fused_selection():
+        yield
 
 
 def _random_inputs(batch, heads, rank, num_keys, num_cores, dtype=torch.float32, seed=0):
@@ -171,3 +181,32 @@ def test_model_decodes_through_the_fused_selection():
     steps, memory_layers = 4, len(model.config.memory_layers)  # the prefill and 3 decode steps
     assert calls.get("ultramem::tucker_topk") == steps * memory_layers
     assert "aten::topk" not in calls
+
+
+@pytest.mark.parametrize("environment, expected", [({}, "False"), ({"ULTRAMEM_FUSED_SELECTION": "1"}, "True")])
+def test_the_switch_is_off_unless_the_environment_turns_it_on(environment, expected):
+    """Opt-in until a GPU has timed it: a fresh process starts with the switch off; the variable turns it on."""
+    env = {key: value for key, value in os.environ.items() if key != "ULTRAMEM_FUSED_SELECTION"} | environment
+    code = "import importlib; print(importlib.import_module('ultramem.kernels.tucker_topk')._fused_selection)"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == expected
+
+
+@interpreted
+def test_switched_off_the_model_decodes_through_the_candidate_kernel():
+    """With the switch off (the default) the Triton path's decode step runs the reference composition with the
+    candidate kernel, and the switch restores its previous state when the block ends."""
+    from conftest import small_config
+
+    from ultramem import UltraMemForCausalLM
+
+    torch.manual_seed(0)
+    model = UltraMemForCausalLM(small_config(memory_implementation="triton")).eval()
+    prompt = torch.randint(1, 97, (2, 5))
+    with fused_selection(False), torch.profiler.profile() as profile:
+        model.generate(prompt, max_new_tokens=2, do_sample=False)
+    calls = {event.key: event.count for event in profile.key_averages()}
+    assert "ultramem::tucker_topk" not in calls and calls.get("ultramem::tucker_candidate_index", 0) > 0
+    row, col, cores, _ = _random_inputs(1, 2, 2, 16, 2)
+    with torch.no_grad():
+        assert fuses(row, col, cores, 4, signed=False)  # the fixture's state is back

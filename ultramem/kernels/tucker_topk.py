@@ -5,9 +5,16 @@ are unsigned, one kernel per memory layer does the rank-1 projections, both axes
 scores, the final top-m and the winners' per-core scores (`ultramem::tucker_topk`). Otherwise, training above all, the
 reference composition runs with the fused candidate kernel (`tucker_candidate_topk`), whose winners' scores carry
 autograd.
+
+The one-kernel selection is opt-in until a GPU has timed it against the unfused path (kernels/README.md): turn it on
+for the process with `ULTRAMEM_FUSED_SELECTION=1`, or for a block with `with fused_selection(): ...`.
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
 
 import torch
 
@@ -65,11 +72,27 @@ def _check_inputs(
         raise ValueError(f"topk must be an int in [1, {num_keys}] (n), got {topk!r}")
 
 
+_fused_selection = os.environ.get("ULTRAMEM_FUSED_SELECTION", "0") == "1"
+
+
+@contextlib.contextmanager
+def fused_selection(enabled: bool = True) -> Iterator[None]:
+    """Run `tucker_topk` through the one-kernel selection where it applies (`fuses`) inside the block; off by default
+    (`ULTRAMEM_FUSED_SELECTION=1` turns it on for the process). torch.compile guards on the switch: a compiled model
+    recompiles when it flips."""
+    global _fused_selection
+    previous, _fused_selection = _fused_selection, enabled
+    try:
+        yield
+    finally:
+        _fused_selection = previous
+
+
 def fuses(row_scores: torch.Tensor, col_scores: torch.Tensor, cores: torch.Tensor, topk: int, signed: bool) -> bool:
-    """Whether the one-kernel selection applies: no gradient wanted, unsigned candidates, an m x m grid it holds in
-    registers."""
+    """Whether the one-kernel selection runs: switched on (`fused_selection`), no gradient wanted, unsigned
+    candidates, an m x m grid it holds in registers."""
     wants_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (row_scores, col_scores, cores))
-    return not (wants_grad or signed) and topk <= MAX_CANDIDATES
+    return _fused_selection and not (wants_grad or signed) and topk <= MAX_CANDIDATES
 
 
 def tucker_topk(
