@@ -136,10 +136,7 @@ def _forward_kernel(
 
     Each program keeps one float32 accumulator per (group, slot lane, column) and sums the slot lanes once at the
     end: inside the loop every thread only multiplies and adds its own elements (no cross-warp reduction), so the
-    loop is the row reads. The next block's indices, groups and scores are read while a step reads its rows, so a
-    step waits for one memory latency instead of two dependent ones (indices, then rows): a prefetch of a few
-    registers (76 -> 79 a thread for the 8 x 128 tile on sm_90, the same occupancy). `size_class` only keys the
-    tuning."""
+    loop is the row reads. `size_class` only keys the tuning."""
     token = tl.program_id(0).to(tl.int64)
     core = tl.program_id(1)
     in_chunk = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -147,17 +144,12 @@ def _forward_kernel(
     cols = core * chunk + in_chunk
     group_ids = tl.arange(0, GROUPS_PAD)
     acc = tl.zeros((GROUPS_PAD, BLOCK_K, BLOCK_D), dtype=tl.float32)
-    rows, groups, scores, mask = _slot_block(
-        rows_ptr, groups_ptr, scores_ptr, 0, token, num_slots, num_cores, core, BLOCK_K, NUM_GROUPS
-    )
     for k0 in range(0, num_slots, BLOCK_K):
-        tile = _row_tile(values_ptr, rows, mask, cols, col_mask, value_dim)
-        next_rows, next_groups, next_scores, next_mask = _slot_block(
-            rows_ptr, groups_ptr, scores_ptr, k0 + BLOCK_K, token, num_slots, num_cores, core, BLOCK_K, NUM_GROUPS
+        rows, groups, scores, mask = _slot_block(
+            rows_ptr, groups_ptr, scores_ptr, k0, token, num_slots, num_cores, core, BLOCK_K, NUM_GROUPS
         )
-        weighted = tile * scores[:, None]  # (BLOCK_K, BLOCK_D); masked slots read 0
+        weighted = _row_tile(values_ptr, rows, mask, cols, col_mask, value_dim) * scores[:, None]  # masked: 0
         acc += tl.where(groups[None, :, None] == group_ids[:, None, None], weighted[None, :, :], 0.0)
-        rows, groups, scores, mask = next_rows, next_groups, next_scores, next_mask
     pooled = tl.sum(acc, axis=1)  # (GROUPS_PAD, BLOCK_D)
     out_offsets = (token * NUM_GROUPS + group_ids[:, None]) * value_dim + cols[None, :]
     out_mask = (group_ids[:, None] < NUM_GROUPS) & col_mask[None, :]
