@@ -210,3 +210,20 @@ def test_switched_off_the_model_decodes_through_the_candidate_kernel():
     row, col, cores, _ = _random_inputs(1, 2, 2, 16, 2)
     with torch.no_grad():
         assert fuses(row, col, cores, 4, signed=False)  # the fixture's state is back
+
+
+@interpreted
+def test_a_compiled_caller_follows_the_switch():
+    """torch.compile guards on the switch: the same compiled function runs the one-kernel selection while it is on
+    and the candidate kernel once it is off again."""
+    inputs = _random_inputs(2, 2, 2, 16, 2)
+    compiled = torch.compile(lambda *args: kernels.tucker_topk(*args, 4), backend="aot_eager", fullgraph=True)
+
+    def custom_ops() -> set[str]:
+        with torch.profiler.profile() as profile, torch.no_grad():
+            compiled(*inputs)
+        return {event.key for event in profile.key_averages() if event.key.startswith("ultramem::")}
+
+    assert custom_ops() == {"ultramem::tucker_topk"}  # the fixture's switch is on
+    with fused_selection(False):
+        assert custom_ops() == {"ultramem::tucker_candidate_index"}
