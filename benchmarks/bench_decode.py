@@ -57,8 +57,7 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--account", type=int, nargs="?", const=10, default=0, metavar="STEPS",
                         help="also profile STEPS (10 if not given) steps of each model and batch and split them into "
                         "kernels, copies, gaps and host time (see lib.step_account)")  # fmt: skip
-    parser.add_argument("--fused-selection", action="store_true",
-                        help="UltraMem's Triton path with the one-kernel selection (opt-in; ultramem.kernels)")  # fmt: skip
+    cli.add_fused_selection_argument(parser)
     parser.add_argument("--analytic-sizes", type=cli.sizes, default=["680m", "1.6b"],
                         help="sizes whose analytic memory access is tabulated (meta device, nothing timed)")  # fmt: skip
     args = cli.resolve(parser.parse_args(argv), DEFAULT_NAME)

@@ -13,6 +13,9 @@ CPU (tiny presets, float32):
 
     OMP_NUM_THREADS=2 python benchmarks/bench_train.py --device cpu
 
+`--fused-selection` turns on the Triton path's opt-in one-kernel selection (`ultramem.kernels.fused_selection`) for
+the whole run, to time it against a run without.
+
 Writes benchmarks/results/train_<device>.json; the table is printed last.
 """
 
@@ -25,6 +28,8 @@ from typing import Any
 import torch
 from lib import cli, models, report, timing
 
+from ultramem.kernels import fused_selection
+
 DEFAULT_NAME = "train"
 
 
@@ -34,6 +39,7 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--batch", type=int, default=None, help="sequences per step (16 on CUDA, 4 on CPU)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (2048 on CUDA, 128 on CPU)")
     cli.add_moe_argument(parser, "with a training step")
+    cli.add_fused_selection_argument(parser)
     args = cli.resolve(parser.parse_args(argv), DEFAULT_NAME)
     cuda = args.device.type == "cuda"
     args.sizes = args.sizes or (["151m"] if cuda else ["tiny"])
@@ -122,10 +128,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.manual_seed(0)
     rows = []
-    for size in args.sizes:
-        for kind in ("dense", "ultramem", "moe"):
-            rows.append(bench_model(size, kind, args))
-            report.save(args, {"complete": False, "rows": rows})  # kept should the run be cut short
+    with fused_selection(args.fused_selection):
+        for size in args.sizes:
+            for kind in ("dense", "ultramem", "moe"):
+                rows.append(bench_model(size, kind, args))
+                report.save(args, {"complete": False, "rows": rows})  # kept should the run be cut short
     for row in rows:
         dense = next(r for r in rows if r["size"] == row["size"] and r["kind"] == "dense")
         if row.get("ms") and dense.get("ms"):
@@ -133,7 +140,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     precision = "fp32 weights" + ("" if args.dtype == torch.float32 else f", {args.dtype} autocast")
     optimizer = "AdamW" + (" (fused)" if args.device.type == "cuda" else " (foreach)")
     settings = {"sizes": args.sizes, "batch": args.batch, "seq_len": args.seq_len, "precision": precision,
-                "optimizer": optimizer, "warmup": args.warmup, "iters": args.iters}  # fmt: skip
+                "optimizer": optimizer, "warmup": args.warmup, "iters": args.iters,
+                "fused_selection": args.fused_selection}  # fmt: skip
     payload = {"settings": settings, "rows": rows, "complete": True}
     report.finish(args, payload, report.format_table(rows, COLUMNS))
     return payload

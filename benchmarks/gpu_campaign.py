@@ -39,7 +39,21 @@ from lib import env, targets
 TIMED_OUT = 124
 # Seconds of the call's device limit the driver may spend (the rest: the kit's install, interpreter start-up, copying
 # the results back).
-CALL_BUDGETS = {1: 500, 2: 220, 3: 540, 4: 500, 5: 540, 6: 540, 7: 500, 8: 440, 9: 500, 10: 500, 11: 300, 12: 500}
+CALL_BUDGETS = {
+    1: 500,
+    2: 220,
+    3: 540,
+    4: 500,
+    5: 540,
+    6: 540,
+    7: 500,
+    8: 440,
+    9: 500,
+    10: 500,
+    11: 300,
+    12: 500,
+    13: 150,
+}
 
 
 @dataclass(frozen=True)
@@ -137,6 +151,9 @@ def gpu_steps() -> list[Step]:
              "--analytic-sizes 680m --name decode_680m_graphs_unfused"),
         Step("decode_680m_graphs_fused_selection", 12, 230, f"bench_decode.py {GRAPHS} --sizes 680m --batch-sizes "
              "1,16 --analytic-sizes 680m --fused-selection --name decode_680m_graphs_fused_selection"),
+        # call 13 (issue 34, item 6): call 2's training step with the one-kernel selection (run it after train_151m)
+        Step("train_151m_fused_selection", 13, 110, "bench_train.py --device cuda --sizes 151m --batch 16 --seq-len "
+             f"2048 --moe-impl grouped_mm --warmup 2 --iters 5 --fused-selection --name train_151m_fused_selection {OUT}"),
     ]  # fmt: skip
 
 
@@ -164,6 +181,8 @@ def smoke_steps() -> list[Step]:
              "--new-tokens 3 --name generate_tiny"),
         Step("decode_fused_selection_tiny", 12, 300, f"bench_decode.py {timing} --sizes tiny --batch-sizes 1 "
              "--context 8 --analytic-sizes tiny --fused-selection --name decode_fused_selection_tiny"),
+        Step("train_fused_selection_tiny", 13, 300, f"bench_train.py {timing} --batch 1 --seq-len 16 --fused-selection "
+             "--name train_fused_selection_tiny"),
     ]  # fmt: skip
 
 

@@ -45,6 +45,12 @@ def add_moe_argument(parser: argparse.ArgumentParser, probe: str) -> None:
                         help=f"Mixtral experts_implementation; 'auto' times each {probe} and keeps the fastest")  # fmt: skip
 
 
+def add_fused_selection_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--fused-selection", action="store_true",
+                        help="UltraMem's Triton path with the opt-in one-kernel selection (ultramem.kernels."
+                        "fused_selection), to time it against a run without")  # fmt: skip
+
+
 def resolve(args: argparse.Namespace, default_name: str) -> argparse.Namespace:
     """Fill in device-dependent defaults and check the shared flags (and the decoding ones where present)."""
     args.device = torch.device(args.device)

@@ -269,11 +269,11 @@ def test_gpu_campaign_smoke_runs_by_call_resumes_and_stops_within_its_budget(tmp
     assert f"| {len(checks['rows'])}/{len(checks['rows'])} comparisons within tolerance | met |" in readme
     assert "| Train step UltraMem / dense <= 1.3 (151M) | not measured yet | - |" in readme
 
-    rest = campaign("--budget-s", "1500")  # calls 2, 3, 8 (the mission), 9, 10 and 12 (split, generate, fused) at once
+    rest = campaign("--budget-s", "1500")  # calls 2, 3, 8 (the mission), 9, 10, 12, 13 (split, generate, fused) at once
     assert rest.returncode == 0, rest.stdout[-4000:] + rest.stderr[-4000:]
     assert (
-        "7 step(s) to run: train_tiny, scaling_tiny, quality_tiny, mission, decode_account_tiny, generate_tiny, "
-        "decode_fused_selection_tiny"
+        "8 step(s) to run: train_tiny, scaling_tiny, quality_tiny, mission, decode_account_tiny, generate_tiny, "
+        "decode_fused_selection_tiny, train_fused_selection_tiny"
         in rest.stdout
         and "gpu_campaign: complete" in rest.stdout
     )
@@ -281,7 +281,8 @@ def test_gpu_campaign_smoke_runs_by_call_resumes_and_stops_within_its_budget(tmp
     account = json.loads((results / "decode_account_tiny.json").read_text())["account"]
     assert {row["kind"] for row in account} >= {"dense", "ultramem"}, account
     assert json.loads((results / "generate_tiny.json").read_text())["rows"]
-    assert json.loads((results / "decode_fused_selection_tiny.json").read_text())["settings"]["fused_selection"]
+    for name in ("decode_fused_selection_tiny", "train_fused_selection_tiny"):
+        assert json.loads((results / f"{name}.json").read_text())["settings"]["fused_selection"]
     after = json.loads((results / "campaign.json").read_text())
     assert after["steps"]["decode_tiny"] == state["steps"]["decode_tiny"]  # not run again
     assert (results / "quality_tiny.json").exists() and (results / "train_tiny.json").exists()

@@ -273,8 +273,8 @@ def token_errors(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
 def test_model_forward_backward_triton_vs_torch(device, check, dtype):
-    """One model, run with the reference and with the Triton kernels: logits, loss and every parameter's gradient.
-    A 151M-shaped UltraMem with two of its memory layers (1.2M value rows each) at 2 x 2048 tokens on the GPU.
+    """One model, run with the reference and with the Triton kernels (float32: with and without the one-kernel
+    selection): logits, loss and every parameter's gradient. A 151M-shaped UltraMem with two of its memory layers (1.2M value rows each) at 2 x 2048 tokens on the GPU.
 
     float32: Triton against PyTorch directly, logits and loss within 1e-5, every gradient within 1e-4 (of its own
     scale, at least 1% of the model's largest gradient entry).
@@ -298,17 +298,22 @@ def test_model_forward_backward_triton_vs_torch(device, check, dtype):
     detail = dict(config=model.config.model_type, dtype=dtype_name(dtype), tokens=shape[0] * shape[1])
     reference = model_outputs(model, "torch", input_ids)
     if dtype == torch.float32:
-        logits, loss, grads = model_outputs(model, "triton", input_ids)
         ref_logits, ref_loss, ref_grads = reference
-        check("model triton vs torch: logits", relative_error(logits, ref_logits), 1e-5, **detail)
-        check("model triton vs torch: loss", relative_error(loss, ref_loss), 1e-5, **detail)
         # A gradient the model makes zero (the query's bias ahead of the whitening's centering) is rounding noise:
         # each gradient is measured against its own scale, floored at 1% of the model's largest gradient entry.
         floor = 1e-2 * max(g.abs().max().item() for g in ref_grads.values())
-        errors = {n: gradient_error(grads[n], ref_grads[n], floor) for n in ref_grads}
-        worst = max(errors, key=errors.get)
-        check("model triton vs torch: worst parameter gradient", errors[worst], 1e-4, parameter=worst,
-              **detail)  # fmt: skip
+        # the opt-in one-kernel selection too; not in the smoke run, where the interpreter takes minutes a variant
+        # (tests/kernels covers it there)
+        variants = [("triton", False)] + ([] if SMOKE else [("triton with the fused selection", True)])
+        for label, fused in variants:
+            with kernels.fused_selection(fused):
+                logits, loss, grads = model_outputs(model, "triton", input_ids)
+            check(f"model {label} vs torch: logits", relative_error(logits, ref_logits), 1e-5, **detail)
+            check(f"model {label} vs torch: loss", relative_error(loss, ref_loss), 1e-5, **detail)
+            errors = {n: gradient_error(grads[n], ref_grads[n], floor) for n in ref_grads}
+            worst = max(errors, key=errors.get)
+            check(f"model {label} vs torch: worst parameter gradient", errors[worst], 1e-4, parameter=worst,
+                  **detail)  # fmt: skip
         return
     model.to(dtype)
     outputs = {name: model_outputs(model, name, input_ids) for name in ("triton", "torch")}

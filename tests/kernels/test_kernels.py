@@ -392,12 +392,16 @@ def test_kernels_compile_for_ampere_and_hopper():
 
 
 @in_process
-def test_model_trains_through_the_kernels():
-    """UltraMemForCausalLM with memory_implementation='triton' gives the loss and every gradient of 'torch'."""
+@pytest.mark.parametrize("fused_selection", [False, True], ids=["candidate-kernel", "fused-selection"])
+def test_model_trains_through_the_kernels(fused_selection):
+    """UltraMemForCausalLM with memory_implementation='triton' gives the loss and every gradient of 'torch', with the
+    default selection and with the opt-in one-kernel selection."""
     from conftest import assert_trains_like_the_reference
 
     torch.manual_seed(0)
-    assert_trains_like_the_reference("triton", torch.randint(0, 97, (2, 9)))
+    with kernels.fused_selection(fused_selection), torch.profiler.profile() as profile:
+        assert_trains_like_the_reference("triton", torch.randint(0, 97, (2, 9)))
+    assert ("ultramem::tucker_topk" in {event.key for event in profile.key_averages()}) == fused_selection
 
 
 @in_process

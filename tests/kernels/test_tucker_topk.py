@@ -119,23 +119,31 @@ def test_more_keys_than_one_chunk_merge_into_the_same_selection(monkeypatch):
 
 
 @interpreted
-def test_autograd_and_signed_candidates_take_the_reference_composition():
-    """Training (a gradient wanted) and signed candidates run the reference with the candidate kernel: the per-core
-    scores carry gradients to the axis scores and the cores."""
+def test_training_takes_the_kernels_addresses_and_the_references_gradients():
+    """A gradient wanted (training): the kernel picks the addresses, and the winners' per-core scores, recomputed from
+    their gathered axis scores, carry the reference's gradients to the axis scores and the cores."""
     row, col, cores, vectors = _random_inputs(2, 2, 2, 16, 2)
     leaves = [tensor.requires_grad_() for tensor in (row, col, cores)]
-    assert not fuses(row, col, cores, 4, signed=False)
-    index, scores = kernels.tucker_topk(row, col, cores, vectors, 4)
+    with torch.profiler.profile() as profile:
+        index, scores = kernels.tucker_topk(row, col, cores, vectors, 4)
+    assert "ultramem::tucker_topk" in {event.key for event in profile.key_averages()}
     expected_index, expected_scores = memory_ops.tucker_topk(row, col, cores, vectors, 4)
     torch.testing.assert_close(index, expected_index, rtol=0, atol=0)
+    torch.testing.assert_close(scores, expected_scores, rtol=1e-5, atol=1e-5)
     grads = torch.autograd.grad(scores.sum(), leaves)
     expected_grads = torch.autograd.grad(expected_scores.sum(), leaves)
     for grad, expected in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(grad, expected)
+
+
+@interpreted
+def test_signed_candidates_take_the_reference_composition():
+    """Signed candidates (2m per axis, 4 m^2 candidates) are the reference composition's with the candidate kernel."""
+    row, col, cores, vectors = _random_inputs(2, 2, 2, 16, 2)
+    assert fuses(4, signed=False) and not fuses(4, signed=True)
     with torch.no_grad():
-        assert fuses(row, col, cores, 4, signed=False) and not fuses(row, col, cores, 4, signed=True)
         signed_index, _ = kernels.tucker_topk(row, col, cores, vectors, 4, signed=True)
-        torch.testing.assert_close(signed_index, memory_ops.tucker_topk(row, col, cores, vectors, 4, True)[0])
+    torch.testing.assert_close(signed_index, memory_ops.tucker_topk(row, col, cores, vectors, 4, True)[0])
 
 
 @pytest.mark.parametrize(
@@ -207,9 +215,7 @@ def test_switched_off_the_model_decodes_through_the_candidate_kernel():
         model.generate(prompt, max_new_tokens=2, do_sample=False)
     calls = {event.key: event.count for event in profile.key_averages()}
     assert "ultramem::tucker_topk" not in calls and calls.get("ultramem::tucker_candidate_index", 0) > 0
-    row, col, cores, _ = _random_inputs(1, 2, 2, 16, 2)
-    with torch.no_grad():
-        assert fuses(row, col, cores, 4, signed=False)  # the fixture's state is back
+    assert fuses(4, signed=False)  # the fixture's state is back
 
 
 @interpreted

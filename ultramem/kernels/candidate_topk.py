@@ -76,8 +76,17 @@ def tucker_candidate_topk(
         core_sum.reshape(-1, rank, rank).contiguous(),
         topk,
     ).view(*lead, topk)
-    gather_shape = (*lead, rank, topk)
-    row_winners = row_scores.gather(-1, (flat_index // num_candidates).unsqueeze(-2).expand(gather_shape))
-    col_winners = col_scores.gather(-1, (flat_index % num_candidates).unsqueeze(-2).expand(gather_shape))
-    core_scores = torch.einsum("...ak,...iab,...bk->...ki", row_winners, cores, col_winners)  # (..., topk, h)
-    return flat_index, core_scores
+    return flat_index, winner_core_scores(row_scores, col_scores, cores, flat_index)
+
+
+def winner_core_scores(
+    row_scores: torch.Tensor, col_scores: torch.Tensor, cores: torch.Tensor, flat_index: torch.Tensor
+) -> torch.Tensor:
+    """Per-core scores (..., k, h) of the winners x * w + y (..., k) of the grid of row_scores and col_scores
+    (..., r, w), recomputed from their r gathered rows and columns: tiny, and the autograd of the winners' scores
+    w.r.t. the axis scores and the cores (..., h, r, r) for free."""
+    rank, width = row_scores.shape[-2:]
+    gather_shape = (*flat_index.shape[:-1], rank, flat_index.shape[-1])
+    row_winners = row_scores.gather(-1, (flat_index // width).unsqueeze(-2).expand(gather_shape))
+    col_winners = col_scores.gather(-1, (flat_index % width).unsqueeze(-2).expand(gather_shape))
+    return torch.einsum("...ak,...iab,...bk->...ki", row_winners, cores, col_winners)

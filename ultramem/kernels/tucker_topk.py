@@ -1,10 +1,10 @@
-"""`tucker_topk`, TDQKR's whole selection, with the inference path fused into one Triton kernel.
+"""`tucker_topk`, TDQKR's whole selection, fused into one Triton kernel where it is switched on.
 
-Same contract as `ultramem.memory_ops.tucker_topk` (the reference). Where nothing needs a gradient and the candidates
-are unsigned, one kernel per memory layer does the rank-1 projections, both axes' top-m, the exact m x m candidate
-scores, the final top-m and the winners' per-core scores (`ultramem::tucker_topk`). Otherwise, training above all, the
-reference composition runs with the fused candidate kernel (`tucker_candidate_topk`), whose winners' scores carry
-autograd.
+Same contract as `ultramem.memory_ops.tucker_topk` (the reference). With the one-kernel selection on and unsigned
+candidates, one kernel per memory layer does the rank-1 projections, both axes' top-m, the exact m x m candidate
+scores, the final top-m and the winners' per-core scores (`ultramem::tucker_topk`); where a gradient is wanted
+(training), the winners' per-core scores are recomputed from their gathered axis scores, which carries autograd.
+Otherwise the reference composition runs with the fused candidate kernel (`tucker_candidate_topk`).
 
 The one-kernel selection is opt-in until a GPU has timed it against the unfused path (kernels/README.md): turn it on
 for the process with `ULTRAMEM_FUSED_SELECTION=1`, or for a block with `with fused_selection(): ...`.
@@ -20,7 +20,7 @@ import torch
 
 from ultramem.kernels._checks import FLOAT_DTYPES, check_dtype, check_same_device
 from ultramem.kernels._device import require_launchable
-from ultramem.kernels.candidate_topk import MAX_CANDIDATES, tucker_candidate_topk
+from ultramem.kernels.candidate_topk import MAX_CANDIDATES, tucker_candidate_topk, winner_core_scores
 from ultramem.memory_ops import tucker_topk as reference
 
 
@@ -88,11 +88,10 @@ def fused_selection(enabled: bool = True) -> Iterator[None]:
         _fused_selection = previous
 
 
-def fuses(row_scores: torch.Tensor, col_scores: torch.Tensor, cores: torch.Tensor, topk: int, signed: bool) -> bool:
-    """Whether the one-kernel selection runs: switched on (`fused_selection`), no gradient wanted, unsigned
-    candidates, an m x m grid it holds in registers."""
-    wants_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (row_scores, col_scores, cores))
-    return _fused_selection and not (wants_grad or signed) and topk <= MAX_CANDIDATES
+def fuses(topk: int, signed: bool) -> bool:
+    """Whether the one-kernel selection runs: switched on (`fused_selection`), unsigned candidates, an m x m grid it
+    holds in registers."""
+    return _fused_selection and not signed and topk <= MAX_CANDIDATES
 
 
 def tucker_topk(
@@ -105,17 +104,20 @@ def tucker_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Virtual addresses x * n + y (..., H, m) and per-core scores (..., H, m, h); see memory_ops for the contract."""
     _check_inputs(row_scores, col_scores, cores, leading_vectors, topk)
-    if not fuses(row_scores, col_scores, cores, topk, signed):
+    if not fuses(topk, signed):
         return reference(row_scores, col_scores, cores, leading_vectors, topk, signed, tucker_candidate_topk)
     require_launchable(row_scores.device)
     lead, (num_heads, rank, num_keys) = row_scores.shape[:-3], row_scores.shape[-3:]
     u, t = leading_vectors
     index, scores = _tucker_topk_op(
-        row_scores.reshape(-1, num_heads, rank, num_keys),  # views of one GEMM's output stay views (no copy)
-        col_scores.reshape(-1, num_heads, rank, num_keys),
-        u.contiguous(),
-        t.contiguous(),
+        row_scores.detach().reshape(-1, num_heads, rank, num_keys),  # views of one GEMM's output stay views
+        col_scores.detach().reshape(-1, num_heads, rank, num_keys),
+        u.detach().contiguous(),
+        t.detach().contiguous(),
         cores.detach().contiguous(),
         topk,
     )
-    return index.view(*lead, num_heads, topk), scores.view(*lead, num_heads, topk, cores.shape[1])
+    index = index.view(*lead, num_heads, topk)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (row_scores, col_scores, cores)):
+        return index, winner_core_scores(row_scores, col_scores, cores, index)  # training: scores with autograd
+    return index, scores.view(*lead, num_heads, topk, cores.shape[1])
