@@ -84,6 +84,14 @@ OUT = "--results-dir {results}"
 DECODE = f"--device cuda --mode eager --moe-impl grouped_mm --warmup 3 --iters 10 {OUT}"
 GRAPHS = DECODE.replace("--mode eager", "--mode compile")  # the same step under CUDA graphs
 QUALITY = "--output-dir {results} --cache-dir {results}/quality_cache"
+TRAIN_151M = (
+    "bench_train.py --device cuda --sizes 151m --batch 16 --seq-len 2048 --moe-impl grouped_mm --warmup 2 --iters 5"
+)
+
+
+def decode_680m(mode: str, batches: str, flags: str) -> str:
+    """bench_decode.py's dense / UltraMem / MoE comparison at 680M in `mode` (DECODE or GRAPHS) at `batches`."""
+    return f"bench_decode.py {mode} --sizes 680m --batch-sizes {batches} --analytic-sizes 680m {flags}"
 
 
 def gpu_steps() -> list[Step]:
@@ -93,18 +101,15 @@ def gpu_steps() -> list[Step]:
         Step("check_gpu", 1, 200, f"check_gpu.py {OUT}"),
         Step("bench_kernels", 1, 120, "bench_kernels.py --device cuda --configs 680m --dtypes bfloat16 --tokens 4096 "
              "16384 65536 --own-shape-only --no-candidates --repeats 10 --out-dir {results}"),
-        Step("decode_680m", 1, 180, f"bench_decode.py {DECODE} --sizes 680m --batch-sizes 1,16,64 --analytic-sizes 680m "
-             "--name decode_680m"),
+        Step("decode_680m", 1, 180, decode_680m(DECODE, "1,16,64", "--name decode_680m")),
         # call 2 (240 s): the 151M training step, decode latency as slots grow 16x
-        Step("train_151m", 2, 110, f"bench_train.py --device cuda --sizes 151m --batch 16 --seq-len 2048 --moe-impl "
-             f"grouped_mm --warmup 2 --iters 5 --name train_151m {OUT}"),
+        Step("train_151m", 2, 110, f"{TRAIN_151M} --name train_151m {OUT}"),
         Step("scaling_680m", 2, 110, f"bench_scaling.py {DECODE} --size 680m --batch 16 --slots 1048576,4194304,16777216 "
              "--name scaling_680m"),
         # later calls, each a further slot. Call 7: decoding at 680M under CUDA graphs (torch.compile
         # "reduce-overhead"); the eager steps of call 1 are launch-bound (the first GPU run: 16 ms a dense step,
         # ~15 us a launch), so this is the comparison the paper's memory-access claim is about
-        Step("decode_680m_graphs", 7, 400, f"bench_decode.py {GRAPHS} --sizes 680m "
-             "--batch-sizes 1,16,64 --analytic-sizes 680m --name decode_680m_graphs"),
+        Step("decode_680m_graphs", 7, 400, decode_680m(GRAPHS, "1,16,64", "--name decode_680m_graphs")),
         Step("scaling_680m_graphs", 7, 240, f"bench_scaling.py {GRAPHS} --size 680m "
              "--batch 16 --slots 1048576,4194304,16777216 --name scaling_680m_graphs"),
         Step("quality_small", 3, 540, "bench_quality.py --scale small --rows comparison --seeds 2 --seeded-rows all "
@@ -132,10 +137,9 @@ def gpu_steps() -> list[Step]:
         # call 9 (issue 34): where the decode step's time goes, split from profiler traces (lib/step_account.py):
         # under CUDA graphs the totals (kernels, copies, gaps, host) and what runs outside the graph; eager, the share
         # of each memory layer
-        Step("decode_680m_account", 9, 330, f"bench_decode.py {GRAPHS} --sizes 680m --batch-sizes 1,16 "
-             "--analytic-sizes 680m --account 20 --name decode_680m_account"),
-        Step("decode_680m_account_eager", 9, 150, f"bench_decode.py {DECODE} --sizes 680m --batch-sizes 1,16 "
-             "--analytic-sizes 680m --account 5 --name decode_680m_account_eager"),
+        Step("decode_680m_account", 9, 330, decode_680m(GRAPHS, "1,16", "--account 20 --name decode_680m_account")),
+        Step("decode_680m_account_eager", 9, 150, decode_680m(DECODE, "1,16", "--account 5 "
+             "--name decode_680m_account_eager")),
         # call 10 (issue 34): `generate` as users call it, default and static cache (Transformers compiles the latter)
         Step("generate_680m", 10, 480, "bench_generate.py --device cuda --sizes 680m --batch-sizes 1,16 --moe-impl "
              f"grouped_mm {OUT} --name generate_680m"),
@@ -147,13 +151,12 @@ def gpu_steps() -> list[Step]:
         Step("decode_kernels_680m", 11, 180, f"decode_kernels.py --size 680m --device cuda {OUT}"),
         # call 12 (issue 34): the decode step under CUDA graphs with the Triton path as it ships, then with the opt-in
         # one-kernel selection, each against dense and MoE in its own run
-        Step("decode_680m_graphs_unfused", 12, 230, f"bench_decode.py {GRAPHS} --sizes 680m --batch-sizes 1,16 "
-             "--analytic-sizes 680m --name decode_680m_graphs_unfused"),
-        Step("decode_680m_graphs_fused_selection", 12, 230, f"bench_decode.py {GRAPHS} --sizes 680m --batch-sizes "
-             "1,16 --analytic-sizes 680m --fused-selection --name decode_680m_graphs_fused_selection"),
+        Step("decode_680m_graphs_unfused", 12, 230, decode_680m(GRAPHS, "1,16", "--name decode_680m_graphs_unfused")),
+        Step("decode_680m_graphs_fused_selection", 12, 230, decode_680m(GRAPHS, "1,16", "--fused-selection "
+             "--name decode_680m_graphs_fused_selection")),
         # call 13 (issue 34, item 6): call 2's training step with the one-kernel selection (run it after train_151m)
-        Step("train_151m_fused_selection", 13, 110, "bench_train.py --device cuda --sizes 151m --batch 16 --seq-len "
-             f"2048 --moe-impl grouped_mm --warmup 2 --iters 5 --fused-selection --name train_151m_fused_selection {OUT}"),
+        Step("train_151m_fused_selection", 13, 110, f"{TRAIN_151M} --fused-selection --name train_151m_fused_selection "
+             f"{OUT}"),
     ]  # fmt: skip
 
 
@@ -161,28 +164,26 @@ def smoke_steps() -> list[Step]:
     """The same calls on CPU at tiny sizes, the kernels in Triton's interpreter: the driver itself, and every script
     the GPU steps run, in a few minutes of one core (the limits leave room for a loaded machine)."""
     timing = f"--device cpu --warmup 0 --iters 1 --no-plot {OUT} --moe-impl eager"
+    decode = f"bench_decode.py {timing} --sizes tiny --batch-sizes 1 --context 8 --analytic-sizes tiny"
+    train = f"bench_train.py {timing} --batch 1 --seq-len 16"
     return [
         Step("check_gpu", 1, 600, f"check_gpu.py --smoke {OUT}", {"TRITON_INTERPRET": "1"}),
         Step("bench_kernels", 1, 300, "bench_kernels.py --device cpu --smoke --out-dir {results}"),
         Step("bench_quantized_kernel", 1, 300, "bench_quantized_kernel.py --smoke --out-dir {results}",
              {"TRITON_INTERPRET": "1"}),
         Step("bench_lookup_dot", 1, 300, "bench_lookup_dot.py --device cpu --smoke --out-dir {results}"),
-        Step("decode_tiny", 1, 300, f"bench_decode.py {timing} --sizes tiny --batch-sizes 1 --context 8 "
-             "--analytic-sizes tiny --name decode_tiny"),
-        Step("train_tiny", 2, 300, f"bench_train.py {timing} --batch 1 --seq-len 16 --name train_tiny"),
+        Step("decode_tiny", 1, 300, f"{decode} --name decode_tiny"),
+        Step("train_tiny", 2, 300, f"{train} --name train_tiny"),
         Step("scaling_tiny", 2, 300, f"bench_scaling.py {timing} --slots 16384,65536 --batch 1 --context 8 "
              "--name scaling_tiny"),
         Step("quality_tiny", 3, 600, "bench_quality.py --scale tiny --rows Dense,UltraMem --seeds 1 --max-steps 2 "
              f"--batch-size 2 --block-size 32 --eval-points 1 --eval-blocks 2 {QUALITY}", resumable=True),
         Step("mission", 8, 400, "mission.py --smoke --results-dir {results} --checkpoint-dir {results}/checkpoints"),
-        Step("decode_account_tiny", 9, 300, f"bench_decode.py {timing} --sizes tiny --batch-sizes 1 --context 8 "
-             "--analytic-sizes tiny --account 2 --name decode_account_tiny"),
+        Step("decode_account_tiny", 9, 300, f"{decode} --account 2 --name decode_account_tiny"),
         Step("generate_tiny", 10, 300, f"bench_generate.py {timing} --sizes tiny --batch-sizes 1 --prompt 8 "
              "--new-tokens 3 --name generate_tiny"),
-        Step("decode_fused_selection_tiny", 12, 300, f"bench_decode.py {timing} --sizes tiny --batch-sizes 1 "
-             "--context 8 --analytic-sizes tiny --fused-selection --name decode_fused_selection_tiny"),
-        Step("train_fused_selection_tiny", 13, 300, f"bench_train.py {timing} --batch 1 --seq-len 16 --fused-selection "
-             "--name train_fused_selection_tiny"),
+        Step("decode_fused_selection_tiny", 12, 300, f"{decode} --fused-selection --name decode_fused_selection_tiny"),
+        Step("train_fused_selection_tiny", 13, 300, f"{train} --fused-selection --name train_fused_selection_tiny"),
     ]  # fmt: skip
 
 
