@@ -8,7 +8,7 @@ kernels Inductor generates. One decode step (sequence length 1) after a 2-token 
 inference cache refreshed first as `generate` does. `triton+fused-selection` is the Triton path with the opt-in
 one-kernel selection (`ultramem.kernels.fused_selection`).
 
-    python benchmarks/decode_kernels.py --size tiny        # CPU, about 4 minutes
+    python benchmarks/decode_kernels.py --size tiny        # CPU, about 2 minutes
     python benchmarks/decode_kernels.py --size 680m --device cuda
 
 Prints the table and writes `decode_kernels_<device>.json` (every kernel and call by name); no timing, no plot.
