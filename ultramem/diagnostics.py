@@ -168,6 +168,8 @@ def retrieval_diagnostics(
     module call, which also keeps ZeRO-3's gathering in its hooks). The exact top-m search (`exact_top_m`) runs
     `chunk` tokens and `rows_per_step` rows at a time: its memory is O(chunk H rows_per_step n), not O(n^2).
     """
+    if hasattr(model, "get_base_model"):  # a PEFT-wrapped model: the UltraMem model inside, its adapters in place
+        model = model.get_base_model()
     memory_layers = list(model.model.memory_layers)
     if not memory_layers:
         return {}

@@ -61,7 +61,7 @@ from .memory_ops import (
     with_loss_gradient,
 )
 from .moved_names import moved_attribute
-from .query_normalization import QueryNormalization, update_running_statistics
+from .query_normalization import QueryNormalization, collecting_statistics
 from .task_heads import TaskHeadWithAuxLoss
 from .transformers_compat import CACHE_FIELD as _CACHE_FIELD  # the cache's name in this release
 from .transformers_compat import ContinuousBatchingCheck
@@ -279,7 +279,7 @@ class MemoryQuery(nn.Module):
         """Whether inference folds the normalisation into the projection: a plain `nn.Linear` whose weight is held
         here. An adapter or a quantized layer runs its own forward; a weight that ZeRO-3 partitions or accelerate
         offloads (meta) is only whole inside the projection's own forward, which its hooks wrap."""
-        if self.across_tokens is None or type(self.proj) is not nn.Linear:
+        if not isinstance(self.across_tokens, QueryNormalization) or type(self.proj) is not nn.Linear:
             return False
         weight = self.proj.weight
         return not hasattr(weight, "ds_id") and weight.device.type != "meta"
@@ -296,7 +296,10 @@ class MemoryQuery(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.conv is not None:
             x = self.conv(x, padding_mask, cache, sequence_ids)
-        if not self.training and self._folds():  # running statistics: a linear map, folded into the projection
+        # running statistics (at inference, and under no_grad as in `generate` after training): a linear map, folded
+        # into the projection, unless the statistics of the query are being gathered (`recalibrate_query_statistics`)
+        per_token = not (self.training and torch.is_grad_enabled())
+        if per_token and self._folds() and not self.across_tokens.collecting:
             query = F.linear(x, *self.inference_cache.get("projection", *self._projection_entry()))
         else:
             query = self.proj(x)  # (B, T, H * (1|2) * Dk)
@@ -668,7 +671,11 @@ class UltraMemPreTrainedModel(ValueStoreMixin, PreTrainedModel):
         "attentions": UltraMemAttention,
     }
     # Tables a value store serves are left out of the load (`DeferredValueTable`); the store reads them itself
-    _keys_to_ignore_on_load_unexpected = [r"memory_layers\.\d+\.(pre_)?values\.weight$", r"(pre_)?value_pool\.weight$"]
+    _keys_to_ignore_on_load_unexpected = [
+        r"memory_layers\.\d+\.(pre_)?values\.weight$",
+        r"(pre_)?value_pool\.weight$",
+        r"across_tokens\.pending_(mean|moment|count)$",  # buffers before the pending sums moved out of the state
+    ]
 
     def __init__(self, config: UltraMemConfig, *inputs, **kwargs):
         config.prepare_for_model()  # fields assigned after the config was built are checked before any module is
@@ -817,11 +824,9 @@ class UltraMemModel(UltraMemPreTrainedModel):
             kwargs["cache"], cache = cache, None  # before 5.24 continuous batching's paged cache is the attention's
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-        if self.training:  # the query statistics of the previous training forward (see `query_normalization`)
-            queries = [layer.query for layer in self.memory_layers]  # a frozen projection (LoRA) keeps its statistics
-            update_running_statistics(
-                [q.across_tokens for q in queries if q.across_tokens and q.proj.weight.requires_grad]
-            )
+        # The query statistics change with the weights: gathered by training forwards, folded in after the optimizer's
+        # step (see `query_normalization`)
+        statistics = self._gathered_statistics() if self.training and torch.is_grad_enabled() else []
         # Rows packing several sequences (padding-free training, the caller's restarting `position_ids`): the query
         # convolutions stay within each sequence, under the condition on which `create_causal_mask` keeps attention
         # within each (no mask, no cache)
@@ -848,6 +853,33 @@ class UltraMemModel(UltraMemPreTrainedModel):
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         stores = (self.value_pool, self.pre_value_pool) if self.value_pool is not None else None
         memory_args = (padding_mask, cache, sequence_ids, stores)
+        with collecting_statistics(statistics):  # around the blocks only: a recomputation in the backward adds none
+            hidden_states = self._blocks(hidden_states, memory_args, causal_mask, position_embeddings, cache, **kwargs)
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{_CACHE_FIELD: cache})
+
+    def _gathered_statistics(self) -> list[QueryNormalization]:
+        """The query normalisations whose statistics a training forward gathers: those of trained query projections,
+        and those a PEFT adapter saves (`modules_to_save=["across_tokens"]`: its copies). A frozen projection, as under
+        LoRA otherwise, keeps the statistics it was saved with, which inference then reads as training did."""
+        norms = []
+        for query in (layer.query for layer in self.memory_layers):
+            if isinstance(query.across_tokens, QueryNormalization):
+                norms += [query.across_tokens] if query.proj.weight.requires_grad else []
+            elif query.across_tokens is not None:  # wrapped to be saved with an adapter
+                norms += [module for module in query.across_tokens.modules() if isinstance(module, QueryNormalization)]
+        return norms
+
+    def _blocks(
+        self,
+        hidden_states: torch.Tensor,
+        memory_args: tuple,
+        causal_mask: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        cache: Cache | None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        """The decoder blocks on (B, T, D), each memory layer started at its read block and added at its write block."""
         pending: dict[int, Callable[[], torch.Tensor]] = {}  # memory layer -> its output, wanted at its write block
         for block_idx, decoder_layer in enumerate(self.layers):
             reading = [layer for layer in self.memory_layers if layer.read_block == block_idx]
@@ -870,8 +902,7 @@ class UltraMemModel(UltraMemPreTrainedModel):
                 parallel_memory=parallel_memory,
                 **kwargs,
             )
-        hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{_CACHE_FIELD: cache})
+        return hidden_states
 
 
 def _sum_of_memories(

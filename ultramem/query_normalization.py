@@ -11,31 +11,41 @@ met the same collapse and put BatchNorm on the query. The measurements are in do
 
 Modes (`UltraMemConfig.query_norm`), on the projected query before its per-part LayerNorm:
     "none"            the paper's query (and every checkpoint saved before the field existed)
-    "batch_center"    minus the batch's mean in training, minus the running mean at inference
-    "running_center"  minus the running mean in training too: no token's query depends on the rest of its batch, but
-                      the mean lags the component it removes while that grows, and the layer collapses anyway
+    "running_center"  minus the running mean, in training too: the mean lags the component it removes while that
+                      grows, and the layer collapses anyway
     "batch_norm"      PKM's BatchNorm without affine: each feature standardised (batch statistics in training)
     "batch_whiten"    each (head, query, Tucker part) block of the query whitened: (q - mean) C^(-1/2) with the block's
                       covariance C (the batch's in training, without a gradient through C^(-1/2); the running one at
                       inference), shrunk towards its median eigenvalue by `WHITENING_SHRINKAGE`
+    "running_whiten"  the same whitening by the running statistics in training too (the default): no token's query
+                      depends on the rest of its batch, so micro-batches, batches of a few tokens, adapters and
+                      inference all compute what training did (docs/design.md has the measurements)
 
 At inference every mode is per token (the running statistics are constants), so cached generation equals
-recomputation, and linear: the memory query folds it into its projection (`QueryNormalization.folded`), one GEMM. Running statistics are updated from the statistics of the previous training forward, at the start of the
-next one (`UltraMemModel.forward` calls `update_running_statistics`, for the layers whose query projection is trained:
-a frozen one, as under LoRA, keeps the statistics it was saved with), never inside a forward: a layer that gradient
-checkpointing recomputes in the backward sees the statistics its forward saw. The pending statistics are buffers, so a
-checkpoint saved between two steps resumes exactly; with several processes they are summed over the default process
-group first (one all-reduce per training forward for all layers), so every rank holds the statistics of the global
-batch, as one process would.
+recomputation, and linear: the memory query folds it into its projection (`QueryNormalization.folded`), one GEMM.
+
+When the statistics change: only in training. The model's training forward (train mode, gradients on) gathers each
+layer's sums about its running mean (`collecting_statistics`, around its blocks only, so gradient checkpointing's
+recomputation in the backward adds nothing); a forward under `no_grad` (`generate`, `pipeline`, evaluation, a sampling
+callback) gathers nothing and normalises as inference does, in train mode too. The sums fold into the running
+statistics right after the optimizer's step (a post-hook on every `torch.optim` optimizer), so the micro-batches of one
+step fold together and every checkpoint, evaluation and health log between steps reads what training will use next.
+The sums are float64, so their order (one process or several, one instruction set or another) does not change the
+float32 statistics; with several processes they are summed over the default process group first (one all-reduce per
+step for all layers), so every rank holds the statistics of the global batch, as one process would. They are no
+buffers: DDP's buffer broadcast would overwrite the other ranks' with rank 0's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from transformers import initialization as init
 
 from .configuration_ultramem import BATCH_NORM, BATCH_WHITEN, RUNNING_CENTER, RUNNING_WHITEN, QueryNorm
@@ -53,36 +63,37 @@ class QueryNormalization(nn.Module):
     """Removes what the queries of all tokens share: (..., G * P) -> (..., G * P), G blocks of P features each (one
     block per head, query and Tucker part; `mode` says how, see the module docstring).
 
-    Buffers: `running_mean` (G * P), `running_cov` (G, P, P), `whitening` = its shrunk inverse square root
-    ("batch_whiten"), `batches_tracked`; `pending_mean`, `pending_moment` (G, P, P) and `pending_count`: the last
-    training forward's mean, second moment about the running mean and token count, not yet folded into the running
-    statistics (the count is an integer buffer, so a model cast to bfloat16 still weighs ranks exactly). The running statistics average the first
-    1/momentum batches cumulatively, then exponentially (BatchNorm's momentum, with its cumulative start).
+    Buffers: `running_mean` (G * P), `running_cov` (G, P, P), `whitening` = its shrunk inverse square root, and
+    `batches_tracked`. The running statistics average the first 1/momentum steps cumulatively, then exponentially
+    (BatchNorm's momentum, with its cumulative start). `pending`: the float64 sums gathered since the last fold.
     """
 
     def __init__(self, num_blocks: int, block_dim: int, mode: QueryNorm, momentum: float, eps: float):
         super().__init__()
         self.mode, self.momentum, self.eps = mode, momentum, eps
         self.num_blocks, self.block_dim = num_blocks, block_dim
-        for name in ("running_mean", "pending_mean"):
-            self.register_buffer(name, torch.zeros(num_blocks * block_dim))
-        for name in ("running_cov", "whitening", "pending_moment"):
+        self.register_buffer("running_mean", torch.zeros(num_blocks * block_dim))
+        for name in ("running_cov", "whitening"):
             self.register_buffer(name, torch.zeros(num_blocks, block_dim, block_dim))
         self.register_buffer("batches_tracked", torch.zeros((), dtype=torch.long))
-        self.register_buffer("pending_count", torch.zeros((), dtype=torch.long))
+        self.collecting = False  # set around the model's training forward (`collecting_statistics`)
+        self.pending: torch.Tensor | None = None  # (G P + G P P + 1,) float64, `pending_sums`' layout
         self.init_ultramem()
 
     def init_ultramem(self) -> None:
         """No statistics yet: zero mean and identity covariance, so every mode starts as the identity at inference."""
-        for name in ("running_mean", "pending_mean", "pending_moment", "batches_tracked", "pending_count"):
+        for name in ("running_mean", "batches_tracked"):
             init.zeros_(getattr(self, name))
+        self.pending = None
         identity = torch.eye(self.block_dim).expand(self.num_blocks, -1, -1)
         init.copy_(self.running_cov, identity)
         init.copy_(self.whitening, identity)
 
     def forward(self, query: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """query (..., G * P), e.g. (B, T, G * P); padding_mask (B, T), 0 at padded tokens, which statistics leave out."""
-        if not self.training:
+        """query (..., G * P), e.g. (B, T, G * P); padding_mask (B, T), 0 at tokens the statistics leave out (padding,
+        tokens the loss ignores)."""
+        batch_statistics = self.mode not in RUNNING_MODES and self.training and torch.is_grad_enabled()
+        if not (self.collecting or batch_statistics):  # inference, or a model left in train mode under no_grad
             return self._normalized(query, self.running_mean, self.running_cov, self.whitening)
         tokens = query.float().flatten(0, -2)  # (N, G * P)
         weight = torch.ones_like(tokens[:, :1]) if padding_mask is None else padding_mask.reshape(-1, 1).float()
@@ -91,17 +102,15 @@ class QueryNormalization(nn.Module):
         # residual stream (tiny-memoryplus after 120 steps: 93% of the memory input's variance on one direction)
         shift = self.running_mean.float()
         shifted = tokens - shift
+        if self.collecting:
+            self._gather(shifted.detach(), weight)
+        if not batch_statistics:  # the running modes: what inference computes, no token depends on its batch
+            return self._normalized(query, self.running_mean, self.running_cov, self.whitening)
         # This rank's sums: shifted tokens, their squares (gradients flow through them, as through BatchNorm's
         # statistics), the count; and the blocks' outer products (no gradient: the whitening is a constant of the step)
         sums = torch.cat([(shifted * weight).sum(0), (shifted.square() * weight).sum(0), weight.sum().reshape(1)])
         blocks = shifted.detach().unflatten(-1, (self.num_blocks, self.block_dim))  # (N, G, P)
         moment = torch.einsum("ngi,ngj->gij", blocks * weight.unsqueeze(-1), blocks)
-        local_count = sums[-1].detach().clamp_min(1.0)
-        self.pending_mean.copy_(shift + sums[: tokens.shape[-1]].detach() / local_count)
-        self.pending_moment.copy_(moment / local_count)
-        self.pending_count.copy_(sums[-1].detach().long())
-        if self.mode in RUNNING_MODES:  # what inference computes: no token's query depends on the rest of its batch
-            return self._normalized(query, self.running_mean, self.running_cov, self.whitening)
         # The batch is every rank's tokens, as with SyncBatchNorm: several processes compute what one would
         sums, moment = _summed_over_ranks(sums), _summed_over_ranks(moment.contiguous(), differentiable=False)
         count = sums[-1].clamp_min(1.0)
@@ -113,6 +122,17 @@ class QueryNormalization(nn.Module):
         centre = offset.detach().view(self.num_blocks, -1)
         cov = moment / count.detach() - centre.unsqueeze(-1) * centre.unsqueeze(-2)
         return self._normalized(query, mean, cov, inverse_square_root(cov, self.eps))
+
+    def _gather(self, shifted: torch.Tensor, weight: torch.Tensor) -> None:
+        """Add a forward's tokens (N, G * P), minus the running mean (which stays put until the next fold), with their
+        weights (N, 1) to the pending sums, in float64: each float32 product is exact there, so the sums hardly depend
+        on their order. Tensor arithmetic only: no host synchronisation."""
+        tokens = shifted.double() * weight.double()
+        blocks = shifted.double().unflatten(-1, (self.num_blocks, self.block_dim))  # (N, G, P)
+        moment = torch.einsum("ngi,ngj->gij", tokens.unflatten(-1, (self.num_blocks, self.block_dim)), blocks)
+        sums = torch.cat([tokens.sum(0), moment.flatten(), weight.double().sum().reshape(1)])
+        self.pending = sums if self.pending is None else self.pending + sums
+        _GATHERED[id(self)] = weakref.ref(self)
 
     def _normalized(
         self, query: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor, whitening: torch.Tensor
@@ -145,30 +165,33 @@ class QueryNormalization(nn.Module):
         return scaled_weight.to(weight.dtype), bias.to(weight.dtype)
 
     def pending_sums(self) -> torch.Tensor:
-        """(G P + G P P + 1,) float32: the pending sum, sum of outer products about the running mean and token count,
-        which add up over ranks."""
-        count = self.pending_count.float()
-        sums = (self.pending_mean.float() * count, self.pending_moment.float().flatten() * count, count[None])
-        return torch.cat(sums)
+        """(G P + G P P + 1,) float64: the sum of the gathered tokens minus the running mean, of their blocks' outer
+        products, and their count, which add up over ranks (zeros when nothing was gathered)."""
+        if self.pending is not None:
+            return self.pending
+        size = self.running_mean.numel() + self.running_cov.numel() + 1
+        return torch.zeros(size, dtype=torch.float64, device=self.running_mean.device)
 
     @torch.no_grad()
     def fold(self, sums: torch.Tensor) -> None:
-        """Fold summed statistics (`pending_sums` layout) of the last training batch into the running ones; a batch of
-        no tokens changes nothing. Tensor arithmetic only: no host synchronisation in the training step."""
-        self.pending_count.zero_()
+        """Fold summed statistics (`pending_sums` layout) into the running ones and empty the pending sums; no tokens
+        change nothing. Tensor arithmetic only: no host synchronisation in the training step."""
+        self.pending = None
+        sums = sums.double()
         seen = sums[-1] > 0
         count = sums[-1].clamp_min(1.0)
         features = self.running_mean.numel()
-        mean = sums[:features] / count
-        moment = sums[features:-1].view_as(self.running_cov) / count  # about the running mean (the forwards' shift)
+        offset = sums[:features] / count  # the mean minus the running mean the sums are about
+        moment = sums[features:-1].view(self.running_cov.shape) / count
         # the spread about the mean the forward subtracted: the running one, whose lag behind a drifting component
         # then counts as spread (whitening shrinks it instead of amplifying it), or the batch's own
-        offset = (mean - self.running_mean.float()).view(self.num_blocks, -1)
-        cov = moment if self.mode in RUNNING_MODES else moment - offset.unsqueeze(-1) * offset.unsqueeze(-2)
+        blocks = offset.view(self.num_blocks, -1)
+        cov = moment if self.mode in RUNNING_MODES else moment - blocks.unsqueeze(-1) * blocks.unsqueeze(-2)
         self.batches_tracked += seen.long()
         weight = torch.where(seen, (1.0 / self.batches_tracked.clamp_min(1)).clamp_min(self.momentum), 0.0)
-        self.running_mean.copy_(self.running_mean.float().lerp(mean, weight))
-        self.running_cov.copy_(self.running_cov.float().lerp(cov, weight))
+        running_mean = self.running_mean.double()
+        self.running_mean.copy_(running_mean + weight * offset)  # lerp from the running mean to the mean
+        self.running_cov.copy_(self.running_cov.double().lerp(cov, weight))
         if self.mode in WHITENING_MODES:
             self.whitening.copy_(inverse_square_root(self.running_cov.float(), self.eps))
 
@@ -183,28 +206,60 @@ def inverse_square_root(cov: torch.Tensor, eps: float) -> torch.Tensor:
     return ((eigenvectors * scale.unsqueeze(-2)) @ eigenvectors.transpose(-1, -2)).to(cov.dtype)
 
 
+@contextmanager
+def collecting_statistics(norms: Iterable[QueryNormalization]) -> Iterator[None]:
+    """Within it, the normalisations add the statistics of their queries to their pending sums (the model's training
+    forward, around its blocks; `recalibrate_query_statistics`)."""
+    norms = list(norms)
+    before = [norm.collecting for norm in norms]
+    for norm in norms:
+        norm.collecting = True
+    try:
+        yield
+    finally:
+        for norm, collecting in zip(norms, before):
+            norm.collecting = collecting
+
+
 @torch.no_grad()
 def update_running_statistics(norms: Iterable[QueryNormalization]) -> None:
-    """Fold every layer's pending statistics into its running ones: at the start of a training forward.
+    """Fold every layer's pending sums into its running statistics (after each optimizer step, `_fold_after_step`).
 
-    With an initialised process group of several ranks the pending statistics are summed over it first, in one
-    all-reduce for all layers: every rank then holds the statistics of the global batch. Every rank must call it
-    (the model's training forward does, on every rank).
+    With an initialised process group of several ranks the sums are added over it first, in one all-reduce for all
+    layers: every rank then holds the statistics of the global batch. Every rank must call it with the same layers in
+    the same order.
     """
     norms = list(norms)
     if not norms:
         return
-    sums = torch.stack([norm.pending_sums() for norm in norms])  # (L, G P + G P P + 1)
+    sums = torch.cat([norm.pending_sums() for norm in norms])
     if _distributed():
         dist.all_reduce(sums)
-    for norm, summed in zip(norms, sums):
+    for norm, summed in zip(norms, sums.split([norm.pending_sums().numel() for norm in norms])):
         norm.fold(summed)
 
 
+# The normalisations that gathered since the last optimizer step, in the order they first did (a training forward's
+# layer order: the same on every rank, as the all-reduce needs)
+_GATHERED: dict[int, weakref.ref[QueryNormalization]] = {}
+
+
+def _fold_after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    norms = [norm for norm in (ref() for ref in _GATHERED.values()) if norm is not None]
+    _GATHERED.clear()
+    update_running_statistics(norms)
+
+
+# After every `torch.optim` optimizer's step in this process (DeepSpeed's and Accelerate's wrappers call one; the
+# micro-steps Accelerate skips under gradient accumulation do not): the statistics change once a step, as the weights
+register_optimizer_step_post_hook(_fold_after_step)
+
+
 @torch.no_grad()
-def recalibrate_query_statistics(model: nn.Module, batches: Iterable[torch.Tensor]) -> int:
+def recalibrate_query_statistics(model: nn.Module, batches: Iterable[torch.Tensor | Mapping[str, torch.Tensor]]) -> int:
     """Recompute every query normalisation's running statistics with the model's current weights: their plain average
-    over `batches` of input ids (B, T), in training mode, the weights untouched. Returns the number of layers.
+    over `batches` (input ids (B, T), or mappings of the model's inputs, whose `attention_mask` leaves padding out),
+    the weights untouched. Returns the number of layers.
 
     Why: the running statistics average batches seen while the weights moved, and the component they remove grows
     while training; with batch statistics in training ("batch_norm", "batch_whiten") inference then subtracts a stale
@@ -223,16 +278,25 @@ def recalibrate_query_statistics(model: nn.Module, batches: Iterable[torch.Tenso
         for norm in norms:
             norm.momentum = 0.0  # weights 1, 1/2, 1/3, ...: the plain average
             norm.batches_tracked.zero_()
-            norm.pending_count.zero_()
+            norm.pending = None
         model.train()
         for batch in batches:
-            model(input_ids=batch, use_cache=False)
+            inputs = dict(batch) if isinstance(batch, Mapping) else {"input_ids": batch}
+            with collecting_statistics(norms):
+                model(**inputs, use_cache=False)
             update_running_statistics(norms)
     finally:
         for norm, momentum in zip(norms, momenta):
             norm.momentum = momentum
         model.train(was_training)
     return len(norms)
+
+
+def normalises_by_batch_statistics(model: nn.Module) -> bool:
+    """Whether any query normalisation of `model` uses batch statistics in training ("batch_norm", "batch_whiten"):
+    then inference reads running statistics that training never used, which `recalibrate_query_statistics` brings up
+    to date. The running modes need none: training computes with the statistics inference reads."""
+    return any(isinstance(m, QueryNormalization) and m.mode not in RUNNING_MODES for m in model.modules())
 
 
 def _summed_over_ranks(tensor: torch.Tensor, differentiable: bool = True) -> torch.Tensor:

@@ -58,6 +58,12 @@ def _logits(folder) -> torch.Tensor:
 # launcher -> who shards the rest of the model
 RESTS = {"torchrun": "DDP", "accelerate": "DDP", "torchrun --fsdp": "FSDP2", "accelerate fsdp2": "FSDP2",
          "deepspeed zero2": "DeepSpeed", "accelerate zero3": "DeepSpeed"}  # fmt: skip
+# Who shards the rest -> (grad norm rel, logits abs) against one process: about twice the largest difference measured
+# on AVX2 and AVX-512 (docs/training.md). The query statistics are float64 sums, so their order no longer counts; what
+# is left is each one's gradient reduction: DDP's all-reduce hardly reorders a sum (measured 4e-6 / 4e-5), FSDP2's and
+# ZeRO's reduce-scatter over flat buckets do (1.4e-4 / 2.8e-4, 2.9e-4 / 6.0e-4), and AdamW amplifies it in small
+# gradients' coordinates (embedding rows) before the memory's top-m and whitening amplify it in one token's logits
+TOLERANCES = {"DDP": (2e-5, 1e-4), "FSDP2": (4e-4, 6e-4), "DeepSpeed": (6e-4, 1.2e-3)}
 
 
 @pytest.mark.parametrize(
@@ -80,17 +86,16 @@ def test_sharded_tables_match_single_process(setup, partitioning, launcher):
     assert losses(folder / name) == pytest.approx(losses(folder / "single"), abs=LOSS_TOLERANCE)
     # clipping (max_grad_norm 1) binds, and by the same global norm: the table shards' gradients count on every rank
     assert max(entry["grad_norm"] for entry in single) > 1
-    # rel 2e-3: the synced query statistics add sums whose order differs between 1 and 2 processes (fp32)
-    assert [entry["grad_norm"] for entry in logs] == pytest.approx([entry["grad_norm"] for entry in single], rel=2e-3)
+    grad_norm_rel, logits_abs = TOLERANCES[rest]
+    assert [entry["grad_norm"] for entry in logs] == pytest.approx([entry["grad_norm"] for entry in single],
+                                                                   rel=grad_norm_rel)  # fmt: skip
     assert [entry["value_lr_multiplier"] for entry in logs] == pytest.approx(
         [10.0 - 9.0 * step / (STEPS - 1) for step in range(STEPS)]
     )
     for entry in logs[1:]:
         assert entry["value_learning_rate"] / entry["learning_rate"] == pytest.approx(entry["value_lr_multiplier"])
-    # the checkpoint written from the shards loads in one process and gives the single-process model's logits; 3e-4:
-    # the query's whitening amplifies its small directions up to 10x the median one, and with them the fp32 order
-    # of the statistics' sums (measured: one logit in 3.2M off by 1.5e-4)
-    torch.testing.assert_close(_logits(folder / name), _logits(folder / "single"), rtol=3e-4, atol=3e-4)
+    # the checkpoint written from the shards loads in one process and gives the single-process model's logits
+    torch.testing.assert_close(_logits(folder / name), _logits(folder / "single"), rtol=0, atol=logits_abs)
 
 
 def test_memory_parallel_without_a_process_group_is_a_usage_error(setup):

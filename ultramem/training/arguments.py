@@ -113,8 +113,9 @@ class UltraMemTrainingArguments(TrainingArguments):
     query_statistics_batches: int = field(
         default=8,
         metadata={
-            "help": "Training batches on which the memory queries' running statistics (query_norm) are recomputed "
-            "with the final weights before the model is saved (0: keep the statistics gathered while training)."
+            "help": "With a query_norm that uses batch statistics in training (batch_norm, batch_whiten): training "
+            "batches on which the memory queries' running statistics are recomputed with the final weights before the "
+            "model is saved (0: keep the statistics gathered while training). The default, running_whiten, needs none."
         },
     )
     memory_parallel: str = field(

@@ -30,7 +30,7 @@ import torch
 from transformers import PretrainedConfig, TrainerCallback, default_data_collator, set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
-from ultramem.query_normalization import recalibrate_query_statistics
+from ultramem.query_normalization import normalises_by_batch_statistics, recalibrate_query_statistics
 from ultramem.tokenization import load_tokenizer
 from ultramem.training.arguments import DataArguments, ModelArguments, UltraMemTrainingArguments
 from ultramem.training.data import load_raw_datasets, tokenize_and_pack
@@ -182,7 +182,8 @@ def train(
         diagnostics_input_ids=torch.tensor(blocks["validation"][:diagnostics_count]["input_ids"]),
     )
     train_output = trainer.train(resume_from_checkpoint=resume)
-    recalibrate_query_statistics(trainer.model, query_statistics_batches(blocks["train"], training_args))
+    if normalises_by_batch_statistics(trainer.model):
+        recalibrate_query_statistics(trainer.model, query_statistics_batches(blocks["train"], training_args))
     trainer.save_model()
     trainer.log_metrics("train", train_output.metrics)
     trainer.save_metrics("train", train_output.metrics)
