@@ -74,7 +74,9 @@ def test_whitening_keeps_the_small_directions_beside_a_massive_one():
     query = torch.randn(tokens, block_dim, generator=generator) * 1e-3
     query += 1.0 * torch.randn(tokens, 1, generator=generator) * direction + 5.0 * direction
     norm = QueryNormalization(1, block_dim, "batch_whiten", momentum=0.1, eps=1e-12).train()
-    _gathering(norm, query.unsqueeze(0) + 0.01, torch.ones(1, tokens))  # a first batch: the running mean the moments are about
+    _gathering(
+        norm, query.unsqueeze(0) + 0.01, torch.ones(1, tokens)
+    )  # a first batch: the running mean the moments are about
     update_running_statistics([norm])
     output = norm(query.unsqueeze(0), torch.ones(1, tokens)).squeeze(0).double()
     eigenvalues = torch.linalg.eigvalsh(torch.cov(output.T))

@@ -14,8 +14,8 @@ from conftest import small_config
 from transformers import Trainer, TrainingArguments, default_data_collator
 
 from ultramem import UltraMemForCausalLM
-from ultramem.query_normalization import QueryNormalization
 from ultramem.presets import get_config
+from ultramem.query_normalization import QueryNormalization
 from ultramem.sizing import build_model
 
 MODES = ["batch_whiten", "running_whiten"]
