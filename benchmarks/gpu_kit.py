@@ -16,6 +16,8 @@ kit into a temporary folder, which goes on `PYTHONPATH` before the image's site-
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -138,9 +140,22 @@ def download(requirements: list[Requirement], folder: Path, python_version: str)
 
 def build_wheel(requirement: Requirement, folder: Path) -> None:
     """A pure-Python wheel of `requirement` built from its sdist with this environment's torch (DS_BUILD_OPS=0)."""
+    if not can_build_wheels():  # without build isolation, setuptools builds with what this environment has
+        raise SystemExit(f"gpu_kit: building {requirement.name}'s wheel from its sdist needs `pip install wheel` in "
+                         f"this environment ({sys.executable}): its setuptools has no bdist_wheel before 70.1")  # fmt: skip
     command = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "--no-cache-dir",
                "--no-binary", requirement.name, "--wheel-dir", str(folder), str(requirement)]  # fmt: skip
     subprocess.run(command, check=True, env=dict(os.environ, DS_BUILD_OPS="0"))
+
+
+def can_build_wheels() -> bool:
+    """Whether setuptools here can build a wheel: from 70.1 on by itself, before that with the `wheel` package."""
+    if importlib.util.find_spec("wheel") is not None:
+        return True
+    try:
+        return Version(importlib.metadata.version("setuptools")) >= Version("70.1")
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 def wheel_metadata(wheel: Path) -> tuple[str, Version, list[Requirement]]:

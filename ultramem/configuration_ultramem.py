@@ -222,7 +222,7 @@ class UltraMemConfig(PreTrainedConfig):
     query_conv_kernel_size: int = _checked("must be >= 1", lambda value: value >= 1)(default=4)
     memory_score_softmax: bool = False
     # Across-token normalisation of the query against retrieval collapse (docs/design.md); momentum of its statistics
-    query_norm: str = one_of(QUERY_NORMS)(default=RUNNING_WHITEN)
+    query_norm: str = one_of(QUERY_NORMS)(default=BATCH_WHITEN)
     query_norm_momentum: float | int = _checked("must be in (0, 1]", lambda value: 0 < value <= 1)(default=0.1)
 
     # Values

@@ -40,23 +40,27 @@ def _queries(seed: int = 0, shape=(3, 5)) -> torch.Tensor:
 
 @pytest.mark.parametrize("mode", ["batch_norm", "batch_whiten"])
 def test_training_uses_the_batch_statistics_without_padded_tokens(mode):
+    """The batch's mean and its covariance (padding left out), the covariance mixed with the running one as if that
+    were P more tokens: the batch weighs N / (N + P), here 13 / 16 (the running covariance starts as the identity)."""
     norm = _norm(mode).train()
     query, mask = _queries(), torch.ones(3, 5)
     mask[0, :2] = 0
     output = _gathering(norm, query, mask)
     real = query[mask.bool()].double()
-    expected = real - real.mean(0)  # gradients flow through the batch's mean (and the variance, for BatchNorm)
-    if mode == "batch_norm":
-        expected = expected / (real.var(0, unbiased=False) + 1e-5).sqrt()
-    if mode == "batch_whiten":  # each block's covariance, shrunk towards its median eigenvalue, is the identity after
-        blocks = expected.view(-1, BLOCKS, BLOCK_DIM)
-        for g in range(BLOCKS):
-            cov = blocks[:, g].T @ blocks[:, g] / len(blocks)
+    trust = 13 / (13 + BLOCK_DIM)
+    mean = real.mean(0)  # gradients flow through the batch's mean (and the variance, for BatchNorm)
+    spread = (real - mean).view(-1, BLOCKS, BLOCK_DIM)
+    identity = torch.eye(BLOCK_DIM, dtype=torch.float64)
+    covs = [trust * spread[:, g].T @ spread[:, g] / len(real) + (1 - trust) * identity for g in range(BLOCKS)]
+    expected = (real - mean).view(-1, BLOCKS, BLOCK_DIM)
+    for g, cov in enumerate(covs):
+        if mode == "batch_norm":
+            expected[:, g] = expected[:, g] / (torch.diagonal(cov) + 1e-5).sqrt()
+        else:  # each block's covariance, shrunk towards its median eigenvalue, is the identity after
             eigenvalues, eigenvectors = torch.linalg.eigh(cov)
             shrunk = 0.99 * eigenvalues + 0.01 * eigenvalues.median() + 1e-5
-            blocks[:, g] = blocks[:, g] @ eigenvectors @ torch.diag(shrunk.rsqrt()) @ eigenvectors.T
-        expected = blocks.flatten(1)
-    torch.testing.assert_close(output[mask.bool()].double(), expected, rtol=1e-4, atol=1e-4)
+            expected[:, g] = expected[:, g] @ eigenvectors @ torch.diag(shrunk.rsqrt()) @ eigenvectors.T
+    torch.testing.assert_close(output[mask.bool()].double(), expected.flatten(1), rtol=1e-4, atol=1e-4)
     sums = norm.pending_sums()  # about the running mean, zero here
     assert sums.dtype == torch.float64 and int(sums[-1]) == 13
     torch.testing.assert_close(sums[:FEATURES] / 13, real.mean(0))
@@ -144,7 +148,7 @@ def test_a_trained_model_reads_one_token_as_its_batch_does(mode):
 
 def test_saved_configs_without_the_field_load_as_before_it(tmp_path):
     config = small_config()
-    assert config.query_norm == "running_whiten"  # new configs get the fix
+    assert config.query_norm == "batch_whiten"  # new configs get the fix
     saved = config.to_dict()
     del saved["query_norm"]
     (tmp_path / "config.json").write_text(json.dumps(saved))
