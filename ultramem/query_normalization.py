@@ -99,45 +99,42 @@ class QueryNormalization(nn.Module):
         weight = torch.ones_like(tokens[:, :1]) if padding_mask is None else padding_mask.reshape(-1, 1).float()
         # Moments about the running mean (the same on every rank, so sums still add over ranks): raw moments lose the
         # spread to float32 cancellation when the component every token shares dwarfs it, as it does in a collapsing
-        # residual stream (tiny-memoryplus after 120 steps: 93% of the memory input's variance on one direction)
+        # residual stream (tiny-memoryplus after 120 steps: 93% of the memory input's variance on one direction).
+        # Summed in float64, where each float32 product is exact: the order of the sums (one process or several, one
+        # instruction set or another) no longer moves the statistics, which whitening amplifies
         shift = self.running_mean.float()
-        shifted = tokens - shift
+        exact, weight = (tokens - shift).to(_exact(tokens.device)), weight.to(_exact(tokens.device))
+        blocks = exact.detach().unflatten(-1, (self.num_blocks, self.block_dim))  # (N, G, P)
+        moment = torch.einsum("ngi,ngj->gij", blocks * weight.unsqueeze(-1), blocks)  # no gradient: see below
+        linear, count = (exact * weight).sum(0), weight.sum().reshape(1)
         if self.collecting:
-            self._gather(shifted.detach(), weight)
+            self._gather(torch.cat([linear.detach(), moment.flatten(), count]))
         if not batch_statistics:  # the running modes: what inference computes, no token depends on its batch
             return self._normalized(query, self.running_mean, self.running_cov, self.whitening)
-        # This rank's sums: shifted tokens, their squares (gradients flow through them, as through BatchNorm's
-        # statistics), the count; and the blocks' outer products (no gradient: the whitening is a constant of the step)
-        sums = torch.cat([(shifted * weight).sum(0), (shifted.square() * weight).sum(0), weight.sum().reshape(1)])
-        blocks = shifted.detach().unflatten(-1, (self.num_blocks, self.block_dim))  # (N, G, P)
-        moment = torch.einsum("ngi,ngj->gij", blocks * weight.unsqueeze(-1), blocks)
-        # The batch is every rank's tokens, as with SyncBatchNorm: several processes compute what one would
-        sums, moment = _summed_over_ranks(sums), _summed_over_ranks(moment.contiguous(), differentiable=False)
+        # The batch is every rank's tokens, as with SyncBatchNorm: several processes compute what one would. Gradients
+        # flow through the mean and squares (as through BatchNorm's statistics), not through the whitening matrix
+        sums = _summed_over_ranks(torch.cat([linear, (exact.square() * weight).sum(0), count]))
+        moment = _summed_over_ranks(moment.contiguous(), differentiable=False)
         count = sums[-1].clamp_min(1.0)
         offset, squares = sums[:-1].view(2, -1) / count  # the batch's mean - shift, mean squared deviation from shift
-        mean = shift + offset
+        mean = shift + offset.float()
         # The batch's covariance is trusted N / (N + P) for N tokens: the running one weighs as P tokens more. A few
         # tokens span few of a block's P directions, and whitening by their covariance alone amplified the empty ones
         # (gradient norm 87,000 at 4 tokens against 12 unnormalised, tiny-ultramem); from 16 P tokens on (512 in the
         # main job's steps) the batch's is 94% or more of it
         trust = (count / (count + self.block_dim)).detach()
         if self.mode == BATCH_NORM:
-            running_var = torch.diagonal(self.running_cov, dim1=-2, dim2=-1).flatten().float()
+            running_var = torch.diagonal(self.running_cov, dim1=-2, dim2=-1).flatten().to(squares.dtype)
             var = trust * (squares - offset.square()).clamp_min(0.0) + (1 - trust) * running_var
-            return ((query.float() - mean) * torch.rsqrt(var + self.eps)).to(query.dtype)
+            return ((query.float() - mean) * torch.rsqrt(var + self.eps).float()).to(query.dtype)
         centre = offset.detach().view(self.num_blocks, -1)
         cov = moment / count.detach() - centre.unsqueeze(-1) * centre.unsqueeze(-2)
-        cov = trust * cov + (1 - trust) * self.running_cov.float()
+        cov = trust * cov + (1 - trust) * self.running_cov.to(cov.dtype)
         return self._normalized(query, mean, cov, inverse_square_root(cov, self.eps))
 
-    def _gather(self, shifted: torch.Tensor, weight: torch.Tensor) -> None:
-        """Add a forward's tokens (N, G * P), minus the running mean (which stays put until the next fold), with their
-        weights (N, 1) to the pending sums, in float64: each float32 product is exact there, so the sums hardly depend
-        on their order. Tensor arithmetic only: no host synchronisation."""
-        tokens = shifted.double() * weight.double()
-        blocks = shifted.double().unflatten(-1, (self.num_blocks, self.block_dim))  # (N, G, P)
-        moment = torch.einsum("ngi,ngj->gij", tokens.unflatten(-1, (self.num_blocks, self.block_dim)), blocks)
-        sums = torch.cat([tokens.sum(0), moment.flatten(), weight.double().sum().reshape(1)])
+    def _gather(self, sums: torch.Tensor) -> None:
+        """Add a forward's float64 sums (`pending_sums` layout, about the running mean, which stays put until the next
+        fold) to the pending ones. Tensor arithmetic only: no host synchronisation."""
         self.pending = sums if self.pending is None else self.pending + sums
         _GATHERED[id(self)] = weakref.ref(self)
 
@@ -177,14 +174,15 @@ class QueryNormalization(nn.Module):
         if self.pending is not None:
             return self.pending
         size = self.running_mean.numel() + self.running_cov.numel() + 1
-        return torch.zeros(size, dtype=torch.float64, device=self.running_mean.device)
+        return torch.zeros(size, dtype=_exact(self.running_mean.device), device=self.running_mean.device)
 
     @torch.no_grad()
     def fold(self, sums: torch.Tensor) -> None:
         """Fold summed statistics (`pending_sums` layout) into the running ones and empty the pending sums; no tokens
         change nothing. Tensor arithmetic only: no host synchronisation in the training step."""
         self.pending = None
-        sums = sums.double()
+        exact = _exact(self.running_mean.device)
+        sums = sums.to(exact)
         seen = sums[-1] > 0
         count = sums[-1].clamp_min(1.0)
         features = self.running_mean.numel()
@@ -196,9 +194,9 @@ class QueryNormalization(nn.Module):
         cov = moment if self.mode in RUNNING_MODES else moment - blocks.unsqueeze(-1) * blocks.unsqueeze(-2)
         self.batches_tracked += seen.long()
         weight = torch.where(seen, (1.0 / self.batches_tracked.clamp_min(1)).clamp_min(self.momentum), 0.0)
-        running_mean = self.running_mean.double()
+        running_mean = self.running_mean.to(exact)
         self.running_mean.copy_(running_mean + weight * offset)  # lerp from the running mean to the mean
-        self.running_cov.copy_(self.running_cov.double().lerp(cov, weight))
+        self.running_cov.copy_(self.running_cov.to(exact).lerp(cov, weight))
         if self.mode in WHITENING_MODES:
             self.whitening.copy_(inverse_square_root(self.running_cov.float(), self.eps))
 
@@ -318,6 +316,11 @@ def _summed_over_ranks(tensor: torch.Tensor, differentiable: bool = True) -> tor
     tensor = tensor.clone()
     dist.all_reduce(tensor)
     return tensor
+
+
+def _exact(device: torch.device) -> torch.dtype:
+    """float64 for the statistics' sums, where the device has it (Apple's MPS has not: float32 there)."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def _distributed() -> bool:

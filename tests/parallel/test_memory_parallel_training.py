@@ -35,7 +35,13 @@ PROBE = torch.arange(64).reshape(2, 32) * 97 % 50000
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     folder = tmp_path_factory.mktemp("memory_parallel_training")
-    config, corpus = write_config(folder, aux_loss_alpha=10.0), write_corpus(folder)
+    # query_norm="none": this checks the sharding. The query's whitening amplifies any float32 difference in the
+    # weights, and with it the reduction order of the gradients (1 or 2 processes, DDP, FSDP2, ZeRO; AVX2 or AVX-512):
+    # on an AVX-512 machine a near-tie then picked another slot at step 10 of 10 and moved that step's loss by 3e-4,
+    # the nine before agreeing within 3e-6. Its own distributed computation (statistics summed over ranks in float64)
+    # is checked exactly in tests/model/test_query_normalization.py
+    config = write_config(folder, aux_loss_alpha=10.0, query_norm="none")
+    corpus = write_corpus(folder)
     torch.manual_seed(7)
     UltraMemForCausalLM(AutoConfig.for_model(**json.loads(config.read_text()))).save_pretrained(folder / "start")
 
@@ -58,12 +64,11 @@ def _logits(folder) -> torch.Tensor:
 # launcher -> who shards the rest of the model
 RESTS = {"torchrun": "DDP", "accelerate": "DDP", "torchrun --fsdp": "FSDP2", "accelerate fsdp2": "FSDP2",
          "deepspeed zero2": "DeepSpeed", "accelerate zero3": "DeepSpeed"}  # fmt: skip
-# Who shards the rest -> (grad norm rel, logits abs) against one process: about twice the largest difference measured
-# on AVX2 and AVX-512 (docs/training.md). The query statistics are float64 sums, so their order no longer counts; what
-# is left is each one's gradient reduction: DDP's all-reduce hardly reorders a sum (measured 4e-6 / 4e-5), FSDP2's and
-# ZeRO's reduce-scatter over flat buckets do (1.4e-4 / 2.8e-4, 2.9e-4 / 6.0e-4), and AdamW amplifies it in small
-# gradients' coordinates (embedding rows) before the memory's top-m and whitening amplify it in one token's logits
-TOLERANCES = {"DDP": (2e-5, 1e-4), "FSDP2": (4e-4, 6e-4), "DeepSpeed": (6e-4, 1.2e-3)}
+# Who shards the rest -> (grad norm rel, logits abs) against one process: two to three times the largest difference
+# measured (AVX-512 and AVX2, docs/training.md). Each one's gradient reduction orders the sums its own way: DDP's
+# all-reduce (measured 1.1e-5 / 1.9e-5), FSDP2's reduce-scatter (2.0e-4 / 3.7e-5), ZeRO's flat buckets (4.0e-4 /
+# 6.6e-5); AdamW amplifies them in small gradients' coordinates
+TOLERANCES = {"DDP": (3e-5, 1e-4), "FSDP2": (6e-4, 1e-4), "DeepSpeed": (1e-3, 2e-4)}
 
 
 @pytest.mark.parametrize(
