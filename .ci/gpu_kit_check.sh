@@ -20,7 +20,7 @@ if [ ! -f "$work/venv/image-ready" ]; then
     # The image (issue 22): torch as CI has it (CPU), then the image's own pins; its triton for the smoke run's
     # interpreted kernels, whose interpreter (3.6) converts 1-element arrays to int, which NumPy 2.4 refuses: numpy<2.4
     # (the image's NumPy is not recorded; on the GPU the kernels are compiled and NumPy plays no part in them).
-    python -m pip install -q torch==2.13.0
+    python -m pip install -q torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu --retries 1 --timeout 10  # the CPU build, as README; 1 retry where that index is unreachable
     python -m pip install -q transformers==5.17.0 accelerate==1.15.0 huggingface_hub==1.33.0 tokenizers==0.23.2 \
         safetensors==0.8.0 triton==3.6.0 matplotlib "numpy<2.4" pandas pyarrow pytest pytest-timeout psutil
     touch "$work/venv/image-ready"

@@ -19,7 +19,7 @@ start=$(date +%s)
 python3 -m venv "$venv"
 printf '*\n' > "$venv/.gitignore"  # the folder ignores itself
 . "$venv/bin/activate"
-pip install -q torch==2.13.0
+pip install -q torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu --retries 1 --timeout 10  # the CPU build, as README; 1 retry where that index is unreachable
 pip install -q "transformers==5.17.0" "accelerate==1.15.0" "huggingface_hub==1.33.0" "tokenizers==0.23.2" \
     "safetensors==0.8.0" datasets pytest pytest-timeout pytest-xdist psutil pyyaml matplotlib tqdm numpy
 pip install -q --no-deps -e .
