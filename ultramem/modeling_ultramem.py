@@ -269,6 +269,9 @@ class MemoryQuery(nn.Module):
             else nn.Identity()
         )
         self.inference_cache = InferenceCache()
+        # whether the model's current forward is a training one, set where it starts (`UltraMemModel.forward`) and read
+        # again by a recomputation in the backward (gradient checkpointing), which runs after it returned
+        self.training_step = True
 
     def cached_entries(self) -> dict[str, CacheEntry]:
         """What `inference_cache` keeps (for `refresh_inference_cache`): the projection with the across-token
@@ -298,13 +301,13 @@ class MemoryQuery(nn.Module):
             x = self.conv(x, padding_mask, cache, sequence_ids)
         # running statistics (at inference, and under no_grad as in `generate` after training): a linear map, folded
         # into the projection, unless the statistics of the query are being gathered (`recalibrate_query_statistics`)
-        per_token = not (self.training and torch.is_grad_enabled())
+        per_token = not (self.training and self.training_step)
         if per_token and self._folds() and not self.across_tokens.collecting:
             query = F.linear(x, *self.inference_cache.get("projection", *self._projection_entry()))
         else:
             query = self.proj(x)  # (B, T, H * (1|2) * Dk)
             if self.across_tokens is not None:
-                query = self.across_tokens(query, padding_mask)
+                query = self.across_tokens(query, padding_mask, self.training_step)
         query = self.norm(query.unflatten(-1, (self.num_heads, self.num_queries, self.rank, self.part_dim)))
         return query[..., 0, :, :], query[..., -1, :, :]  # row and column queries, (B, T, H, r, Dk/r)
 
@@ -826,7 +829,10 @@ class UltraMemModel(UltraMemPreTrainedModel):
             cache = DynamicCache(config=self.config)
         # The query statistics change with the weights: gathered by training forwards, folded in after the optimizer's
         # step (see `query_normalization`)
-        statistics = self._gathered_statistics() if self.training and torch.is_grad_enabled() else []
+        training_step = self.training and torch.is_grad_enabled()
+        for layer in self.memory_layers:
+            layer.query.training_step = training_step
+        statistics = self._gathered_statistics() if training_step else []
         # Rows packing several sequences (padding-free training, the caller's restarting `position_ids`): the query
         # convolutions stay within each sequence, under the condition on which `create_causal_mask` keeps attention
         # within each (no mask, no cache)

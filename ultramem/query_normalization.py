@@ -89,10 +89,14 @@ class QueryNormalization(nn.Module):
         init.copy_(self.running_cov, identity)
         init.copy_(self.whitening, identity)
 
-    def forward(self, query: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """query (..., G * P), e.g. (B, T, G * P); padding_mask (B, T), 0 at tokens the statistics leave out (padding,
-        tokens the loss ignores)."""
-        batch_statistics = self.mode not in RUNNING_MODES and self.training and torch.is_grad_enabled()
+    def forward(
+        self, query: torch.Tensor, padding_mask: torch.Tensor | None = None, training_step: bool | None = None
+    ) -> torch.Tensor:
+        """query (..., G * P), e.g. (B, T, G * P); padding_mask (B, T), 0 at tokens the statistics leave out (padding).
+        `training_step`: whether the model's forward is one of training (train mode, gradients on, decided where it
+        starts: reentrant checkpointing runs the layers under no_grad, then again with gradients); None: grad mode."""
+        training_step = torch.is_grad_enabled() if training_step is None else training_step
+        batch_statistics = self.mode not in RUNNING_MODES and self.training and training_step
         if not (self.collecting or batch_statistics):  # inference, or a model left in train mode under no_grad
             return self._normalized(query, self.running_mean, self.running_cov, self.whitening)
         tokens = query.float().flatten(0, -2)  # (N, G * P)

@@ -159,8 +159,8 @@ def model_checks(mesh, world: int, rank: int) -> dict:
     results = {}
     for model_key, overrides in MODELS.items():
         torch.manual_seed(0)
-        config = v2_config(**overrides)
-        reference = UltraMemForCausalLM(config)
+        config = v2_config(query_norm="none", **overrides)  # as in memory_parallel_worker.model_checks: the reference
+        reference = UltraMemForCausalLM(config)  # holds every rank's tokens on every rank
         input_ids = torch.randint(1, config.vocab_size, (2 * world, 9))
         out = reference(input_ids, labels=input_ids)
         out.loss.backward()

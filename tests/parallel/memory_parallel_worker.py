@@ -56,7 +56,9 @@ def _max_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def model_checks(mesh, world: int, rank: int) -> dict:
     """Logits, loss and every gradient of the sharded model on this rank's batch slice vs one process."""
     torch.manual_seed(0)
-    config = small_config(memory_implementation="torch")
+    # query_norm="none": the reference holds every rank's tokens on every rank, so the query's batch statistics, summed
+    # over ranks, would count each token once per rank (their distributed sum: tests/model/test_query_normalization.py)
+    config = small_config(memory_implementation="torch", query_norm="none")
     reference = UltraMemForCausalLM(config)
     input_ids = torch.randint(1, config.vocab_size, (2 * world, 9))
     out = reference(input_ids, labels=input_ids)
