@@ -17,9 +17,9 @@ Modes (`UltraMemConfig.query_norm`), on the projected query before its per-part 
     "batch_whiten"    each (head, query, Tucker part) block of the query whitened: (q - mean) C^(-1/2) with the block's
                       covariance C (the batch's in training, without a gradient through C^(-1/2); the running one at
                       inference), shrunk towards its median eigenvalue by `WHITENING_SHRINKAGE`
-    "running_whiten"  the same whitening by the running statistics in training too (the default): no token's query
-                      depends on the rest of its batch, so micro-batches, batches of a few tokens, adapters and
-                      inference all compute what training did (docs/design.md has the measurements)
+    "running_whiten"  the same whitening by the running statistics in training too: no token's query depends on the
+                      rest of its batch, so micro-batches and adapters compute what training did, but the running
+                      mean lags while the shared component grows, and at small scale retrieval collapsed (design.md)
 
 At inference every mode is per token (the running statistics are constants), so cached generation equals
 recomputation, and linear: the memory query folds it into its projection (`QueryNormalization.folded`), one GEMM.
@@ -107,7 +107,8 @@ class QueryNormalization(nn.Module):
         # Summed in float64, where each float32 product is exact: the order of the sums (one process or several, one
         # instruction set or another) no longer moves the statistics, which whitening amplifies
         shift = self.running_mean.float()
-        exact, weight = (tokens - shift).to(_exact(tokens.device)), weight.to(_exact(tokens.device))
+        exact_dtype = _exact(tokens.device)
+        exact, weight = (tokens - shift).to(exact_dtype), weight.to(exact_dtype)
         blocks = exact.detach().unflatten(-1, (self.num_blocks, self.block_dim))  # (N, G, P)
         moment = torch.einsum("ngi,ngj->gij", blocks * weight.unsqueeze(-1), blocks)  # no gradient: see below
         linear, count = (exact * weight).sum(0), weight.sum().reshape(1)
@@ -117,10 +118,11 @@ class QueryNormalization(nn.Module):
             return self._normalized(query, self.running_mean, self.running_cov, self.whitening)
         # The batch is every rank's tokens, as with SyncBatchNorm: several processes compute what one would. Gradients
         # flow through the mean and squares (as through BatchNorm's statistics), not through the whitening matrix
-        sums = _summed_over_ranks(torch.cat([linear, (exact.square() * weight).sum(0), count]))
+        squares = [(exact.square() * weight).sum(0)] if self.mode == BATCH_NORM else []  # whitening uses `moment`
+        sums = _summed_over_ranks(torch.cat([linear, *squares, count]))
         moment = _summed_over_ranks(moment.contiguous(), differentiable=False)
         count = sums[-1].clamp_min(1.0)
-        offset, squares = sums[:-1].view(2, -1) / count  # the batch's mean - shift, mean squared deviation from shift
+        offset = sums[: linear.numel()] / count  # the batch's mean - shift
         mean = shift + offset.float()
         # The batch's covariance is trusted N / (N + P) for N tokens: the running one weighs as P tokens more. A few
         # tokens span few of a block's P directions, and whitening by their covariance alone amplified the empty ones
@@ -128,6 +130,7 @@ class QueryNormalization(nn.Module):
         # main job's steps) the batch's is 94% or more of it
         trust = (count / (count + self.block_dim)).detach()
         if self.mode == BATCH_NORM:
+            squares = sums[linear.numel() : -1] / count  # mean squared deviation from shift
             running_var = torch.diagonal(self.running_cov, dim1=-2, dim2=-1).flatten().to(squares.dtype)
             var = trust * (squares - offset.square()).clamp_min(0.0) + (1 - trust) * running_var
             return ((query.float() - mean) * torch.rsqrt(var + self.eps).float()).to(query.dtype)
@@ -241,10 +244,11 @@ def update_running_statistics(norms: Iterable[QueryNormalization]) -> None:
     norms = list(norms)
     if not norms:
         return
-    sums = torch.cat([norm.pending_sums() for norm in norms])
+    pending = [norm.pending_sums() for norm in norms]
+    sums = torch.cat(pending)
     if _distributed():
         dist.all_reduce(sums)
-    for norm, summed in zip(norms, sums.split([norm.pending_sums().numel() for norm in norms])):
+    for norm, summed in zip(norms, sums.split([part.numel() for part in pending])):
         norm.fold(summed)
 
 

@@ -115,7 +115,7 @@ class UltraMemTrainingArguments(TrainingArguments):
         metadata={
             "help": "With a query_norm that uses batch statistics in training (batch_norm, batch_whiten): training "
             "batches on which the memory queries' running statistics are recomputed with the final weights before the "
-            "model is saved (0: keep the statistics gathered while training). The default, running_whiten, needs none."
+            "model is saved (0: keep the statistics gathered while training). running_whiten needs none."
         },
     )
     memory_parallel: str = field(
