@@ -269,9 +269,11 @@ class MemoryQuery(nn.Module):
             else nn.Identity()
         )
         self.inference_cache = InferenceCache()
-        # whether the model's current forward is a training one, set where it starts (`UltraMemModel.forward`) and read
-        # again by a recomputation in the backward (gradient checkpointing), which runs after it returned
+        # whether the model's current forward is a training one, and the tokens (B, T) its statistics count (None:
+        # those the padding mask keeps), set where it starts (`UltraMemModel.forward`) and read again by a
+        # recomputation in the backward (gradient checkpointing), which runs after it returned
         self.training_step = True
+        self.counted_tokens: torch.Tensor | None = None
 
     def cached_entries(self) -> dict[str, CacheEntry]:
         """What `inference_cache` keeps (for `refresh_inference_cache`): the projection with the across-token
@@ -307,7 +309,8 @@ class MemoryQuery(nn.Module):
         else:
             query = self.proj(x)  # (B, T, H * (1|2) * Dk)
             if self.across_tokens is not None:
-                query = self.across_tokens(query, padding_mask, self.training_step)
+                counted = padding_mask if self.counted_tokens is None else self.counted_tokens
+                query = self.across_tokens(query, counted, self.training_step)
         query = self.norm(query.unflatten(-1, (self.num_heads, self.num_queries, self.rank, self.part_dim)))
         return query[..., 0, :, :], query[..., -1, :, :]  # row and column queries, (B, T, H, r, Dk/r)
 
@@ -817,8 +820,14 @@ class UltraMemModel(UltraMemPreTrainedModel):
         cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
+        counted_tokens: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
+        r"""
+        counted_tokens (`torch.Tensor` of shape `(batch_size, sequence_length)`, *optional*):
+            1 at the tokens whose queries the across-token statistics count, 0 elsewhere; by default those the
+            attention mask keeps. `UltraMemForCausalLM` leaves out the tokens its loss ignores (labels -100).
+        """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -830,8 +839,10 @@ class UltraMemModel(UltraMemPreTrainedModel):
         # The query statistics change with the weights: gathered by training forwards, folded in after the optimizer's
         # step (see `query_normalization`)
         training_step = self.training and torch.is_grad_enabled()
+        if counted_tokens is not None and isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+            counted_tokens = counted_tokens * attention_mask[:, -counted_tokens.shape[1] :]
         for layer in self.memory_layers:
-            layer.query.training_step = training_step
+            layer.query.training_step, layer.query.counted_tokens = training_step, counted_tokens
         statistics = self._gathered_statistics() if training_step else []
         # Rows packing several sequences (padding-free training, the caller's restarting `position_ids`): the query
         # convolutions stay within each sequence, under the condition on which `create_causal_mask` keeps attention
@@ -976,6 +987,7 @@ class UltraMemForCausalLM(ContinuousBatchingCheck, UltraMemPreTrainedModel, Gene
             cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            counted_tokens=None if labels is None else labels != -100,  # pads marked in the labels alone count not
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state

@@ -107,3 +107,21 @@ def test_a_few_tokens_do_not_blow_up_the_gradient(mode):
     running statistics weighing as 32 more tokens, or alone, it stays within 3x of the unnormalised query's."""
     norm, unnormalised = _gradient_norm_at_four_tokens(mode), _gradient_norm_at_four_tokens("none")
     assert norm <= 3.0 * unnormalised, (norm, unnormalised)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tokens_the_loss_ignores_are_not_counted(mode):
+    """Pads marked only by `labels=-100` (no attention mask, as a custom SFT loop may pad): the statistics gathered, and
+    with batch statistics the normalisation of the real tokens, are those of the batch without the pads."""
+    model = _trained(UltraMemForCausalLM(small_config(query_norm=mode)), steps=3, shape=(4, 16))
+    padded_model = copy.deepcopy(model)
+    input_ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(3))
+    padded = torch.cat([input_ids, torch.zeros(2, 4, dtype=torch.long)], dim=1)  # right padding, pad id 0
+    labels = torch.cat([input_ids, torch.full((2, 4), -100)], dim=1)
+    plain = model(input_ids, labels=input_ids)
+    with_pads = padded_model(padded, labels=labels)
+    torch.testing.assert_close(with_pads.logits[:, :12], plain.logits, rtol=1e-5, atol=1e-5)
+    norms = [[m for m in each.modules() if isinstance(m, QueryNormalization)] for each in (model, padded_model)]
+    for real, pads in zip(*norms):
+        assert int(pads.pending_sums()[-1]) == input_ids.numel()
+        torch.testing.assert_close(pads.pending_sums(), real.pending_sums(), rtol=1e-5, atol=1e-6)  # fp32 queries

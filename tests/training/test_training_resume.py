@@ -1,4 +1,5 @@
-"""Resume is exact, and a run killed while writing a checkpoint resumes from the last complete one."""
+"""Resume is exact, and a run killed while writing a checkpoint resumes from the last complete one; each checkpoint holds
+the query statistics recomputed at its step."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from launch_support import (
     write_config,
     write_corpus,
 )
+from safetensors.torch import load_file
 
 STEPS, SAVE_EVERY, KILL_AT = 8, 3, 6
 
@@ -83,3 +85,17 @@ def test_resumed_run_matches_the_uninterrupted_one(runs):
 def test_resumed_run_names_the_checkpoint_it_continues_from(runs):
     _, resumed, _, stderr = runs
     assert f"ultramem-train: resuming from {resumed / f'checkpoint-{SAVE_EVERY}'} (step {SAVE_EVERY})" in stderr
+
+
+def test_checkpoints_hold_the_query_statistics_of_a_model_saved_at_their_step(runs):
+    """Each checkpoint's statistics are recomputed with its step's weights (on the same training batches as the final
+    save's), not the lagging running ones: the last checkpoint holds exactly the final model's."""
+    straight, _, _, _ = runs
+    statistics = [name for name in weights(straight) if ".across_tokens." in name]
+    assert statistics  # the default normalises by batch statistics
+    final, last = weights(straight), load_file(str(straight / f"checkpoint-{STEPS}" / "model.safetensors"))
+    for name in statistics:  # to float32 rounding: each pass sums about the running mean it starts from
+        torch.testing.assert_close(last[name], final[name], rtol=1e-6, atol=1e-7, msg=name)
+    early = load_file(str(straight / f"checkpoint-{SAVE_EVERY}" / "model.safetensors"))
+    tracked = [name for name in statistics if name.endswith("batches_tracked")]
+    assert all(int(early[name]) == int(final[name]) > SAVE_EVERY for name in tracked)  # recomputed over its batches

@@ -30,7 +30,6 @@ import torch
 from transformers import PretrainedConfig, TrainerCallback, default_data_collator, set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
-from ultramem.query_normalization import normalises_by_batch_statistics, recalibrate_query_statistics
 from ultramem.tokenization import load_tokenizer
 from ultramem.training.arguments import DataArguments, ModelArguments, UltraMemTrainingArguments
 from ultramem.training.data import load_raw_datasets, tokenize_and_pack
@@ -180,10 +179,10 @@ def train(
         data_collator=default_data_collator,
         callbacks=[ShardingReport(), *(callbacks or [])],
         diagnostics_input_ids=torch.tensor(blocks["validation"][:diagnostics_count]["input_ids"]),
+        query_statistics_inputs=query_statistics_batches(blocks["train"], training_args),
     )
     train_output = trainer.train(resume_from_checkpoint=resume)
-    if normalises_by_batch_statistics(trainer.model):
-        recalibrate_query_statistics(trainer.model, query_statistics_batches(blocks["train"], training_args))
+    trainer.recalibrate_query_statistics()  # with the final weights (the best ones, with load_best_model_at_end)
     trainer.save_model()
     trainer.log_metrics("train", train_output.metrics)
     trainer.save_metrics("train", train_output.metrics)

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 
+from ultramem.query_normalization import normalises_by_batch_statistics, recalibrate_query_statistics
 from ultramem.training.deepspeed_tables import TablesBesideEngine, hide_tables
 from ultramem.training.fsdp import plain_aux_loss
 from ultramem.training.schedule import VALUE_GROUP, ValueLearningRate, with_value_multiplier
@@ -29,8 +30,9 @@ def value_table_names(model: nn.Module) -> set[str]:
 
 class _RecipeEvents(TrainerCallback):
     """The Trainer events the recipe follows: the value group's LR of each optimizer step (read before the scheduler
-    moves on, as the Trainer reads its own), the steps since the last log, and the DeepSpeed engine (once it exists)
-    that the value tables kept out of it must follow."""
+    moves on, as the Trainer reads its own), the steps since the last log, the DeepSpeed engine (once it exists)
+    that the value tables kept out of it must follow, and the query statistics recomputed before a step's
+    checkpoint, evaluation or memory logs read them."""
 
     def __init__(self, trainer: UltraMemTrainer) -> None:
         self.trainer = trainer
@@ -52,6 +54,10 @@ class _RecipeEvents(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer._steps_since_log += 1
+        # after the Trainer's own callback has decided what this step does, before it does it
+        logs_memory = control.should_log and self.trainer.diagnostics_input_ids is not None
+        if control.should_save or control.should_evaluate or (logs_memory and args.diagnostics_batch_size > 0):
+            self.trainer.recalibrate_query_statistics()
 
 
 class FSDPTrainer(CPUFSDPOverrides):
@@ -81,12 +87,23 @@ class UltraMemTrainer(ShardedTableOverrides, AtomicCheckpointTrainer, FSDPTraine
     """Trains any causal LM; for UltraMem it adds the value-LR group, aux/LM loss logs and memory diagnostics.
 
     `diagnostics_input_ids` is a fixed batch of validation tokens on which `retrieval_diagnostics` runs at
-    every training log, so the numbers are comparable across steps.
+    every training log, so the numbers are comparable across steps. `query_statistics_inputs` (this rank's input ids,
+    a few batches) recompute the query statistics of a model normalised by batch statistics before every checkpoint,
+    evaluation and memory log, so each reads what a model saved at that step reads (`recalibrate_query_statistics`).
+    The recomputed statistics are kept, as BatchNorm's "precise statistics" are between epochs (pycls), so a run
+    resumed from a checkpoint continues exactly.
     """
 
-    def __init__(self, *args: Any, diagnostics_input_ids: torch.Tensor | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        diagnostics_input_ids: torch.Tensor | None = None,
+        query_statistics_inputs: list[torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.diagnostics_input_ids = diagnostics_input_ids
+        self.query_statistics_inputs = query_statistics_inputs or []
         self._loss_sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.args.device))
         self._steps_since_log = 0
         self._last_value_lr: float | None = None
@@ -173,6 +190,12 @@ class UltraMemTrainer(ShardedTableOverrides, AtomicCheckpointTrainer, FSDPTraine
             return 1.0 / accumulation, 1.0 / accumulation
         processes = self.accelerator.num_processes // self.get_tp_size()
         return float(processes if self.args.average_tokens_across_devices else 1), 1.0 / accumulation
+
+    def recalibrate_query_statistics(self) -> None:
+        """The running query statistics recomputed with the current weights on `query_statistics_inputs`, for a model
+        that trains with batch statistics (the running modes need none). Collective: every rank calls it."""
+        if self.query_statistics_inputs and normalises_by_batch_statistics(self.model):
+            recalibrate_query_statistics(self.model, self.query_statistics_inputs)
 
     def _training_log_extras(self) -> dict[str, float]:
         """LM and aux loss per step since the last log (over ranks), the value-LR multiplier, diagnostics."""
