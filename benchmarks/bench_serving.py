@@ -10,7 +10,7 @@ Reported per model, engine and batch size: requests/s and generated tokens/s ove
 token of `b` requests arriving together (the same prompts with one token to generate), median of `--iters`. Each vLLM
 engine runs in a child process; its start-up (20-60 s on CPU, minutes more to compile) is not timed.
 
-Run it in the vLLM environment (.ci/vllm_tests.sh builds .venv-vllm). CPU (tiny presets, float32, about 15 minutes;
+Run it in the vLLM environment (docs/serving.md builds .venv-vllm). CPU (tiny presets, float32, about 15 minutes;
 one thread: on shared cores two spinning OpenMP threads made `generate` 6x slower):
 
     OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=2 .venv-vllm/bin/python benchmarks/bench_serving.py --sizes tiny --iters 3
