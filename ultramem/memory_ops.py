@@ -58,7 +58,8 @@ def lookup_reduce(
     if num_groups == 1:
         pooled = weighted.sum(dim=1, keepdim=True)  # (T, 1, Dv)
     else:
-        group_one_hot = F.one_hot(groups, num_groups).float()  # (T, K, E)
+        # one-hot by scatter: F.one_hot checks its range with a host synchronisation, in every decode step
+        group_one_hot = weighted.new_zeros(num_tokens, num_slots, num_groups).scatter_(-1, groups.unsqueeze(-1), 1.0)
         pooled = torch.bmm(group_one_hot.transpose(1, 2), weighted)  # (T, E, Dv)
     return pooled.to(values.dtype)
 
