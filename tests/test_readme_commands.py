@@ -16,8 +16,9 @@ Blocks without a language (output, tables, layouts) are not code. All blocks run
 working directory that holds what a reader has after the main job (`python -m ultramem.training.main_job`):
 `runs/main_job/tiny-ultramem` and `runs/main_job/tiny-dense`, trained for 2 steps here; a block may use what an
 earlier block of its page wrote there, as a reader would. Substituted, whole words: `CKPT` -> `runs/main_job/tiny-
-ultramem` (bash only: python snippets define their names), `/path/to/eval` -> the benchmark files of the test
-fixtures (the reference layout of `ultramem/eval/local_data.py`), `/tmp/...` -> a path in the working directory.
+ultramem` (bash only: python snippets define their names), `tests/eval/fixtures/eval` -> its absolute path (the
+benchmark files of the test fixtures, in the reference layout of `ultramem/eval/local_data.py`), `/tmp/...` -> a
+path in the working directory.
 Every command and script must exit 0. Set ULTRAMEM_DOCS_ROOT to check the blocks of another checkout's docs.
 """
 
@@ -117,15 +118,19 @@ def prepare(text: str, block: Block, workdir: Path) -> str:
     """A command or script as it runs here: placeholders substituted, quick flags added where the block asks."""
     # /tmp/ first: the substituted paths may themselves lie under /tmp (a clone there)
     text = re.sub(r"(?<![\w.])/tmp/", f"{workdir}/tmp/", text)
-    text = text.replace("/path/to/eval", str(FIXTURE_DATA))
+    text = text.replace("tests/eval/fixtures/eval", str(FIXTURE_DATA))  # the clone's path, from the working directory
     if block.language == "python":
         return text
     text = re.sub(r"\bCKPT\b", str(MAIN_JOB / "tiny-ultramem"), text)
-    if block.mode == "quick":
-        words = shlex.split(text)
-        for tool, flags in QUICK_FLAGS.items():
-            if words and words[0] == tool:
-                text += "".join(f" {flag} {value}" for flag, value in flags.items() if flag not in words)
+    if block.mode == "quick":  # each command of an `&&` chain
+        commands = []
+        for command in text.split(" && "):
+            words = shlex.split(command)
+            for tool, flags in QUICK_FLAGS.items():
+                if words and words[0] == tool:
+                    command += "".join(f" {flag} {value}" for flag, value in flags.items() if flag not in words)
+            commands.append(command)
+        text = " && ".join(commands)
     return text
 
 
