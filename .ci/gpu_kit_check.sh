@@ -15,7 +15,8 @@ trap 'rm -rf "$work"' EXIT
 rm -rf "$work"
 image="torch==2.13.0 transformers==5.17.0 accelerate==1.15.0 huggingface_hub==1.33.0 tokenizers==0.23.2 \
 safetensors==0.8.0 triton==3.6.0 numpy<2.4 $(python3 --version)"
-venv="${ULTRAMEM_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ultramem-ci}/gpu-image-$(echo "$image" | sha1sum | cut -c1-12)"
+. .ci/env_cache.sh
+venv=$(cached_env gpu-image "$image")
 start=$(date +%s)
 if [ "$(cat "$venv/image-ready" 2>/dev/null)" != "$image" ]; then
     rm -rf "$venv"

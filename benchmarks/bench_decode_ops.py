@@ -44,7 +44,10 @@ class OperatorCount(TorchDispatchMode):
             if isinstance(module, UltraMemMemoryLayer):
                 self.ops[name] = []
                 self.hooks.append(module.register_forward_pre_hook(lambda m, a, name=name: self.owners.append(name)))
-                self.hooks.append(module.register_forward_hook(lambda m, a, o: self.owners.pop() and None))
+                self.hooks.append(module.register_forward_hook(self._leave))
+
+    def _leave(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+        self.owners.pop()  # returns None: the layer's output stays as it is
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[self.owners[-1]].append(func.overloadpacket.__name__)

@@ -39,10 +39,10 @@ def _picks(model: torch.nn.Module, input_ids: torch.Tensor, training: bool) -> t
     return [tuple(part.detach() for part in captured[idx]) for idx in range(len(layers))], logits
 
 
-def _cell_scores(retrieval: torch.nn.Module, queries: tuple, cells: torch.Tensor) -> torch.Tensor:
-    """The exact grid scores (K,) of `cells` (K, 4): (sequence, token, head, virtual address x * n + y)."""
-    with torch.no_grad():
-        row_factors, col_factors = retrieval.score_factors(*retrieval.axis_scores(*queries))  # (B, T, H, k, n)
+def _cell_scores(factors: tuple[torch.Tensor, torch.Tensor], cells: torch.Tensor) -> torch.Tensor:
+    """The exact grid scores (K,) of `cells` (K, 4): (sequence, token, head, virtual address x * n + y), from the
+    retrieval's score factors (B, T, H, k, n) each."""
+    row_factors, col_factors = factors
     b, t, h, address = cells.unbind(-1)
     num_keys = row_factors.shape[-1]
     return (row_factors[b, t, h, :, address // num_keys] * col_factors[b, t, h, :, address % num_keys]).sum(-1)
@@ -61,12 +61,16 @@ def compare_selections(reference, other, input_ids: torch.Tensor, training: bool
         same = (index_ref == index_other).all(-1)  # (B, T, H)
         common = scores_ref.gather(-1, order_ref) - scores_other.gather(-1, order_other)
         noise = max(noise, common[same].abs().max().item() if same.any() else 0.0)
+        if same.all():
+            continue
         retrieval = reference.model.memory_layers[idx].retrieval
+        with torch.no_grad():
+            factors = retrieval.score_factors(*retrieval.axis_scores(*queries))  # the reference's exact scores
         for b, t, h in (~same).nonzero().tolist():
             only_ref = [int(x) for x in index_ref[b, t, h] if x not in index_other[b, t, h]]
             only_other = [int(x) for x in index_other[b, t, h] if x not in index_ref[b, t, h]]
             cells = torch.tensor([[b, t, h, x] for x in only_ref + only_other])
-            scores = _cell_scores(retrieval, queries, cells)
+            scores = _cell_scores(factors, cells)
             margins.append((scores[: len(only_ref)].min() - scores[len(only_ref) :].max()).item())
             flipped.append((idx, b, t))
             first_flip[b] = min(first_flip[b], t)

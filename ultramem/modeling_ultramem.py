@@ -839,10 +839,6 @@ class UltraMemModel(UltraMemPreTrainedModel):
         # The query statistics change with the weights: gathered by training forwards, folded in after the optimizer's
         # step (see `query_normalization`)
         training_step = self.training and torch.is_grad_enabled()
-        if counted_tokens is not None and isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
-            counted_tokens = counted_tokens * attention_mask[:, -counted_tokens.shape[1] :]
-        for layer in self.memory_layers:
-            layer.query.training_step, layer.query.counted_tokens = training_step, counted_tokens
         statistics = self._gathered_statistics() if training_step else []
         # Rows packing several sequences (padding-free training, the caller's restarting `position_ids`): the query
         # convolutions stay within each sequence, under the condition on which `create_causal_mask` keeps attention
@@ -865,6 +861,11 @@ class UltraMemModel(UltraMemPreTrainedModel):
             padding_mask = None
             if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
                 padding_mask = attention_mask[:, -inputs_embeds.shape[1] :]
+        # the tokens the query statistics count: neither padding nor left out by the caller
+        if counted_tokens is not None and padding_mask is not None:
+            counted_tokens = counted_tokens * padding_mask
+        for layer in self.memory_layers:
+            layer.query.training_step, layer.query.counted_tokens = training_step, counted_tokens
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)

@@ -55,8 +55,8 @@ class _RecipeEvents(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer._steps_since_log += 1
         # after the Trainer's own callback has decided what this step does, before it does it
-        logs_memory = control.should_log and self.trainer.diagnostics_input_ids is not None
-        if control.should_save or control.should_evaluate or (logs_memory and args.diagnostics_batch_size > 0):
+        logs_memory = control.should_log and self.trainer.diagnoses_memory()
+        if control.should_save or control.should_evaluate or logs_memory:
             self.trainer.recalibrate_query_statistics()
 
 
@@ -191,6 +191,10 @@ class UltraMemTrainer(ShardedTableOverrides, AtomicCheckpointTrainer, FSDPTraine
         processes = self.accelerator.num_processes // self.get_tp_size()
         return float(processes if self.args.average_tokens_across_devices else 1), 1.0 / accumulation
 
+    def diagnoses_memory(self) -> bool:
+        """Whether training logs carry the memory diagnostics (`memory/*`)."""
+        return self.diagnostics_input_ids is not None and self.args.diagnostics_batch_size > 0
+
     def recalibrate_query_statistics(self) -> None:
         """The running query statistics recomputed with the current weights on `query_statistics_inputs`, for a model
         that trains with batch statistics (the running modes need none). Collective: every rank calls it."""
@@ -215,7 +219,7 @@ class UltraMemTrainer(ShardedTableOverrides, AtomicCheckpointTrainer, FSDPTraine
     def _memory_diagnostics(self) -> dict[str, float]:
         """`retrieval_diagnostics` on the fixed batch. `log` runs on every rank, as the diagnostics must under ZeRO-3
         and FSDP2 (their forward and gathers are collective); every rank gets the same numbers, rank 0 writes them."""
-        if self.diagnostics_input_ids is None or self.args.diagnostics_batch_size <= 0:
+        if not self.diagnoses_memory():
             return {}
         from ultramem.diagnostics import retrieval_diagnostics
 
