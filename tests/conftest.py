@@ -1,6 +1,8 @@
 """Shared test setup: offline Hub, few threads, and small UltraMem configs with every feature switched on."""
 
+import getpass
 import os
+import tempfile
 
 import torch
 
@@ -9,6 +11,14 @@ if not torch.cuda.is_available():  # Triton kernels run in its interpreter; set 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Inductor's compiled-graph cache is not keyed on the CPU vector width (torch 2.13): a graph generated for AVX-512 and
+# reloaded under ATEN_CPU_CAPABILITY=avx2 stores 8 of every 16 lanes (garbage indices), the reverse overruns its
+# buffers. Each dispatch level the suite runs under gets a cache of its own (inherited by launched subprocesses).
+if capability := os.environ.get("ATEN_CPU_CAPABILITY"):
+    os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR",
+        os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{capability}"),
+    )
 
 import pytest  # noqa: E402
 
