@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from datasets import Dataset
 from lib import env, report
 from transformers import AutoConfig, MixtralConfig, PreTrainedConfig, TrainerCallback
 
@@ -46,7 +47,7 @@ from ultramem.configuration_ultramem import NO_QUERY_NORM, QUERY_NORM_BEFORE_FIE
 from ultramem.diagnostics import retrieval_diagnostics
 from ultramem.tokenization import load_tokenizer
 from ultramem.training import DataArguments, ModelArguments, UltraMemTrainingArguments, train
-from ultramem.training.data import embedded_corpus_files, pack_blocks
+from ultramem.training.data import embedded_corpus_files, pack_blocks, sample_blocks
 from ultramem.training.schedule import DEFAULT_VALUE_LR_DECAY, DEFAULT_VALUE_LR_MULTIPLIER
 
 ROOT = env.BENCHMARKS
@@ -57,6 +58,11 @@ CHARS_PER_TOKEN = 5.0  # generous for English BPE, so the text subset never runs
 # default validation text (2,048-4,096 tokens of the shipped slice) two to four pieces, the first one Treasure Island's
 # title page and table of contents: a validation loss 2.5-3 nats above the training loss for every model.
 GUTENBERG_PIECE_CHARS = 2000
+# The validation blocks are drawn at random from a pool of this many times their tokens, spread along every book, the
+# way `ultramem-train --max_eval_samples` draws them: the first blocks of a pool are one book's title page, poem and
+# table of contents (10-11 nats a token), and taking them first added ~0.4 nats to every row.
+VALIDATION_POOL = 8
+VALIDATION_SEED = 0  # ultramem-train's default --eval_sample_seed
 
 COMPARISON = {
     "tiny": {"Dense": "tiny-dense", "PKM": "tiny-pkm", "MoE": "tiny-moe", "UltraMem": "tiny-ultramem"},
@@ -317,24 +323,27 @@ def prepare_text(cache_dir: Path, corpus_dirs: list[Path], split: str, tokens: i
 
 
 def validation_blocks(path: Path, block_size: int, count: int) -> torch.Tensor:
-    """The first `count` packed validation blocks, tokenized as `ultramem-train` does (document + end-of-text)."""
+    """`count` packed validation blocks, tokenized as `ultramem-train` does (document + end-of-text) and drawn across
+    the whole pool by its `sample_blocks` (seed `VALIDATION_SEED`, file order kept), an equal share from each corpus."""
     tokenizer = load_tokenizer()
     records = [json.loads(line) for line in path.read_text().splitlines()]
     encoded = tokenizer([record["text"] for record in records], add_special_tokens=False, verbose=False)["input_ids"]
     ids = [doc + [tokenizer.eos_token_id] for doc in encoded]
-    # interleave the corpora's blocks so any prefix of `count` blocks takes an equal share from each
-    per_corpus = [
-        pack_blocks(
+    corpora = list(dict.fromkeys(record["source"] for record in records))
+    share = -(-count // len(corpora))
+    per_corpus = []
+    for corpus in corpora:
+        packed = pack_blocks(
             {"input_ids": [doc for doc, record in zip(ids, records) if record["source"] == corpus]}, block_size
-        )["input_ids"]
-        for corpus in dict.fromkeys(record["source"] for record in records)
-    ]
-    interleaved = [block for pair in zip(*per_corpus) for block in pair][:count]
-    if len(interleaved) < count:
-        raise ValueError(
-            f"--eval-blocks {count}: the validation text gives only {len(interleaved)} blocks of {block_size}"
         )
-    return torch.tensor(interleaved)
+        if len(packed["input_ids"]) < share:
+            raise ValueError(
+                f"--eval-blocks {count}: the validation text of {corpus} gives only {len(packed['input_ids'])} blocks "
+                f"of {block_size}, fewer than its share {share}"
+            )
+        per_corpus.append(sample_blocks(Dataset.from_dict(packed), share, VALIDATION_SEED)["input_ids"])
+    # interleave the corpora's blocks so any prefix of `count` blocks takes an equal share from each
+    return torch.tensor([block for group in zip(*per_corpus) for block in group][:count])
 
 
 # ---- training ---------------------------------------------------------------------------------------------------
@@ -756,11 +765,14 @@ def main(argv: list[str] | None = None) -> Path:
         "logging_steps": max(1, args.max_steps // 10),
         "bf16": args.bf16,
         "gutenberg_piece_chars": GUTENBERG_PIECE_CHARS,  # the data sample: runs made with another are not comparable
+        "validation_draw": {"pool": VALIDATION_POOL, "seed": VALIDATION_SEED},
     }
     tokens_per_run = args.max_steps * args.batch_size * args.block_size
     data = {
         "train": prepare_text(args.cache_dir, args.corpus_dir, "train", int(tokens_per_run * 1.2)),
-        "valid": prepare_text(args.cache_dir, args.corpus_dir, "valid", int(args.eval_blocks * args.block_size * 1.5)),
+        "valid": prepare_text(
+            args.cache_dir, args.corpus_dir, "valid", int(args.eval_blocks * args.block_size * VALIDATION_POOL)
+        ),
     }
     blocks = validation_blocks(data["valid"], args.block_size, args.eval_blocks)
     meta = {

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ultramem import UltraMemConfig, ablation
 
@@ -156,3 +157,20 @@ def test_corpus_is_the_shipped_one_unless_given(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_quality.parse_args(["--corpus-dir", str(tmp_path)])
     assert f"--corpus-dir {tmp_path}: no train.jsonl.xz or valid.jsonl.xz" in capsys.readouterr().err
+
+
+def test_validation_blocks_are_drawn_across_the_split(tmp_path):
+    """The blocks are ultramem-train's draw over a pool spread along the book, not the pool's first blocks (Treasure
+    Island's title page, poem and contents: about uniform guessing), and the same blocks in every run."""
+    from ultramem.tokenization import load_tokenizer
+    from ultramem.training.data import embedded_corpus_files
+
+    corpus = [Path(embedded_corpus_files()["train"]).parent]
+    pool = bench_quality.prepare_text(tmp_path, corpus, "valid", 32 * 128 * bench_quality.VALIDATION_POOL)
+    blocks = bench_quality.validation_blocks(pool, 128, 32)
+    assert blocks.shape == (32, 128)
+    assert torch.equal(blocks, bench_quality.validation_blocks(pool, 128, 32))
+    text = load_tokenizer().decode(blocks[:4].flatten())
+    assert "TREASURE ISLAND" not in text and "CONTENTS" not in text
+    with pytest.raises(ValueError, match="fewer than its share 100000"):
+        bench_quality.validation_blocks(pool, 128, 100000)
