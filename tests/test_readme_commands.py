@@ -31,6 +31,7 @@ import subprocess
 import sys
 import textwrap
 from dataclasses import dataclass
+from itertools import groupby
 from pathlib import Path
 
 import pytest
@@ -182,9 +183,8 @@ def test_ci_runs_the_readmes_test_command() -> None:
     assert readme_command in ci_commands, f".ci/run does not run README.md's test command: {readme_command}"
 
 
-@pytest.mark.xdist_group("documented_blocks")  # in file order, on one worker: a block may use what an earlier one wrote
-@pytest.mark.parametrize("block", TESTED, ids=str)
-def test_documented_snippets_run_as_written(block: Block, workdir: Path) -> None:
+def run_as_written(block: Block, workdir: Path) -> None:
+    """Every command of a bash block (or a python block as a script) exits 0, in the reader's working directory."""
     if block.mode == "vllm":  # needs vLLM's own environment: .ci/vllm_tests.sh runs these blocks
         pytest.importorskip("vllm.entrypoints.llm", reason="vLLM is not installed: .ci/vllm_tests.sh runs this block")
     env = {**os.environ, **ENV, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
@@ -197,3 +197,21 @@ def test_documented_snippets_run_as_written(block: Block, workdir: Path) -> None
     for ran, argv in runs:
         done = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, f"{block}: `{ran}` exited {done.returncode}:\n{done.stderr[-3000:]}"
+
+
+def page_tests(page: str, blocks: list[Block]) -> type:
+    """One test class per page, its blocks in file order: a class is one unit of pytest-xdist's `--dist loadscope`
+    (and the group of `--dist loadgroup`), so a page runs on one worker while the pages spread over the workers."""
+
+    @pytest.mark.xdist_group(page)
+    @pytest.mark.parametrize("block", blocks, ids=str)
+    def test_runs_as_written(self, block: Block, workdir: Path) -> None:
+        run_as_written(block, workdir)
+
+    name = "TestBlocksOf" + "".join(part.capitalize() for part in re.split(r"[\W_]+", page))
+    return type(name, (), {"test_runs_as_written": test_runs_as_written, "__doc__": f"The tested blocks of {page}."})
+
+
+for _page, _blocks in groupby(TESTED, key=lambda block: block.source.rsplit(":", 1)[0]):
+    _tests = page_tests(_page, list(_blocks))
+    globals()[_tests.__name__] = _tests
