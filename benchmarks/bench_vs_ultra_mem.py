@@ -27,6 +27,7 @@ from torch import nn
 
 from ultramem import UltraMemConfig
 from ultramem.configuration_ultramem import MEMORY_IMPLEMENTATIONS
+from ultramem.memory_ops import tucker_aux_loss
 from ultramem.modeling_ultramem import UltraMemMemoryLayer
 
 DEFAULT_NAME = "vs_ultra_mem"
@@ -110,7 +111,8 @@ def theirs(shape: LayerShape) -> nn.Module:
 def losses(layer: nn.Module, x: torch.Tensor, is_ours: bool) -> torch.Tensor:
     """Output summed plus the layer's aux loss, for both APIs."""
     if is_ours:
-        return layer(x).sum() + layer.retrieval.aux_loss()
+        config = layer.config
+        return layer(x).sum() + tucker_aux_loss(layer.retrieval.cores, config.aux_loss_alpha, config.aux_loss_tau)
     out, _, aux = layer(x)
     return out.sum() + aux
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ultramem.diagnostics import score_factors
+
 
 @dataclass
 class SelectionComparison:
@@ -65,7 +67,7 @@ def compare_selections(reference, other, input_ids: torch.Tensor, training: bool
             continue
         retrieval = reference.model.memory_layers[idx].retrieval
         with torch.no_grad():
-            factors = retrieval.score_factors(*retrieval.axis_scores(*queries))  # the reference's exact scores
+            factors = score_factors(retrieval, *retrieval.axis_scores(*queries))  # the reference's exact scores
         for b, t, h in (~same).nonzero().tolist():
             only_ref = [int(x) for x in index_ref[b, t, h] if x not in index_other[b, t, h]]
             only_other = [int(x) for x in index_other[b, t, h] if x not in index_ref[b, t, h]]

@@ -15,7 +15,25 @@ from collections.abc import Iterator
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from .modeling_ultramem import UltraMemForCausalLM, UltraMemMemoryLayer
+from .modeling_ultramem import KeyRetrieval, TuckerQueryKeyRetrieval, UltraMemForCausalLM, UltraMemMemoryLayer
+
+
+def score_factors(
+    retrieval: KeyRetrieval, row_scores: torch.Tensor, col_scores: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., k, n) factors F_row, F_col of a retrieval's exact grid scores, [x, y] = F_row[:, x] . F_col[:, y], from
+    its axis scores (`axis_scores`).
+
+    PKM (k = 2): s_row[x] + s_col[y] = [s_row[x], 1] . [1, s_col[y]]. TDQKR (k = r): in the SVD basis of the summed
+    core C = U diag(sigma) T^T, F_row = diag(sigma) U^T S_row and F_col = T^T S_col, so the leading rank-1 term comes
+    first and per-axis bounds on the score are tight.
+    """
+    if not isinstance(retrieval, TuckerQueryKeyRetrieval):
+        ones = torch.ones_like(row_scores)  # (..., 1, n): r = 1
+        return torch.cat([row_scores, ones], dim=-2), torch.cat([ones, col_scores], dim=-2)
+    left, singular_values, right_h = torch.linalg.svd(retrieval.cores.sum(1).float())  # (H, r, r), (H, r), (H, r, r)
+    row = torch.einsum("hak,...han->...hkn", left * singular_values.unsqueeze(-2), row_scores.float())
+    return row, torch.einsum("hkb,...hbn->...hkn", right_h, col_scores.float())
 
 
 def exact_top_m(row_factors: torch.Tensor, col_factors: torch.Tensor, top_m: int, rows_per_step: int) -> torch.Tensor:
@@ -86,7 +104,7 @@ def _layer_statistics(
     # whose keys stay float32 outside it
     queries = tuple(query.to(retrieval.row_keys.dtype) for query in queries)
     with _retrieval_gathered(layer):
-        row_factors, col_factors = retrieval.score_factors(*retrieval.axis_scores(*queries))  # (B, T, H, k, n)
+        row_factors, col_factors = score_factors(retrieval, *retrieval.axis_scores(*queries))  # (B, T, H, k, n)
     row_factors, col_factors = row_factors[keep], col_factors[keep]  # (tokens, H, k, n)
     hits = torch.zeros((), dtype=torch.long, device=virtual_index.device)
     for start in range(0, virtual_index.shape[0], chunk):  # memory O(chunk H rows_per_step n)

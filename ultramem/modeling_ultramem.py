@@ -16,8 +16,9 @@ One memory layer, for one token (paper section 3):
     pooled_p = sum_{v in group p} [s^(1) V[row, :Dv/h], ..., s^(h) V[row, -Dv/h:]]   multi-core scoring
     out = sum_p W_p^T pooled_p                              one GEMM over the E projectors
 
-The math is in `memory_ops` (plain functions); the modules below hold the parameters, in data-flow order. Where the
-value table lives is `value_stores`' business, how the kernels compute is `memory_implementations`'.
+The math is in `memory_ops` (plain functions); the modules below hold the parameters, in data-flow order, after the
+query network (`memory_query`). Where the value table lives is `value_stores`' business, how the kernels compute is
+`memory_implementations`'.
 """
 
 import functools
@@ -26,10 +27,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, find_packed_sequence_indices
 from transformers.modeling_layers import (
@@ -48,7 +48,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 from transformers.utils.versions import require_version
 
-from .configuration_ultramem import BLOCK_SITE, NO_QUERY_NORM, SWILU, TUCKER, UltraMemConfig
+from .configuration_ultramem import BLOCK_SITE, SWILU, TUCKER, UltraMemConfig
 from .inference_cache import CacheEntry, InferenceCache
 from .init_scales import MemoryInitScales, ScaledLayerNorm, ValueProjector
 from .memory_implementations import MemoryOps, check_memory_implementation, memory_ops_for
@@ -60,6 +60,7 @@ from .memory_ops import (
     tucker_aux_loss,
     with_loss_gradient,
 )
+from .memory_query import MemoryQuery
 from .moved_names import moved_attribute
 from .query_normalization import QueryNormalization, collecting_statistics
 from .task_heads import TaskHeadWithAuxLoss
@@ -102,217 +103,6 @@ class UltraMemMLP(NemotronMLP):
 
 class UltraMemAttention(LlamaAttention):
     """Multi-head causal self-attention with RoPE on the full head dim (no grouped KV heads): Llama's."""
-
-
-class UltraMemDecoderLayer(GradientCheckpointingLayer):
-    """Pre-norm transformer block; adds the outputs of the memory layers that write after it.
-
-    Memory layers at the MLP's site (`memory_site`, UltraMemV2 / Memory+) are run by the block itself, on the
-    stream after attention, their outputs added with the MLP's: `parallel_memory` is that call. A block whose memory
-    replaces its MLP ("instead_of_mlp") has no MLP. `memory_output` is positional: reentrant gradient checkpointing
-    only treats positional tensors as inputs.
-    """
-
-    def __init__(self, config: UltraMemConfig, layer_idx: int):
-        super().__init__()
-        self.self_attn = UltraMemAttention(config, layer_idx)
-        has_mlp = layer_idx not in config.blocks_without_mlp
-        self.mlp = UltraMemMLP(config) if has_mlp else None
-        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if has_mlp else None
-        self.dropout = nn.Dropout(config.hidden_dropout)
-
-    @_accepts_past_key_values
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        memory_output: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache: Cache | None = None,
-        parallel_memory: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> torch.Tensor:
-        attn_output, _ = self.self_attn(
-            self.input_layernorm(hidden_states),
-            position_embeddings=position_embeddings,
-            attention_mask=attention_mask,
-            **{_CACHE_FIELD: cache},  # Llama's attention names it as its Transformers release does
-            **kwargs,
-        )
-        hidden_states = hidden_states + self.dropout(attn_output)
-        update = parallel_memory(hidden_states) if parallel_memory is not None else None  # reads the MLP's input
-        if self.mlp is not None:
-            mlp_output = self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
-            update = mlp_output if update is None else update + mlp_output
-        if update is not None:
-            hidden_states = hidden_states + update
-        if memory_output is not None:
-            hidden_states = hidden_states + memory_output
-        return hidden_states
-
-
-class CausalDepthwiseConv(nn.Module):
-    """Causal depthwise Conv1d over time (trick 4), with its last k-1 inputs kept in the generation cache.
-
-    Padded positions are zeroed before the convolution, so left padding never leaks into a real token's
-    query, and the cached state is exactly what a full recomputation would see. Rows that pack several
-    sequences (`sequence_ids`, padding-free training) are convolved within each sequence only, as attention
-    attends within each.
-    """
-
-    def __init__(self, channels: int, kernel_size: int, cache_layer_idx: int, state_idx: int):
-        super().__init__()
-        self.kernel_size = kernel_size
-        self.cache_layer_idx = cache_layer_idx
-        self.state_idx = state_idx
-        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
-        self.bias = nn.Parameter(torch.empty(channels))
-
-    def init_ultramem(self) -> None:
-        """Start as the identity on the current token, so adding the conv does not change the initial model."""
-        identity = torch.zeros_like(self.weight)
-        identity[..., -1] = 1.0
-        init.copy_(self.weight, identity)
-        init.zeros_(self.bias)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        padding_mask: torch.Tensor | None = None,
-        cache: Cache | None = None,
-        sequence_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if padding_mask is not None:
-            x = x * padding_mask.unsqueeze(-1).to(x.dtype)
-        if sequence_ids is not None:
-            return self._within_sequences(x, sequence_ids)
-        x = x.transpose(1, 2)  # (B, D, T)
-        context = self.kernel_size - 1
-        window = None
-        if cache is not None and context > 0:
-            layers = cache.layers
-            if len(layers) <= self.cache_layer_idx or not isinstance(
-                layers[self.cache_layer_idx], LinearAttentionCacheLayerMixin
-            ):
-                raise ValueError(
-                    "UltraMem keeps query-conv states in the generation cache: build it with "
-                    "DynamicCache(config=model.config) (or let the model create it with use_cache=True)."
-                )
-            has_past = layers[self.cache_layer_idx].has_previous_state[self.state_idx]  # get_conv_state: 5.24 on
-            # With a previous state the cache returns cat(state, x) before overwriting its state in place
-            # (so the old state must not be read after this call); on prefill it returns x, unpadded. While
-            # `generate` records the past to roll it back (assisted decoding) the state is longer or shorter than
-            # k-1: the window is its last k-1+T inputs, zeros before the first token.
-            updated = cache.update_conv_state(x, self.cache_layer_idx, self.state_idx, conv_kernel_size=context)
-            if has_past:
-                width = context + x.shape[-1]
-                window = updated[..., -width:].to(x.dtype)
-                if window.shape[-1] < width:
-                    window = F.pad(window, (width - window.shape[-1], 0))
-        if window is None:
-            window = F.pad(x, (context, 0))  # (B, D, k-1+T): zeros before the first token
-        if x.shape[-1] == 1:  # a decode step: one dot product per channel, a fraction of conv1d's cost on CPU
-            return ((window * self.weight[:, 0]).sum(-1) + self.bias).unsqueeze(1)  # (B, 1, D)
-        return F.conv1d(window, self.weight, self.bias, groups=x.shape[1]).transpose(1, 2)  # (B, T, D)
-
-    def _within_sequences(self, x: torch.Tensor, sequence_ids: torch.Tensor) -> torch.Tensor:
-        """The convolution of packed rows x (B, T, D), each tap masked where it would reach into the previous sequence.
-
-        sequence_ids (B, T): the index of the sequence each token belongs to. Tap `shift` multiplies x[t - shift]
-        by weight[..., k-1-shift], as in conv1d over the zero-padded window.
-        """
-        output = x * self.weight[:, 0, -1] + self.bias
-        for shift in range(1, min(self.kernel_size, x.shape[1])):
-            same_sequence = (sequence_ids[:, shift:] == sequence_ids[:, :-shift]).unsqueeze(-1)  # (B, T-shift, 1)
-            earlier = F.pad(x[:, :-shift] * same_sequence, (0, 0, shift, 0))  # x[t - shift], zero across a boundary
-            output = output + earlier * self.weight[:, 0, -1 - shift]
-        return output
-
-
-class MemoryQuery(nn.Module):
-    """Query network: optional causal depthwise conv, a linear map, across-token normalisation, LayerNorm on each
-    Tucker part.
-
-    With `share_query` one query serves row and column keys (trick 5); otherwise each gets its own. The across-token
-    normalisation (`query_norm`, `query_normalization`) removes what all tokens' queries share, which would otherwise
-    make every token read the same rows.
-    """
-
-    def __init__(self, config: UltraMemConfig, scales: MemoryInitScales, cache_layer_idx: int, state_idx: int):
-        super().__init__()
-        self.num_heads = config.memory_heads
-        self.num_queries = 1 if config.share_query else 2
-        self.rank = config.tucker_rank
-        self.part_dim = config.memory_key_dim // config.tucker_rank
-        self.conv = (
-            CausalDepthwiseConv(config.hidden_size, config.query_conv_kernel_size, cache_layer_idx, state_idx)
-            if config.use_query_conv
-            else None
-        )
-        features = self.num_heads * self.num_queries * config.memory_key_dim
-        self.proj = nn.Linear(config.hidden_size, features, bias=False)
-        self.across_tokens = (
-            QueryNormalization(
-                self.num_heads * self.num_queries * self.rank,
-                self.part_dim,
-                config.query_norm,
-                config.query_norm_momentum,
-                config.layer_norm_eps,
-            )
-            if config.query_norm != NO_QUERY_NORM
-            else None
-        )
-        self.norm = (
-            ScaledLayerNorm(self.part_dim, config.layer_norm_eps, scales.query_gain)
-            if config.qk_layernorm
-            else nn.Identity()
-        )
-        self.inference_cache = InferenceCache()
-        # whether the model's current forward is a training one, and the tokens (B, T) its statistics count (None:
-        # those the padding mask keeps), set where it starts (`UltraMemModel.forward`) and read again by a
-        # recomputation in the backward (gradient checkpointing), which runs after it returned
-        self.training_step = True
-        self.counted_tokens: torch.Tensor | None = None
-
-    def cached_entries(self) -> dict[str, CacheEntry]:
-        """What `inference_cache` keeps (for `refresh_inference_cache`): the projection with the across-token
-        normalisation folded in, which is linear at inference."""
-        return {"projection": self._projection_entry()} if self._folds() else {}
-
-    def _folds(self) -> bool:
-        """Whether inference folds the normalisation into the projection: a plain `nn.Linear` whose weight is held
-        here. An adapter or a quantized layer runs its own forward; a weight that ZeRO-3 partitions or accelerate
-        offloads (meta) is only whole inside the projection's own forward, which its hooks wrap."""
-        if not isinstance(self.across_tokens, QueryNormalization) or type(self.proj) is not nn.Linear:
-            return False
-        weight = self.proj.weight
-        return not hasattr(weight, "ds_id") and weight.device.type != "meta"
-
-    def _projection_entry(self) -> CacheEntry:
-        return (self.proj.weight, *self.across_tokens.statistics()), lambda: self.across_tokens.folded(self.proj.weight)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        padding_mask: torch.Tensor | None,
-        cache: Cache | None,
-        sequence_ids: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.conv is not None:
-            x = self.conv(x, padding_mask, cache, sequence_ids)
-        # running statistics (at inference, and under no_grad as in `generate` after training): a linear map, folded
-        # into the projection, unless the statistics of the query are being gathered (`recalibrate_query_statistics`)
-        per_token = not (self.training and self.training_step)
-        if per_token and self._folds() and not self.across_tokens.collecting:
-            query = F.linear(x, *self.inference_cache.get("projection", *self._projection_entry()))
-        else:
-            query = self.proj(x)  # (B, T, H * (1|2) * Dk)
-            if self.across_tokens is not None:
-                counted = padding_mask if self.counted_tokens is None else self.counted_tokens
-                query = self.across_tokens(query, counted, self.training_step)
-        query = self.norm(query.unflatten(-1, (self.num_heads, self.num_queries, self.rank, self.part_dim)))
-        return query[..., 0, :, :], query[..., -1, :, :]  # row and column queries, (B, T, H, r, Dk/r)
 
 
 class KeyRetrieval(nn.Module):
@@ -381,20 +171,9 @@ class KeyRetrieval(nn.Module):
         self.last_balance_loss = loss.detach()
         return with_loss_gradient(row_scores, loss)
 
-    def aux_loss(self) -> torch.Tensor:
-        return self.row_keys.new_zeros((), dtype=torch.float32)
-
 
 class ProductKeyRetrieval(KeyRetrieval):
     """PKM retrieval: additive row + column scores, two-phase top-m, one score per slot (r = 1)."""
-
-    def score_factors(self, row_scores: torch.Tensor, col_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(..., k, n) factors F_row, F_col with grid score [x, y] = F_row[:, x] . F_col[:, y]; for diagnostics.
-
-        s_row[x] + s_col[y] = [s_row[x], 1] . [1, s_col[y]].
-        """
-        ones = torch.ones_like(row_scores)
-        return torch.cat([row_scores, ones], dim=-2), torch.cat([ones, col_scores], dim=-2)
 
     def forward(
         self, row_query: torch.Tensor, col_query: torch.Tensor, ops: MemoryOps
@@ -419,22 +198,11 @@ class TuckerQueryKeyRetrieval(KeyRetrieval):
             torch.empty(config.memory_heads, config.mcs_cores, config.tucker_rank, config.tucker_rank)
         )
         self.signed_candidates = config.tdqkr_signed_candidates
-        self.aux_loss_alpha, self.aux_loss_tau = config.aux_loss_alpha, config.aux_loss_tau
 
     def init_ultramem(self) -> None:
         super().init_ultramem()
         num_cores, rank = self.cores.shape[1], self.cores.shape[-1]
         init.normal_(self.cores, std=(num_cores * rank * rank) ** -0.5)  # E||sum_i C^(i)||_F^2 = 1
-
-    def score_factors(self, row_scores: torch.Tensor, col_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(..., r, n) factors F_row, F_col with grid score [x, y] = F_row[:, x] . F_col[:, y]; for diagnostics.
-
-        In the SVD basis of the summed core C = U diag(sigma) T^T: F_row = diag(sigma) U^T S_row, F_col = T^T S_col,
-        so the leading rank-1 term comes first and per-axis bounds on the score are tight.
-        """
-        left, singular_values, right_h = torch.linalg.svd(self.cores.sum(1).float())  # (H, r, r), (H, r), (H, r, r)
-        row = torch.einsum("hak,...han->...hkn", left * singular_values.unsqueeze(-2), row_scores.float())
-        return row, torch.einsum("hkb,...hbn->...hkn", right_h, col_scores.float())
 
     def cached_entries(self) -> dict[str, CacheEntry]:
         """The keys and the leading singular vectors of the cores."""
@@ -457,9 +225,6 @@ class TuckerQueryKeyRetrieval(KeyRetrieval):
             row_scores, lambda: ((row_scores * u.unsqueeze(-1)).sum(-2), (col_scores * t.unsqueeze(-1)).sum(-2))
         )
         return ops.tucker_topk(row_scores, col_scores, self.cores, leading, self.topk, self.signed_candidates)
-
-    def aux_loss(self) -> torch.Tensor:
-        return tucker_aux_loss(self.cores, self.aux_loss_alpha, self.aux_loss_tau)
 
 
 def ive_shuffle(size: int, seed: int) -> torch.Tensor:
@@ -659,6 +424,54 @@ def build_value_tables(
     values = table_cls(num_rows, config.memory_value_dim, scales.value_std)
     pre_values = table_cls(num_rows, config.pre_value_dim, scales.pre_value_std) if config.pre_value_dim else None
     return values, pre_values
+
+
+class UltraMemDecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm transformer block; adds the outputs of the memory layers that write after it.
+
+    Memory layers at the MLP's site (`memory_site`, UltraMemV2 / Memory+) are run by the block itself, on the
+    stream after attention, their outputs added with the MLP's: `parallel_memory` is that call. A block whose memory
+    replaces its MLP ("instead_of_mlp") has no MLP. `memory_output` is positional: reentrant gradient checkpointing
+    only treats positional tensors as inputs.
+    """
+
+    def __init__(self, config: UltraMemConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = UltraMemAttention(config, layer_idx)
+        has_mlp = layer_idx not in config.blocks_without_mlp
+        self.mlp = UltraMemMLP(config) if has_mlp else None
+        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if has_mlp else None
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    @_accepts_past_key_values
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        memory_output: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: Cache | None = None,
+        parallel_memory: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        attn_output, _ = self.self_attn(
+            self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            **{_CACHE_FIELD: cache},  # Llama's attention names it as its Transformers release does
+            **kwargs,
+        )
+        hidden_states = hidden_states + self.dropout(attn_output)
+        update = parallel_memory(hidden_states) if parallel_memory is not None else None  # reads the MLP's input
+        if self.mlp is not None:
+            mlp_output = self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
+            update = mlp_output if update is None else update + mlp_output
+        if update is not None:
+            hidden_states = hidden_states + update
+        if memory_output is not None:
+            hidden_states = hidden_states + memory_output
+        return hidden_states
 
 
 class UltraMemPreTrainedModel(ValueStoreMixin, PreTrainedModel):

@@ -26,7 +26,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 
 class QueryConv(MambaBase, nn.Module):
-    """Depthwise causal Conv1d over each request's tokens, in place of `modeling_ultramem.CausalDepthwiseConv`: its
+    """Depthwise causal Conv1d over each request's tokens, in place of `memory_query.CausalDepthwiseConv`: its
     parameter names (`weight` (D, 1, k), `bias` (D,)) and call, on the flat batch as one sequence (1, T, D)."""
 
     def __init__(
