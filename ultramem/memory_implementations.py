@@ -29,6 +29,7 @@ from .memory_ops import (
     tucker_candidate_topk,
     tucker_topk,
 )
+from .package_registry import package_registry
 
 
 class MemoryOps(Protocol):
@@ -78,28 +79,15 @@ class MemoryImplementations(GeneralInterface):
 ALL_MEMORY_IMPLEMENTATIONS = MemoryImplementations()
 
 
-def _package_registry() -> MemoryImplementations | None:
-    """The `ultramem` package's registry when this module is a remote-code copy and the package is installed."""
-    try:
-        from ultramem import memory_implementations
-    except ImportError:
-        return None
-    return (
-        None
-        if memory_implementations.MemoryImplementations is MemoryImplementations
-        else memory_implementations.ALL_MEMORY_IMPLEMENTATIONS
-    )
-
-
 def registered_memory_implementations() -> list[str]:
-    package = _package_registry()
+    package = package_registry(ALL_MEMORY_IMPLEMENTATIONS, "memory_implementations")
     return sorted({*ALL_MEMORY_IMPLEMENTATIONS, *(package or ())})
 
 
 def _lookup(name: str) -> MemoryOps | None:
     if name in ALL_MEMORY_IMPLEMENTATIONS:
         return ALL_MEMORY_IMPLEMENTATIONS[name]
-    package = _package_registry()
+    package = package_registry(ALL_MEMORY_IMPLEMENTATIONS, "memory_implementations")
     return package[name] if package is not None and name in package else None
 
 

@@ -69,6 +69,10 @@ from .transformers_compat import ContinuousBatchingCheck
 from .transformers_compat import accepts_past_key_values as _accepts_past_key_values
 from .value_gates import PreValueGate, SiluGate
 from .value_stores import (
+    LAYER_TABLE_PATTERN,
+    LAYER_TABLES,
+    POOL_TABLE_PATTERN,
+    POOL_TABLES,
     DeferredValueTable,
     MemoryValueTable,
     ValueStoreMixin,
@@ -77,9 +81,6 @@ from .value_stores import (
 )
 
 logger = logging.get_logger(__name__)
-
-# Where a memory layer or the model keeps value tables (all of them value stores, see `value_stores`)
-VALUE_TABLE_ATTRIBUTES = ("values", "pre_values", "value_pool", "pre_value_pool")
 
 # A remote-code copy of this file loaded under an older Transformers says what it needs here, not with a TypeError
 require_version("transformers>=5.17", "UltraMem's model code needs Transformers 5.17 or later")
@@ -491,8 +492,8 @@ class UltraMemPreTrainedModel(ValueStoreMixin, PreTrainedModel):
     }
     # Tables a value store serves are left out of the load (`DeferredValueTable`); the store reads them itself
     _keys_to_ignore_on_load_unexpected = [
-        r"memory_layers\.\d+\.(pre_)?values\.weight$",
-        r"(pre_)?value_pool\.weight$",
+        rf"{LAYER_TABLE_PATTERN}\.weight$",
+        rf"{POOL_TABLE_PATTERN}\.weight$",
         r"across_tokens\.pending_(mean|moment|count)$",  # buffers before the pending sums moved out of the state
     ]
 
@@ -528,7 +529,7 @@ class UltraMemPreTrainedModel(ValueStoreMixin, PreTrainedModel):
             f"{name}.{table}.weight"
             for name, module in self.named_modules()
             if isinstance(module, (UltraMemMemoryLayer, UltraMemModel))
-            for table in VALUE_TABLE_ATTRIBUTES
+            for table in (*LAYER_TABLES, *POOL_TABLES)
             if getattr(module, table, None) is not None
         ]
 

@@ -38,6 +38,7 @@ from transformers.utils import logging
 from transformers.utils.generic import GeneralInterface
 
 from .configuration_ultramem import MEMORY_OFFLOADS, UltraMemConfigError
+from .package_registry import package_registry
 
 logger = logging.get_logger(__name__)
 
@@ -94,15 +95,6 @@ class ValueStores(GeneralInterface):
 VALUE_STORES = ValueStores()
 
 
-def _package_registry() -> ValueStores | None:
-    """The `ultramem` package's registry (importing it registers every store) when this module is a remote-code copy."""
-    try:
-        from ultramem import value_stores
-    except ImportError:
-        return None
-    return None if value_stores.ValueStores is ValueStores else value_stores.VALUE_STORES
-
-
 class TableFormats(GeneralInterface):
     """Storage format of the value tables (e.g. "int8", registered by `ultramem.quantized`) -> the loader that
     `from_pretrained` hands over to when a format is set: `loader(model_class, path, *args, **kwargs)`."""
@@ -115,24 +107,19 @@ def table_format_loader(name: str):
     formats = TableFormats()
     if name in formats:
         return formats[name]
-    try:
-        from ultramem import value_stores
-    except ImportError as error:
-        raise ImportError(
-            f"memory_quantization={name!r} needs the `ultramem` package installed (pip install ultramem)"
-        ) from error
-    if name not in value_stores.TableFormats():
-        raise ValueError(
-            f"memory_quantization={name!r} is not a registered table format: {sorted(value_stores.TableFormats())}"
-        )
-    return value_stores.TableFormats()[name]
+    package = package_registry(formats, "value_stores")
+    if package is None:
+        raise ImportError(f"memory_quantization={name!r} needs the `ultramem` package installed (pip install ultramem)")
+    if name not in package:
+        raise ValueError(f"memory_quantization={name!r} is not a registered table format: {sorted(package)}")
+    return package[name]
 
 
 def value_store(name: str) -> type[ValueStore]:
     """The registered store class `name`, or one line naming the registered ones."""
     if name in VALUE_STORES:
         return VALUE_STORES[name]
-    package = _package_registry()
+    package = package_registry(VALUE_STORES, "value_stores")
     if package is not None and name in package:
         return package[name]
     if package is None and ValueStores._global_mapping.keys() == {"local"}:
@@ -222,8 +209,13 @@ def _saved_quantization(path, kwargs: dict) -> str | None:
     return saved.get("memory_quantization")
 
 
-POOL_TABLES, PRE_VALUE_TABLES = ("value_pool", "pre_value_pool"), ("pre_values", "pre_value_pool")
-"""Module names of the tables a model owns for all its memory layers, and of the PEER pre-value tables (width Dp)."""
+# The value tables' module names, the one place they are spelled: a memory layer's own, the pools the model owns for
+# all its memory layers, and which of them are PEER pre-value tables (width Dp)
+LAYER_TABLES = ("values", "pre_values")
+POOL_TABLES = ("value_pool", "pre_value_pool")
+PRE_VALUE_TABLES = ("pre_values", "pre_value_pool")
+LAYER_TABLE_PATTERN = rf"memory_layers\.\d+\.(?:{'|'.join(LAYER_TABLES)})"  # regular expressions of their module names
+POOL_TABLE_PATTERN = rf"(?:{'|'.join(POOL_TABLES)})"
 
 
 def shared_by_layers(name: str) -> bool:
@@ -243,7 +235,7 @@ def value_tables(model: nn.Module) -> dict[str, nn.Module]:
 
 # Module names of the value tables (per memory layer, pre-value tables and shared pools included), as the
 # `modules_to_not_convert` patterns of Transformers' quantizers
-VALUE_TABLE_MODULES = r".*memory_layers\.\d+\.(pre_)?values|.*(pre_)?value_pool"
+VALUE_TABLE_MODULES = rf".*{LAYER_TABLE_PATTERN}|.*{POOL_TABLE_PATTERN}"
 
 
 def leave_value_tables_alone(quantization_config: Any) -> Any:

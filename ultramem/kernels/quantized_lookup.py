@@ -23,7 +23,9 @@ def _kernels():
     return _triton_quantized_lookup
 
 
-def _group_bytes(format: str, group_size: int) -> int:
+def group_bytes(format: str, group_size: int) -> int:
+    """Bytes of one quantized group of `group_size` columns: payload (1 byte a column for int8, half a byte for int4),
+    scale and bias. The one definition: `ultramem.quantized.format` lays tables out by it."""
     payload = group_size if format == "int8" else group_size // 2
     return payload + FORMAT_GROUP_OVERHEAD[format]
 
@@ -46,7 +48,7 @@ def _quantized_lookup_reduce_op(
 
 @_quantized_lookup_reduce_op.register_fake
 def _(weight, rows, groups, scores, num_groups, format, group_size):
-    value_dim = weight.shape[1] // _group_bytes(format, group_size) * group_size
+    value_dim = weight.shape[1] // group_bytes(format, group_size) * group_size
     return weight.new_empty((rows.shape[0], num_groups, value_dim), dtype=torch.float32)
 
 
@@ -115,7 +117,7 @@ def _check_inputs(
         raise ValueError(
             f"scores must have shape (T, K, h) with (T, K) = {tuple(rows.shape)}, got {tuple(scores.shape)}"
         )
-    per_group = _group_bytes(format, group_size)
+    per_group = group_bytes(format, group_size)
     if weight.shape[1] % per_group:
         raise ValueError(
             f"weight rows of {weight.shape[1]} bytes are not whole {format} groups of {group_size} columns "

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.quantized_lookup import group_bytes
+
 FORMATS = ("int8", "int4")
 DEFAULT_INT4_GROUP_SIZE = 64
 QUANTIZE_BLOCK_BYTES = 32 << 20  # float32 bytes of table quantized at once
@@ -34,11 +36,6 @@ class QuantizationError(ValueError):
 def check_format(format: str | None) -> None:
     if format is not None and format not in FORMATS:
         raise QuantizationError(f"memory_quantization={format!r} is invalid: must be one of {(None, *FORMATS)}")
-
-
-def group_bytes(format: str, group_size: int) -> int:
-    """Bytes of one quantized group of `group_size` columns (payload, scale and bias)."""
-    return group_size + 8 if format == "int8" else group_size // 2 + 4
 
 
 def resolve_group_size(format: str, value_dim: int, num_cores: int, group_size: int | None = None) -> int:
