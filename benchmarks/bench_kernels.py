@@ -10,7 +10,7 @@ On CPU (reduced sizes; Triton is skipped when it would only run in its interpret
 
 `lookup_reduce` is timed at the paper's UltraMem-x12 memory configurations (151M, 680M, 1.6B: heads,
 top-m, value dim, physical rows N, IVE groups E and MCS cores h read from `ultramem.presets`), at its
-own (E, h) and at E = h = 1: the PyTorch reference, `memory_ops.lookup_reduce_embedding_bag` (one
+own (E, h) and at E = h = 1: the PyTorch reference, `embedding_bag_ops.lookup_reduce_embedding_bag` (one
 `F.embedding_bag` with per-sample weights, the CPU path) and the Triton kernels. Forward, backward and
 forward+backward are timed separately; forward bandwidth counts the bytes that must move (gathered rows,
 indices, scores, output) and is compared with a measured device-to-device copy. `tucker_candidate_topk` (the fused m x m scoring and top-m) is timed against

@@ -5,17 +5,77 @@ init, UltraMemV2's gated variants) and the two modules that start at a scale the
 This file is copied beside `modeling_ultramem.py` into checkpoints (remote code), so it imports only relatively.
 """
 
+import functools
 import math
 from dataclasses import dataclass
+from statistics import NormalDist
 
+import torch
 from torch import nn
 from transformers import initialization as init
 
 from .configuration_ultramem import NO_GATE, PEER, PEER_GELU, SWILU, TUCKER, UltraMemConfig
-from .memory_ops import core_score_second_moment, expected_top_m_mean, mcs_output_gain
+from .memory_ops import rank_one_candidates, tucker_candidate_topk
 
 # E[act(z)^2] for z ~ N(0, 1): how a value gate scales the pooled values' variance at init (see MemoryInitScales)
 GATE_SECOND_MOMENTS = {NO_GATE: 1.0, PEER: 1.0, PEER_GELU: 0.42522, SWILU: 0.35578}
+
+
+def expected_top_m_mean(num_candidates: int, top_m: int) -> float:
+    """E[mean of the top-m of `num_candidates` standard normals] (appendix A), in closed form.
+
+    The paper estimates it by sampling; the mean of a standard normal above its (1 - m/N) quantile,
+    phi(z) / (m/N), is the same quantity for m << N, deterministic, and allocation-free.
+    """
+    tail = min(top_m / num_candidates, 0.5)
+    normal = NormalDist()
+    return normal.pdf(normal.inv_cdf(1.0 - tail)) / tail
+
+
+@functools.cache
+def mcs_output_gain(num_keys: int, top_m: int, rank: int, num_cores: int, samples: int = 512) -> float:
+    """sqrt(E[S^2] / E[mean_i s_i^2]) over the top-m slots at init: the value scale that makes h cores match one.
+
+    See `sampled_core_scores` and `init_scales.MemoryInitScales`.
+    """
+    if num_cores == 1:
+        return 1.0
+    selected = sampled_core_scores(num_keys, top_m, rank, num_cores, samples, signed=True)
+    return (selected.sum(-1).pow(2).mean() / selected.pow(2).mean()).sqrt().item()
+
+
+@functools.cache
+def core_score_second_moment(
+    num_keys: int, top_m: int, rank: int, num_cores: int, signed: bool, samples: int = 2048
+) -> float:
+    """E[s_i^2] of the per-core scores of the top-m slots at init, for unit-variance row and column scores: the
+    (1 + sigma_s^2) of UltraMemV2's appendix A (Eq. 22), sampled as the paper does, with the model's candidates."""
+    return sampled_core_scores(num_keys, top_m, rank, num_cores, samples, signed).pow(2).mean().item()
+
+
+def sampled_core_scores(
+    num_keys: int, top_m: int, rank: int, num_cores: int, samples: int, signed: bool
+) -> torch.Tensor:
+    """Per-core scores (S, m, h) of the top-m slots of `samples` draws at init (seeded, float64): standard normal
+    row/column scores (r, n) and random cores, the top-m taken by the two-phase search over the rank-1 candidates
+    (`rank_one_candidates`)."""
+    generator = torch.Generator().manual_seed(0)
+    # torch.normal, not torch.randn (the same numbers): DeepSpeed's `zero.Init` casts what torch.randn makes to the
+    # training dtype, and torch.linalg.svd has no bfloat16 kernel (ZeRO-3 with --bf16 failed building the model)
+    float64 = dict(generator=generator, dtype=torch.float64, device="cpu")
+    rows, cols = torch.normal(0.0, 1.0, (2, samples, rank, num_keys), **float64)
+    cores = torch.normal(0.0, 1.0, (samples, num_cores, rank, rank), **float64)
+    cores = cores / (num_cores * rank * rank) ** 0.5  # E||sum_i C^(i)||_F^2 = 1, as `TuckerQueryKeyRetrieval`
+    left, _, right_h = torch.linalg.svd(cores.sum(1))
+    projected = (
+        torch.einsum("srn,sr->sn", rows, left[..., :, 0]),
+        torch.einsum("srn,sr->sn", cols, right_h[..., 0, :]),
+    )
+    indices = rank_one_candidates(*projected, top_m, signed)  # (S, m') each
+    row_candidates, col_candidates = (
+        scores.gather(-1, index.unsqueeze(1).expand(-1, rank, -1)) for scores, index in zip((rows, cols), indices)
+    )  # (S, r, m')
+    return tucker_candidate_topk(row_candidates, col_candidates, cores, top_m)[1]  # (S, m, h)
 
 
 @dataclass(frozen=True)

@@ -21,14 +21,8 @@ from typing import Protocol
 import torch
 from transformers.utils.generic import GeneralInterface
 
-from .memory_ops import (
-    lookup_dot,
-    lookup_dot_embedding_bag,
-    lookup_reduce,
-    lookup_reduce_embedding_bag,
-    tucker_candidate_topk,
-    tucker_topk,
-)
+from .embedding_bag_ops import lookup_dot_embedding_bag, lookup_reduce_embedding_bag
+from .memory_ops import lookup_dot, lookup_reduce, tucker_candidate_topk, tucker_topk
 from .package_registry import package_registry
 
 

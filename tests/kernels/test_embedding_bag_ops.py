@@ -1,16 +1,16 @@
-"""The fast CPU lookup (`memory_ops.lookup_reduce_embedding_bag`) against the reference `memory_ops.lookup_reduce`."""
+"""The fast CPU lookup (`embedding_bag_ops.lookup_reduce_embedding_bag`) against the reference `memory_ops.lookup_reduce`."""
 
 import pytest
 import torch
 from conftest import assert_trains_like_the_reference
 
-from ultramem import memory_ops
+from ultramem import embedding_bag_ops, memory_ops
 from ultramem.memory_implementations import EMBEDDING_BAG_MEMORY_OPS, TORCH_MEMORY_OPS, memory_ops_for
 
 # atol is relative to the largest expected magnitude: a bfloat16 value gradient sums ~50 rounded contributions per
 # row here, in bfloat16 on both paths (the reference's is off by 0.12 at magnitude 10)
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1e-2, atol=3e-2)}
-LONG = memory_ops.EMBEDDING_BAG_MIN_TOKENS + 5  # runs embedding_bag
+LONG = embedding_bag_ops.EMBEDDING_BAG_MIN_TOKENS + 5  # runs embedding_bag
 SHORT = 3  # falls back to the reference
 
 
@@ -40,7 +40,7 @@ def _output_and_grads(lookup, values, rows, groups, scores, num_groups):
 def test_embedding_bag_lookup_matches_reference(num_tokens, dtype, num_groups, num_cores):
     """Output, value gradient and score gradient of the fast path equal the reference's (computed in float32)."""
     values, rows, groups, scores = _inputs(num_tokens, num_groups, num_cores, dtype)
-    fast = _output_and_grads(memory_ops.lookup_reduce_embedding_bag, values, rows, groups, scores, num_groups)
+    fast = _output_and_grads(embedding_bag_ops.lookup_reduce_embedding_bag, values, rows, groups, scores, num_groups)
     reference = _output_and_grads(memory_ops.lookup_reduce, values.float(), rows, groups, scores.float(), num_groups)
     assert fast[0].dtype == dtype and fast[0].shape == (num_tokens, num_groups, values.shape[-1])
     for name, got, expected in zip(("output", "grad values", "grad scores"), fast, reference):
@@ -69,7 +69,7 @@ def test_value_gradient_in_fresh_pages_accumulates_like_the_reference():
     values, rows, groups, scores = _inputs(LONG, 4, 2, torch.float32)
     values = torch.cat([values, torch.randn(4096, values.shape[-1])])  # rows 7.. are never selected
     grads = []
-    for lookup in (memory_ops.lookup_reduce_embedding_bag, memory_ops.lookup_reduce):
+    for lookup in (embedding_bag_ops.lookup_reduce_embedding_bag, memory_ops.lookup_reduce):
         table = values.clone().requires_grad_()
         for weight in (1.0, -0.5):
             (lookup(table, rows, groups, scores, 4) * weight).square().sum().backward()
@@ -86,8 +86,8 @@ def test_value_gradient_pages_chosen_by_how_densely_rows_are_written(dense):
     num_values, value_dim = 65536, 64  # 16 MB, 256 B rows: 16 rows a 4 KB page, 8192 a 2 MB block
     step = 3 if dense else 8192  # a third of the rows, or one row per 2 MB block
     rows = torch.arange(0, num_values, step)
-    assert memory_ops._worth_huge_pages(rows, value_dim * 4) is dense
+    assert embedding_bag_ops._worth_huge_pages(rows, value_dim * 4) is dense
     grad_rows = torch.randn(rows.numel(), value_dim, generator=generator)
-    grad = memory_ops.zeros_in_fresh_pages((num_values, value_dim), torch.float32, torch.device("cpu"), rows)
+    grad = embedding_bag_ops.zeros_in_fresh_pages((num_values, value_dim), torch.float32, torch.device("cpu"), rows)
     grad.index_copy_(0, rows, grad_rows)
     torch.testing.assert_close(grad, torch.zeros(num_values, value_dim).index_add_(0, rows, grad_rows), rtol=0, atol=0)

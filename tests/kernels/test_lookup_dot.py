@@ -9,13 +9,13 @@ import pytest
 import torch
 from test_kernels import poison  # noqa: F401 (a fixture: buffers the kernels allocate start as NaN)
 
-from ultramem import kernels, memory_ops
+from ultramem import embedding_bag_ops, kernels, memory_ops
 from ultramem.memory_implementations import EMBEDDING_BAG_MEMORY_OPS, TORCH_MEMORY_OPS, memory_ops_for
 
 # atol is relative to the largest expected magnitude: a bfloat16 table gradient sums dozens of rounded contributions
 # per row, in bfloat16 (as in test_embedding_bag_ops)
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1e-2, atol=3e-2)}
-LONG = memory_ops.EMBEDDING_BAG_MIN_TOKENS + 5
+LONG = embedding_bag_ops.EMBEDDING_BAG_MIN_TOKENS + 5
 SHORT = 3  # embedding_bag with autograd, the reference without (decoding)
 
 
@@ -72,12 +72,12 @@ def test_reference_equals_a_float64_loop():
 def test_embedding_bag_path_matches_reference(num_tokens, dtype):
     """Output, table and query gradients of the fast path equal the reference's (computed in float32)."""
     table, rows, query = _inputs(num_tokens, dtype)
-    fast = _output_and_grads(memory_ops.lookup_dot_embedding_bag, table, rows, query)
+    fast = _output_and_grads(embedding_bag_ops.lookup_dot_embedding_bag, table, rows, query)
     reference = _output_and_grads(memory_ops.lookup_dot, table.float(), rows, query.float())
     assert fast[0].shape == rows.shape
     _assert_close_to(fast, reference, dtype)
     with torch.no_grad():
-        _assert_close_to([memory_ops.lookup_dot_embedding_bag(table, rows, query)], reference[:1], dtype)
+        _assert_close_to([embedding_bag_ops.lookup_dot_embedding_bag(table, rows, query)], reference[:1], dtype)
 
 
 def test_embedding_bag_table_gradient_accumulates_and_leaves_unread_rows_zero():
@@ -85,7 +85,7 @@ def test_embedding_bag_table_gradient_accumulates_and_leaves_unread_rows_zero():
     table, rows, query = _inputs(LONG, torch.float32)
     table = torch.cat([table, torch.randn(4096, table.shape[-1])])  # rows 7.. are never selected
     grads = []
-    for lookup_dot in (memory_ops.lookup_dot_embedding_bag, memory_ops.lookup_dot):
+    for lookup_dot in (embedding_bag_ops.lookup_dot_embedding_bag, memory_ops.lookup_dot):
         leaf = table.clone().requires_grad_()
         for weight in (1.0, -0.5):
             (lookup_dot(leaf, rows, query) * weight).square().sum().backward()
@@ -97,7 +97,7 @@ def test_embedding_bag_table_gradient_accumulates_and_leaves_unread_rows_zero():
 def test_every_implementation_has_lookup_dot():
     cpu = torch.device("cpu")
     assert TORCH_MEMORY_OPS.lookup_dot is memory_ops.lookup_dot
-    assert EMBEDDING_BAG_MEMORY_OPS.lookup_dot is memory_ops.lookup_dot_embedding_bag
+    assert EMBEDDING_BAG_MEMORY_OPS.lookup_dot is embedding_bag_ops.lookup_dot_embedding_bag
     assert memory_ops_for("triton", cpu).lookup_dot is kernels.lookup_dot
 
 

@@ -16,7 +16,7 @@ from ultramem import (
     UltraMemForTokenClassification,
 )
 from ultramem.diagnostics import WORST_LAYER, retrieval_diagnostics
-from ultramem.memory_ops import mcs_output_gain
+from ultramem.init_scales import mcs_output_gain
 
 
 def _model(config, seed: int = 0) -> UltraMemForCausalLM:

@@ -1,7 +1,7 @@
 """The lookup-reduce over a quantized table: PyTorch's quantized embedding-bag ops on CPU, and the reference.
 
 `lookup_reduce_quantized` has the contract of `memory_ops.lookup_reduce` (rows, groups (T, K), scores (T, K, h) ->
-(T, E, Dv) float32) on a quantized table (`format`). It builds its bags as `memory_ops.lookup_reduce_embedding_bag`
+(T, E, Dv) float32) on a quantized table (`format`). It builds its bags as `embedding_bag_ops.lookup_reduce_embedding_bag`
 does, with quantization groups in place of MCS chunks: sample (token, group j, slot k) reads group j of row
 rows[t, k] (row rows * G + j of the (N*G, group_bytes) view), weighted by the score of the core that owns group j,
 and bag (token, j, IVE group) sums its samples. On CPU the bags go to `ultramem::quantized_bag_sum`, a custom op on
@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import torch
 
+from ..embedding_bag_ops import chunk_bags
 from ..kernels import triton_available
 from ..kernels.quantized_lookup import quantized_lookup_reduce
-from ..memory_ops import chunk_bags, lookup_reduce
+from ..memory_ops import lookup_reduce
 from .format import dequantize, group_bytes
 
 
