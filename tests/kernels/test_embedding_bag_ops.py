@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import assert_trains_like_the_reference
+from model_support import assert_trains_like_the_reference
 
 from ultramem import embedding_bag_ops, memory_ops
 from ultramem.memory_implementations import EMBEDDING_BAG_MEMORY_OPS, TORCH_MEMORY_OPS, memory_ops_for

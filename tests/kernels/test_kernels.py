@@ -41,24 +41,6 @@ TOLERANCE = {
 }
 
 
-def _poisoned(factory):
-    """Wrap torch.empty / torch.empty_like so that freshly allocated buffers hold NaN (or -7 for ints)."""
-
-    def allocate(*args, **kwargs):
-        tensor = factory(*args, **kwargs)
-        return tensor.fill_(float("nan") if tensor.is_floating_point() else -7)
-
-    return allocate
-
-
-@pytest.fixture
-def poison(monkeypatch):
-    """Every buffer the kernels allocate without initialising starts as garbage, so an element the
-    kernels forget to write shows up as NaN / -7 in the result."""
-    monkeypatch.setattr(torch, "empty", _poisoned(torch.empty))
-    monkeypatch.setattr(torch, "empty_like", _poisoned(torch.empty_like))
-
-
 def _lookup_inputs(num_tokens, num_slots, value_dim, num_rows, num_groups, num_cores, dtype, seed, row_range=None):
     generator = torch.Generator().manual_seed(seed)
     values = torch.randn(num_rows, value_dim, generator=generator).to(dtype)
@@ -396,7 +378,7 @@ def test_kernels_compile_for_ampere_and_hopper():
 def test_model_trains_through_the_kernels(fused_selection):
     """UltraMemForCausalLM with memory_implementation='triton' gives the loss and every gradient of 'torch', with the
     default selection and with the opt-in one-kernel selection."""
-    from conftest import assert_trains_like_the_reference
+    from model_support import assert_trains_like_the_reference
 
     torch.manual_seed(0)
     with kernels.fused_selection(fused_selection), torch.profiler.profile() as profile:
@@ -407,7 +389,7 @@ def test_model_trains_through_the_kernels(fused_selection):
 @in_process
 def test_model_compiles_without_graph_breaks_through_the_kernels():
     """torch.compile(fullgraph=True) of the whole model on the Triton path: custom ops, no graph break."""
-    from conftest import small_config
+    from model_support import small_config
 
     from ultramem import UltraMemForCausalLM
 

@@ -7,7 +7,6 @@ import os
 
 import pytest
 import torch
-from test_kernels import poison  # noqa: F401 (a fixture: buffers the kernels allocate start as NaN)
 
 from ultramem import embedding_bag_ops, kernels, memory_ops
 from ultramem.memory_implementations import EMBEDDING_BAG_MEMORY_OPS, TORCH_MEMORY_OPS, memory_ops_for

@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-from test_kernels import poison  # noqa: F401 (a fixture: buffers the kernels allocate start as NaN)
 
 from ultramem import kernels, memory_ops
 from ultramem.kernels.tucker_topk import fused_selection, fuses
@@ -173,7 +172,7 @@ def test_custom_op_passes_opcheck():
 def test_model_decodes_through_the_fused_selection():
     """A model on the Triton path generates, token for token, what the reference path generates, and its decode
     step runs the fused selection once per memory layer and no `topk`."""
-    from conftest import small_config
+    from model_support import small_config
 
     from ultramem import UltraMemForCausalLM
 
@@ -204,7 +203,7 @@ def test_the_switch_is_off_unless_the_environment_turns_it_on(environment, expec
 def test_switched_off_the_model_decodes_through_the_candidate_kernel():
     """With the switch off (the default) the Triton path's decode step runs the reference composition with the
     candidate kernel, and the switch restores its previous state when the block ends."""
-    from conftest import small_config
+    from model_support import small_config
 
     from ultramem import UltraMemForCausalLM
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch._dynamo
-from conftest import small_config
+from model_support import small_config
 from torch._dynamo.testing import CompileCounterWithBackend
 from transformers import CompileConfig, StaticCache
 

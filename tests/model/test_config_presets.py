@@ -1,7 +1,7 @@
 """Config validation errors, and the presets against the paper's parameter column."""
 
 import pytest
-from conftest import small_config
+from model_support import small_config
 from transformers import MixtralConfig
 
 from ultramem import UltraMemConfig, UltraMemConfigError

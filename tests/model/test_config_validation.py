@@ -5,8 +5,8 @@ import json
 import warnings
 
 import pytest
-from conftest import small_config
 from huggingface_hub.errors import StrictDataclassError
+from model_support import small_config
 from transformers import AutoConfig
 
 from ultramem import UltraMemConfig, UltraMemConfigError, UltraMemForCausalLM, configuration_ultramem

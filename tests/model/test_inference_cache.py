@@ -5,7 +5,7 @@ import copy
 
 import pytest
 import torch
-from conftest import small_config
+from model_support import small_config
 
 from ultramem import UltraMemForCausalLM
 from ultramem.inference_cache import InferenceCache

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import small_config
+from model_support import small_config
 from transformers import AutoModelForCausalLM
 from transformers.testing_utils import CaptureLogger
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import small_config
+from model_support import left_padded_batch, perturbed_model, reference_memory_layer, small_config
 from transformers import DataCollatorWithFlattening, DynamicCache, GPTNeoXConfig, GPTNeoXForCausalLM
 
 from ultramem import (
@@ -18,36 +18,6 @@ from ultramem import (
 from ultramem.diagnostics import WORST_LAYER, retrieval_diagnostics
 from ultramem.init_scales import mcs_output_gain
 
-
-def _model(config, seed: int = 0) -> UltraMemForCausalLM:
-    """A model whose query convs also look at past tokens (their init is the identity on the current one), and whose
-    queries' running statistics are not the identity's (as after training)."""
-    torch.manual_seed(seed)
-    model = UltraMemForCausalLM(config).eval()
-    with torch.no_grad():
-        for layer in model.model.memory_layers:
-            if layer.query.conv is not None:
-                layer.query.conv.weight.normal_(std=0.5)
-                layer.query.conv.bias.normal_(std=0.1)
-            statistics = layer.query.across_tokens
-            if statistics is not None:
-                statistics.running_mean.normal_(std=0.3)
-                statistics.running_cov.copy_(torch.diag_embed(torch.rand_like(statistics.running_cov[..., 0]) + 0.5))
-                statistics.whitening.add_(torch.randn_like(statistics.whitening), alpha=0.2)
-    return model
-
-
-def _left_padded_batch(vocab_size: int, lengths: list[int], seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    input_ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    attention_mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for row, length in enumerate(lengths):
-        input_ids[row, width - length :] = torch.randint(1, vocab_size, (length,), generator=generator)
-        attention_mask[row, width - length :] = 1
-    return input_ids, attention_mask
-
-
 # ----------------------------------------------------------------------------------------------------
 # Backbone
 # ----------------------------------------------------------------------------------------------------
@@ -58,7 +28,7 @@ def test_backbone_matches_gpt_neox(attn_implementation):
     """With no memory layers the model is GPT-NeoX (sequential residual, full rotary) without linear biases."""
     config = small_config(memory_layers=[])
     config._attn_implementation = attn_implementation
-    ours = _model(config)
+    ours = perturbed_model(config)
     neox_config = GPTNeoXConfig(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
@@ -101,7 +71,7 @@ def test_backbone_matches_gpt_neox(attn_implementation):
             theirs.mlp.dense_4h_to_h.bias.zero_()
         neox.gpt_neox.final_layer_norm.load_state_dict(ours.model.norm.state_dict())
         neox.lm_head.weight.copy_(ours.lm_head.weight)
-    input_ids, attention_mask = _left_padded_batch(config.vocab_size, [9, 6])
+    input_ids, attention_mask = left_padded_batch(config.vocab_size, [9, 6])
     with torch.no_grad():
         expected = neox(input_ids, attention_mask=attention_mask).logits
         actual = ours(input_ids, attention_mask=attention_mask).logits
@@ -114,124 +84,9 @@ def test_backbone_matches_gpt_neox(attn_implementation):
 # ----------------------------------------------------------------------------------------------------
 
 
-def _reference_memory_layer(
-    layer, hidden: torch.Tensor, params: dict[str, torch.Tensor], tables: dict[str, torch.Tensor] | None = None
-) -> torch.Tensor:
-    """One token and one head at a time, in float64, from the equations (no code shared with the model).
-
-    Covers the paper's layer (TDQKR or PKM retrieval, MCS, IVE) and the successors' switches: PEER pre-value gates
-    (UltraMemV2 Eq. 15, GELU for PEER's Eq. 13), Memory+'s silu gate, V2's single projector (Eq. 12) and a value pool
-    read through each layer's window. `tables`: "values" (and "pre_values") when the model's pool holds them.
-    """
-    config = layer.config
-    tables = tables or params
-    batch, length, hidden_size = hidden.shape
-    heads, m, n, rank, cores_n = (
-        config.memory_heads,
-        config.memory_topk,
-        config.memory_num_keys,
-        config.tucker_rank,
-        config.mcs_cores,
-    )
-    part, value_dim = config.memory_key_dim // rank, config.memory_value_dim
-    groups = 1 if config.ive_single_projector else config.ive_expansion
-    num_values, eps = config.memory_num_values, config.layer_norm_eps
-    shuffle = layer.value_expansion.virtual_to_physical
-    permutation = shuffle.tolist() if shuffle is not None else list(range(n * n))
-    pool = config.value_pool_size
-    window_start = layer.memory_idx * pool // config.num_memory_layers if pool else 0
-
-    x = F.layer_norm(hidden, (hidden_size,), params["norm.weight"], params["norm.bias"], eps)
-    convolved = x
-    if config.use_query_conv:
-        kernel = config.query_conv_kernel_size
-        conv_weight = params["query.conv.weight"][:, 0, :]  # (D, k)
-        convolved = []
-        for t in range(length):
-            acc = params["query.conv.bias"].expand(batch, hidden_size)
-            for j in range(kernel):
-                source = t - (kernel - 1) + j
-                if source >= 0:
-                    acc = acc + conv_weight[:, j] * x[:, source]
-            convolved.append(acc)
-        convolved = torch.stack(convolved, dim=1)
-    num_queries = 1 if config.share_query else 2
-    query = convolved @ params["query.proj.weight"].T  # (B, T, F)
-    if config.query_norm != "none":  # at inference, every mode uses the running statistics
-        statistics = layer.query.across_tokens
-        query = query - statistics.running_mean.double()
-        if config.query_norm == "batch_norm":
-            query = query / (torch.diagonal(statistics.running_cov.double(), dim1=-2, dim2=-1).flatten() + eps).sqrt()
-        if config.query_norm == "batch_whiten":  # each (head, query, part) block times its whitening matrix
-            whitening = statistics.whitening.double()
-            blocks = query.view(batch, length, -1, part)
-            query = torch.stack([blocks[:, :, g] @ whitening[g] for g in range(len(whitening))], dim=2).flatten(2)
-    query = query.view(batch, length, heads, num_queries, rank, part)
-    query = F.layer_norm(query, (part,), params["query.norm.weight"], params["query.norm.bias"], eps)
-    key_norm = (params["retrieval.key_norm.weight"], params["retrieval.key_norm.bias"])
-    row_keys = F.layer_norm(params["retrieval.row_keys"], (part,), *key_norm, eps)
-    col_keys = F.layer_norm(params["retrieval.col_keys"], (part,), *key_norm, eps)
-    values = tables["values.weight"]
-    chunk = value_dim // cores_n
-
-    outputs = []
-    for b in range(batch):
-        for t in range(length):
-            pooled = [[] for _ in range(groups)]
-            for h in range(heads):
-                s_row = torch.stack([row_keys[h, a] @ query[b, t, h, 0, a] for a in range(rank)])  # (r, n)
-                s_col = torch.stack([col_keys[h, a] @ query[b, t, h, -1, a] for a in range(rank)])
-                candidates = []
-                if config.retrieval_mode == "product_key":
-                    rows = np.argsort(-s_row[0].detach().numpy(), kind="stable")[:m]
-                    cols = np.argsort(-s_col[0].detach().numpy(), kind="stable")[:m]
-                    for i in rows:
-                        for j in cols:
-                            score = s_row[0, i] + s_col[0, j]
-                            candidates.append((score.item(), int(i), int(j), [score]))
-                else:
-                    cores = params["retrieval.cores"]
-                    core = cores[h].sum(0).detach().numpy()
-                    left, _, right_h = np.linalg.svd(core)
-                    proj_row, proj_col = left[:, 0] @ s_row.detach().numpy(), right_h[0] @ s_col.detach().numpy()
-                    # the quadrant (both large or both very negative) with the higher best rank-1 score
-                    if proj_row.max() * proj_col.max() < proj_row.min() * proj_col.min():
-                        proj_row, proj_col = -proj_row, -proj_col
-                    rows = np.argsort(-proj_row, kind="stable")[:m]
-                    cols = np.argsort(-proj_col, kind="stable")[:m]
-                    for i in rows:
-                        for j in cols:
-                            per_core = [s_row[:, i] @ cores[h, c] @ s_col[:, j] for c in range(cores_n)]
-                            candidates.append((sum(per_core).item(), int(i), int(j), per_core))
-                candidates.sort(key=lambda item: -item[0])
-                selected = candidates[:m]
-                weights = [per_core for *_, per_core in selected]
-                if config.memory_score_softmax:  # PKM / Memory+: softmax over the head's m scores (one core)
-                    weights = [[w] for w in torch.softmax(torch.stack([w[0] for w in weights]), 0)]
-                for (_, i, j, _), per_core in zip(selected, weights):
-                    shuffled = permutation[i * n + j]
-                    row, group = shuffled % num_values, shuffled // num_values
-                    if pool:
-                        row = (row + window_start) % pool
-                    if config.value_gate in ("peer", "peer_gelu"):  # g = <W_p x, P[row]> multiplies every core
-                        gate = (params["pre_value_gate.proj.weight"] @ x[b, t]) @ tables["pre_values.weight"][row]
-                        gate = F.gelu(gate) if config.value_gate == "peer_gelu" else gate
-                        per_core = [w * gate for w in per_core]
-                    pooled[group if groups > 1 else 0].append(
-                        torch.cat([per_core[c] * values[row, c * chunk : (c + 1) * chunk] for c in range(cores_n)])
-                    )
-            stacked = torch.cat(
-                [torch.stack(p).sum(0) if p else values.new_zeros(value_dim) for p in pooled]
-            )  # (E * Dv,)
-            if config.value_gate == "swilu":  # Memory+: y * silu(W_1 x) before the projector
-                stacked = stacked * F.silu(params["value_expansion.gate.proj.weight"] @ x[b, t])
-            outputs.append(params["value_expansion.projector.weight"] @ stacked)
-    return torch.stack(outputs).view(batch, length, hidden_size)
-
-
 def test_memory_layer_matches_float64_reference():
     config = small_config(share_query=False)
-    model = _model(config, seed=3)
+    model = perturbed_model(config, seed=3)
     layer = model.model.memory_layers[0]
     generator = torch.Generator().manual_seed(5)
     hidden = torch.randn(2, 5, config.hidden_size, generator=generator)
@@ -241,7 +96,7 @@ def test_memory_layer_matches_float64_reference():
     output.backward(upstream)
 
     params = {name: p.detach().double().requires_grad_() for name, p in layer.named_parameters()}
-    expected = _reference_memory_layer(layer, hidden.double(), params)
+    expected = reference_memory_layer(layer, hidden.double(), params)
     expected.backward(upstream.double())
 
     torch.testing.assert_close(output.double(), expected, rtol=1e-5, atol=1e-6)
@@ -265,8 +120,8 @@ def test_product_key_retrieval_is_exact_and_softmax_pools_to_one():
         memory_value_dim=32,
         memory_num_keys=12,
     )
-    model = _model(config)
-    input_ids, attention_mask = _left_padded_batch(config.vocab_size, [8, 5])
+    model = perturbed_model(config)
+    input_ids, attention_mask = left_padded_batch(config.vocab_size, [8, 5])
     stats = retrieval_diagnostics(model, input_ids, attention_mask)
     assert stats["tdqkr_recall"] == pytest.approx(1.0)
     layer = model.model.memory_layers[0]
@@ -275,8 +130,8 @@ def test_product_key_retrieval_is_exact_and_softmax_pools_to_one():
 
 
 def test_retrieval_diagnostics_ranges():
-    model = _model(small_config())
-    input_ids, attention_mask = _left_padded_batch(97, [10, 7, 3])
+    model = perturbed_model(small_config())
+    input_ids, attention_mask = left_padded_batch(97, [10, 7, 3])
     stats = retrieval_diagnostics(model, input_ids, attention_mask)
     per_layer = ("tdqkr_recall", "slot_usage", "usage_vs_uniform", "usage_kl", "query_cosine", "input_cosine")
     per_layer += ("top1_score", "memory_output_std")
@@ -298,8 +153,8 @@ def test_retrieval_diagnostics_ranges():
 
 def test_aux_loss_formula_and_loss_sum():
     config = small_config(aux_loss_alpha=0.5, aux_loss_tau=0.01)
-    model = _model(config)
-    input_ids, _ = _left_padded_batch(config.vocab_size, [6, 6])
+    model = perturbed_model(config)
+    input_ids, _ = left_padded_batch(config.vocab_size, [6, 6])
     out = model(input_ids, labels=input_ids)
     expected = 0.0
     for layer in model.model.memory_layers:
@@ -320,8 +175,8 @@ def test_aux_loss_formula_and_loss_sum():
 def test_left_padding_does_not_leak_into_query_conv():
     """A left-padded row gives the same logits on its real tokens as the same tokens alone."""
     config = small_config()
-    model = _model(config)
-    input_ids, attention_mask = _left_padded_batch(config.vocab_size, [9, 5])
+    model = perturbed_model(config)
+    input_ids, attention_mask = left_padded_batch(config.vocab_size, [9, 5])
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         padded = model(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
@@ -341,7 +196,7 @@ def test_packed_sequences_do_not_leak_into_each_other(attn_implementation):
     """
     config = small_config(use_cache=False)
     config._attn_implementation = attn_implementation
-    model = _model(config)
+    model = perturbed_model(config)
     generator = torch.Generator().manual_seed(3)
     sequences = [torch.randint(1, config.vocab_size, (length,), generator=generator) for length in (7, 2, 5)]
     batch = DataCollatorWithFlattening()([{"input_ids": sequence.tolist()} for sequence in sequences])
@@ -360,8 +215,8 @@ def test_incremental_decoding_matches_full_recompute(attn_implementation):
     """Prefill then one token at a time through the cache gives the logits of a full forward pass."""
     config = small_config()
     config._attn_implementation = attn_implementation
-    model = _model(config)
-    input_ids, attention_mask = _left_padded_batch(config.vocab_size, [11, 7, 4], seed=2)
+    model = perturbed_model(config)
+    input_ids, attention_mask = left_padded_batch(config.vocab_size, [11, 7, 4], seed=2)
     with torch.no_grad():
         full = model(input_ids, attention_mask=attention_mask).logits
         cache = DynamicCache(config=config)
@@ -380,8 +235,8 @@ def test_cached_generation_equals_uncached(num_beams):
     """Generation with the KV + query-conv cache equals recomputing everything at every step; beam search
     reorders the cache's query-conv states with its beams."""
     config = small_config(vocab_size=211)
-    model = _model(config, seed=7)
-    input_ids, attention_mask = _left_padded_batch(config.vocab_size, [12, 8, 3], seed=4)
+    model = perturbed_model(config, seed=7)
+    input_ids, attention_mask = left_padded_batch(config.vocab_size, [12, 8, 3], seed=4)
     kwargs = dict(
         attention_mask=attention_mask, max_new_tokens=32, do_sample=False, pad_token_id=0, num_beams=num_beams
     )
@@ -406,7 +261,7 @@ def test_assisted_and_prompt_lookup_decoding_equal_greedy(prompt_length, overrid
     (5 in 4), hybrid cache layers hold several states and none is left unfilled.
     """
     config = small_config(vocab_size=211, query_conv_kernel_size=4, **overrides)
-    model, assistant = _model(config, seed=7), _model(config, seed=8)
+    model, assistant = perturbed_model(config, seed=7), perturbed_model(config, seed=8)
     generator = torch.Generator().manual_seed(5)
     ngram = torch.randint(1, config.vocab_size, (1, 9), generator=generator)
     input_ids = ngram.repeat(1, 2)[:, :prompt_length]  # repeated n-grams, for prompt lookup's candidates
@@ -428,7 +283,7 @@ def test_continuous_batching_equals_generate_without_query_convs_and_is_refused_
         "page_size" if "page_size" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)} else "block_size"
     )
     paged = ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=64, **{page: 16})
-    model = _model(small_config(vocab_size=211, use_query_conv=False))
+    model = perturbed_model(small_config(vocab_size=211, use_query_conv=False))
     if not hasattr(ContinuousBatchingConfig(), "page_size"):  # before Transformers 5.24
         with pytest.raises(NotImplementedError, match="needs Transformers >= 5.24"):
             model.generate_batch(inputs=prompts, generation_config=generation, continuous_batching_config=paged)
@@ -437,13 +292,13 @@ def test_continuous_batching_equals_generate_without_query_convs_and_is_refused_
     expected = [model.generate(torch.tensor([p]), generation_config=generation)[0, len(p) :].tolist() for p in prompts]
     assert [batched[key].generated_tokens for key in sorted(batched)] == expected
     with pytest.raises(NotImplementedError, match="query-conv states"):
-        _model(small_config()).generate_batch(
+        perturbed_model(small_config()).generate_batch(
             inputs=prompts, generation_config=generation, continuous_batching_config=paged
         )
 
 
 def test_plain_dynamic_cache_gives_a_clear_error():
-    model = _model(small_config())
+    model = perturbed_model(small_config())
     with pytest.raises(ValueError, match="DynamicCache\\(config=model.config\\)"):
         model(torch.ones(1, 3, dtype=torch.long), cache=DynamicCache())
 
@@ -527,8 +382,8 @@ def test_task_head_trainer_step_is_the_same_with_gradient_accumulation(tmp_path)
 
 def test_inputs_embeds_and_hidden_states():
     config = small_config()
-    model = _model(config)
-    input_ids, _ = _left_padded_batch(config.vocab_size, [6, 6])
+    model = perturbed_model(config)
+    input_ids, _ = left_padded_batch(config.vocab_size, [6, 6])
     with torch.no_grad():
         by_ids = model(input_ids, output_hidden_states=True)
         by_embeds = model(inputs_embeds=model.get_input_embeddings()(input_ids))
@@ -540,10 +395,10 @@ def test_inputs_embeds_and_hidden_states():
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_gradient_checkpointing_gives_same_gradients(use_reentrant):
     config = small_config()
-    input_ids, _ = _left_padded_batch(config.vocab_size, [8, 8])
+    input_ids, _ = left_padded_batch(config.vocab_size, [8, 8])
     grads = []
     for checkpointing in (False, True):
-        model = _model(config).train()
+        model = perturbed_model(config).train()
         if checkpointing:
             # `activation_checkpointing_enable` from Transformers 5.24 on, `gradient_checkpointing_enable` before
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
@@ -557,7 +412,7 @@ def test_gradient_checkpointing_gives_same_gradients(use_reentrant):
 
 def test_value_table_names_point_at_the_tables():
     config = small_config()
-    model = _model(config)
+    model = perturbed_model(config)
     names = model.get_value_table_names()
     params = dict(model.named_parameters())
     assert len(names) == len(config.memory_layers)
@@ -568,7 +423,7 @@ def test_value_table_names_point_at_the_tables():
 def test_improved_init_scales():
     """Values start at N(0, E/(2 m H L)) (times the MCS gain) and the layer output near N(0, 1/(2L)) (appendix A)."""
     config = small_config(memory_num_keys=64, memory_value_dim=64, memory_key_dim=32, hidden_size=64)
-    model = _model(config)
+    model = perturbed_model(config)
     values = model.model.memory_layers[0].values.weight
     expected_std = (
         config.ive_expansion / (2 * config.memory_topk * config.memory_heads * config.num_hidden_layers)
@@ -593,11 +448,11 @@ def _make_cores_rank_one(model: UltraMemForCausalLM, seed: int) -> None:
 
 def test_signed_candidates_make_two_phase_top_m_exact_for_rank_one_cores():
     """The paper's positive-only candidates miss the negative x negative quadrant of a rank-1 core."""
-    input_ids, attention_mask = _left_padded_batch(97, [16, 12, 9], seed=8)
+    input_ids, attention_mask = left_padded_batch(97, [16, 12, 9], seed=8)
     recalls = {}
     for signed in (False, True):
         config = small_config(tdqkr_signed_candidates=signed, memory_num_keys=24, query_norm="none")  # raw queries
-        model = _model(config, seed=9)
+        model = perturbed_model(config, seed=9)
         _make_cores_rank_one(model, seed=10)
         recalls[signed] = retrieval_diagnostics(model, input_ids, attention_mask)["tdqkr_recall"]
     assert recalls[True] == pytest.approx(1.0)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import small_config
+from model_support import small_config
 
 from ultramem import UltraMemConfig, UltraMemForCausalLM
 from ultramem.configuration_ultramem import QUERY_NORMS

@@ -9,7 +9,7 @@ import functools
 
 import pytest
 import torch
-from conftest import small_config
+from model_support import small_config
 from transformers import Trainer, TrainingArguments, default_data_collator
 
 from ultramem import UltraMemForCausalLM

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import small_config
+from model_support import small_config
 
 from ultramem import UltraMemForCausalLM
 
@@ -115,12 +115,12 @@ def test_non_embedding_parameters_match_the_presets(tie_word_embeddings):
 def test_static_cache_generation_equals_dynamic(compiled):
     """`cache_implementation="static"` (mask dict per layer type, static conv states) and compiled decoding
     (`compile_config`; Dynamo with the eager backend, so CPU stays fast) equal dynamic-cache generation."""
-    from test_modeling import _left_padded_batch, _model
+    from model_support import left_padded_batch, perturbed_model
     from transformers import CompileConfig
 
     config = small_config(vocab_size=211)
-    model = _model(config, seed=7)
-    input_ids, attention_mask = _left_padded_batch(config.vocab_size, [9, 6, 3], seed=4)
+    model = perturbed_model(config, seed=7)
+    input_ids, attention_mask = left_padded_batch(config.vocab_size, [9, 6, 3], seed=4)
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
     dynamic = model.generate(input_ids, **kwargs)
     if compiled:
@@ -193,12 +193,12 @@ def test_exact_top_m_without_the_grid(num_keys, rank, decay):
 
 def test_diagnostics_recall_matches_the_full_grid(monkeypatch):
     """Recall from the bounded search equals the recall against every cell of the n x n grid."""
-    from test_modeling import _left_padded_batch, _model
+    from model_support import left_padded_batch, perturbed_model
 
     import ultramem.diagnostics as diagnostics
 
-    model = _model(small_config(memory_num_keys=24), seed=2)
-    input_ids, attention_mask = _left_padded_batch(97, [10, 7, 4], seed=3)
+    model = perturbed_model(small_config(memory_num_keys=24), seed=2)
+    input_ids, attention_mask = left_padded_batch(97, [10, 7, 4], seed=3)
     bounded = diagnostics.retrieval_diagnostics(model, input_ids, attention_mask, chunk=5, rows_per_step=4)
     monkeypatch.setattr(diagnostics, "exact_top_m", lambda rows, cols, m, _: _brute_force_top_m(rows, cols, m)[0])
     full = diagnostics.retrieval_diagnostics(model, input_ids, attention_mask)
@@ -214,12 +214,12 @@ def test_diagnostics_under_zero3_gather_only_keys_and_cores(monkeypatch):
     import sys
     import types
 
-    from test_modeling import _left_padded_batch, _model
+    from model_support import left_padded_batch, perturbed_model
 
     from ultramem.diagnostics import retrieval_diagnostics
 
-    model = _model(small_config(), seed=4)
-    input_ids, attention_mask = _left_padded_batch(97, [9, 5], seed=5)
+    model = perturbed_model(small_config(), seed=4)
+    input_ids, attention_mask = left_padded_batch(97, [9, 5], seed=5)
     expected = retrieval_diagnostics(model, input_ids, attention_mask)
 
     full: dict[torch.nn.Parameter, torch.Tensor] = {}

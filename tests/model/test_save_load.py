@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import small_config
+from model_support import small_config
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer
 

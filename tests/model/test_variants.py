@@ -1,6 +1,6 @@
 """UltraMemV2, Memory+ and PEER as switches of the one model, each against its paper's equations.
 
-The float64 reference is `test_modeling._reference_memory_layer`, written from the equations; the variants are
+The float64 reference is `test_modeling.reference_memory_layer`, written from the equations; the variants are
 `conftest.VARIANTS`.
 """
 
@@ -12,8 +12,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import VARIANTS, small_config
-from test_modeling import _left_padded_batch, _model, _reference_memory_layer
+from model_support import VARIANTS, left_padded_batch, perturbed_model, reference_memory_layer, small_config
 
 from ultramem import UltraMemConfig, UltraMemConfigError, UltraMemForCausalLM
 from ultramem.ablation import V2_LADDER_ROWS, ultramemv2_ladder
@@ -33,7 +32,7 @@ def test_memory_layer_matches_float64_reference(variant, memory_implementation):
     """Output and every gradient (layer parameters and the pool's tables) of a memory layer reading the second
     window of a shared pool, against the float64 loop."""
     config = small_config(memory_implementation=memory_implementation, **VARIANTS[variant])
-    model = _model(config, seed=3)
+    model = perturbed_model(config, seed=3)
     with torch.no_grad():  # the pre-values' init makes every gate ~N(0, 1): spread the tables further
         for name, table in model.named_parameters():
             if "pre_value" in name and name.endswith("weight") and table.dim() == 2 and "gate" not in name:
@@ -52,7 +51,7 @@ def test_memory_layer_matches_float64_reference(variant, memory_implementation):
     if stores is not None:
         pool = {f"{kind}.weight": table.weight for kind, table in zip(("values", "pre_values"), stores) if table}
     tables = {name: p.detach().double().requires_grad_() for name, p in pool.items()}
-    expected = _reference_memory_layer(layer, hidden.double(), params, {**params, **tables})
+    expected = reference_memory_layer(layer, hidden.double(), params, {**params, **tables})
     expected.backward(upstream.double())
 
     torch.testing.assert_close(output.double(), expected, rtol=1e-5, atol=1e-6)
@@ -68,8 +67,8 @@ def test_memory_layer_matches_float64_reference(variant, memory_implementation):
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_cached_generation_equals_recomputation(variant):
-    model = _model(small_config(**VARIANTS[variant]), seed=4)
-    input_ids, attention_mask = _left_padded_batch(model.config.vocab_size, [7, 3])
+    model = perturbed_model(small_config(**VARIANTS[variant]), seed=4)
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, [7, 3])
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     cached = model.generate(input_ids, use_cache=True, **kwargs)
     recomputed = model.generate(input_ids, use_cache=False, **kwargs)
@@ -79,7 +78,7 @@ def test_cached_generation_equals_recomputation(variant):
 def test_memory_beside_the_mlp_reads_after_attention_and_adds_to_the_mlp_output():
     """UltraMemV2's block: h' = h + Attn(LN h); out = h' + MLP(LN h') + Mem(h'), the memory in parallel with the MLP."""
     config = small_config(**VARIANTS["ultramemv2"])
-    model = _model(config)
+    model = perturbed_model(config)
     block, memory = model.model.layers[0], model.model.memory_layers[0]
     input_ids = torch.randint(1, config.vocab_size, (1, 6))
     with torch.no_grad():
@@ -178,7 +177,9 @@ def test_balance_loss_travels_with_the_backward_and_is_logged():
     input_ids = torch.randint(1, 97, (2, 8))
     runs = {}
     for coef in (0.0, 0.5):
-        model = _model(small_config(**{**VARIANTS["ultramemv2"], "key_balance_loss_coef": coef}), seed=6).train()
+        model = perturbed_model(
+            small_config(**{**VARIANTS["ultramemv2"], "key_balance_loss_coef": coef}), seed=6
+        ).train()
         output = model(input_ids, labels=input_ids)
         output.loss.backward()
         runs[coef] = model, output
@@ -225,7 +226,7 @@ def test_successor_switches_are_checked_in_one_line(overrides, field, allowed):
 
 @pytest.mark.parametrize("variant", ["ultramemv2", "memoryplus"])
 def test_save_and_load_in_a_fresh_process_with_and_without_the_package(variant, tmp_path):
-    model = _model(small_config(**VARIANTS[variant]), seed=8)
+    model = perturbed_model(small_config(**VARIANTS[variant]), seed=8)
     input_ids = torch.randint(1, 97, (2, 7))
     with torch.no_grad():
         expected = model(input_ids).logits

@@ -13,8 +13,8 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-from conftest import small_config
 from memory_parallel_worker import LargestTensor
+from model_support import small_config
 from safetensors import safe_open
 
 from ultramem import UltraMemConfig, UltraMemForCausalLM

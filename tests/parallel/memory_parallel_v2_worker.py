@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from conftest import small_config
+from model_support import small_config
 from safetensors.torch import load_file
 from torch import nn
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from conftest import small_config
+from model_support import small_config
 
 from ultramem import UltraMemForCausalLM
 from ultramem.parallel import apply_memory_parallel, plan_memory_parallel

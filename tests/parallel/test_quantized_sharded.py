@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import small_config
 from launch_support import LAUNCHERS, base_args, losses, python_module, run_command, write_config, write_corpus
 from memory_parallel_load_worker import keys_loaded
 from memory_parallel_worker import LargestTensor
+from model_support import small_config
 from transformers import AutoConfig
 
 from ultramem import UltraMemForCausalLM

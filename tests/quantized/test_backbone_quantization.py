@@ -5,7 +5,7 @@ their uint8 rows, while the backbone's linear layers are quantized."""
 
 import pytest
 import torch
-from conftest import small_config
+from model_support import small_config
 from transformers import AutoModelForCausalLM
 
 import ultramem.quantized  # noqa: F401 (registers the quantized stores)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import small_config
+from model_support import small_config
 
 from ultramem import UltraMemForCausalLM
 from ultramem.tokenization import load_tokenizer

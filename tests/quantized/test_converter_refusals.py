@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import small_config
+from model_support import small_config
 
 from ultramem import UltraMemForCausalLM
 from ultramem.presets import MEMORY_PLUS_SWITCHES, V2_SWITCHES

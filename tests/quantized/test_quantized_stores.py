@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import small_config
+from model_support import small_config
 from transformers.testing_utils import CaptureLogger
 
 import ultramem.quantized  # noqa: F401 (registers the quantized stores)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import small_config
+from model_support import small_config
 from transformers import AutoModelForCausalLM
 
 import ultramem.quantized  # noqa: F401 (registers the quantized stores)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import small_config
+from model_support import small_config
 
 from ultramem import UltraMemForCausalLM
 from ultramem.offload import DiskValueStore, HostValueStore

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import small_config
 from launch_support import base_args, losses, python_module, run_command, training_logs, write_config, write_corpus
+from model_support import small_config
 from transformers import AutoModelForCausalLM
 
 STEPS, GLOBAL_BATCH = 6, 4
@@ -158,7 +158,7 @@ ZERO_INIT_SCALES = """
 import dataclasses, json, sys
 import deepspeed, torch
 sys.path.insert(0, "tests")
-from conftest import small_config
+from model_support import small_config
 from ultramem.modeling_ultramem import MemoryInitScales
 deepspeed.init_distributed(dist_backend="gloo")
 ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}

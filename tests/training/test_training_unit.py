@@ -173,7 +173,7 @@ def test_evaluation_is_capped_by_default(tmp_path):
 
 def test_atomic_checkpoints_are_their_own_piece(tmp_path):
     """Any Trainer gets whole-or-nothing checkpoints from `AtomicCheckpointTrainer`; the recipe trainer adds none."""
-    from conftest import small_config
+    from model_support import small_config
     from transformers import TrainingArguments
 
     from ultramem import UltraMemForCausalLM
@@ -195,7 +195,7 @@ def test_label_smoothing_shifts_the_labels_and_keeps_the_aux_loss(trainer_class,
     """The Trainer's label smoother shifts labels only for models in Transformers' static causal-LM table (UltraMem
     adds itself); it computes the LM loss from the logits, so UltraMemTrainer adds the aux loss back."""
     import torch.nn.functional as F
-    from conftest import small_config
+    from model_support import small_config
     from transformers import Trainer, TrainingArguments
 
     from ultramem import UltraMemForCausalLM
@@ -218,8 +218,8 @@ def test_label_smoothing_shifts_the_labels_and_keeps_the_aux_loss(trainer_class,
 
 def test_trainer_predictions_are_the_logits_alone(tmp_path):
     """As for Llama: `compute_metrics` gets a (samples, T, vocab) array, not a tuple with the loss parts."""
-    from conftest import small_config
     from datasets import Dataset
+    from model_support import small_config
     from transformers import Trainer, TrainingArguments
 
     from ultramem import UltraMemForCausalLM
@@ -238,7 +238,7 @@ def test_trainer_predictions_are_the_logits_alone(tmp_path):
 def test_memory_diagnostics_log_under_bf16_mixed_precision(tmp_path):
     """`--bf16` (Accelerate's autocast around the forward): the diagnostics' queries come out in bfloat16 while the
     keys stay float32; recomputing the exact scores from them crashed the first log ("expected scalar type Float")."""
-    from conftest import small_config
+    from model_support import small_config
 
     from ultramem import UltraMemForCausalLM
     from ultramem.training.arguments import UltraMemTrainingArguments
