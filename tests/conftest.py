@@ -14,12 +14,12 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Inductor's compiled-graph cache is not keyed on the CPU vector width (torch 2.13): a graph generated for AVX-512 and
 # reloaded under ATEN_CPU_CAPABILITY=avx2 stores 8 of every 16 lanes (garbage indices), the reverse overruns its
-# buffers. Each dispatch level the suite runs under gets a cache of its own (inherited by launched subprocesses).
+# buffers. Each dispatch level the suite runs under gets a cache folder of its own (inherited by launched processes).
 if capability := os.environ.get("ATEN_CPU_CAPABILITY"):
-    os.environ.setdefault(
-        "TORCHINDUCTOR_CACHE_DIR",
-        os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{capability}"),
-    )
+    default_cache = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache
+    if os.path.basename(cache) != f"capability-{capability}":
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, f"capability-{capability}")
 
 import pytest  # noqa: E402
 from model_support import small_config  # noqa: E402
