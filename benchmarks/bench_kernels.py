@@ -31,6 +31,7 @@ import torch
 from lib import env, report, timing
 
 from ultramem import kernels, memory_ops
+from ultramem.memory_implementations import EMBEDDING_BAG_MEMORY_OPS, TORCH_MEMORY_OPS
 from ultramem.presets import get_config
 
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536]
@@ -99,7 +100,7 @@ def lookup_impls(interpreted: bool, op: str = "lookup_reduce") -> dict:
 
         return run
 
-    impls = {"torch": getattr(memory_ops, op), "embedding_bag": getattr(memory_ops, f"{op}_embedding_bag")}
+    impls = {"torch": getattr(TORCH_MEMORY_OPS, op), "embedding_bag": getattr(EMBEDDING_BAG_MEMORY_OPS, op)}
     if kernels.triton_available() and not interpreted:
         impls["triton"] = triton_mode(False)
         impls["triton-deterministic"] = triton_mode(True)

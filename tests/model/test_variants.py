@@ -1,7 +1,7 @@
 """UltraMemV2, Memory+ and PEER as switches of the one model, each against its paper's equations.
 
 The float64 reference is `test_modeling.reference_memory_layer`, written from the equations; the variants are
-`conftest.VARIANTS`.
+`model_support.VARIANTS`.
 """
 
 import os
