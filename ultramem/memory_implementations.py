@@ -74,14 +74,14 @@ ALL_MEMORY_IMPLEMENTATIONS = MemoryImplementations()
 
 
 def registered_memory_implementations() -> list[str]:
-    package = package_registry(ALL_MEMORY_IMPLEMENTATIONS, "memory_implementations")
+    package = package_registry(ALL_MEMORY_IMPLEMENTATIONS)
     return sorted({*ALL_MEMORY_IMPLEMENTATIONS, *(package or ())})
 
 
 def _lookup(name: str) -> MemoryOps | None:
     if name in ALL_MEMORY_IMPLEMENTATIONS:
         return ALL_MEMORY_IMPLEMENTATIONS[name]
-    package = package_registry(ALL_MEMORY_IMPLEMENTATIONS, "memory_implementations")
+    package = package_registry(ALL_MEMORY_IMPLEMENTATIONS)
     return package[name] if package is not None and name in package else None
 
 

@@ -16,12 +16,12 @@ import importlib
 from transformers.utils.generic import GeneralInterface
 
 
-def package_registry(registry: GeneralInterface, module: str) -> GeneralInterface | None:
-    """The installed `ultramem` package's registry of `registry`'s kind, defined in `ultramem.<module>`: `registry`
-    itself when it is the package's, the package's twin when it belongs to a remote-code copy, None without the
-    package."""
+def package_registry(registry: GeneralInterface) -> GeneralInterface | None:
+    """The installed `ultramem` package's registry of `registry`'s kind (defined in the package module of the same
+    name as `registry`'s): `registry` itself when it is the package's, the package's twin when it belongs to a
+    remote-code copy, None without the package."""
     try:
-        package = importlib.import_module(f"ultramem.{module}")
+        package = importlib.import_module(f"ultramem.{type(registry).__module__.rpartition('.')[2]}")
     except ImportError:
         return None
     twin = getattr(package, type(registry).__name__)

@@ -107,7 +107,7 @@ def table_format_loader(name: str):
     formats = TableFormats()
     if name in formats:
         return formats[name]
-    package = package_registry(formats, "value_stores")
+    package = package_registry(formats)
     if package is None:
         raise ImportError(f"memory_quantization={name!r} needs the `ultramem` package installed (pip install ultramem)")
     if name not in package:
@@ -119,7 +119,7 @@ def value_store(name: str) -> type[ValueStore]:
     """The registered store class `name`, or one line naming the registered ones."""
     if name in VALUE_STORES:
         return VALUE_STORES[name]
-    package = package_registry(VALUE_STORES, "value_stores")
+    package = package_registry(VALUE_STORES)
     if package is not None and name in package:
         return package[name]
     if package is None and ValueStores._global_mapping.keys() == {"local"}:
