@@ -11,6 +11,8 @@ import torch
 from ultramem import embedding_bag_ops, kernels, memory_ops
 from ultramem.memory_implementations import EMBEDDING_BAG_MEMORY_OPS, TORCH_MEMORY_OPS, memory_ops_for
 
+pytestmark = pytest.mark.numerics  # run again under a second CPU dispatch level (.ci/run)
+
 # atol is relative to the largest expected magnitude: a bfloat16 table gradient sums dozens of rounded contributions
 # per row, in bfloat16 (as in test_embedding_bag_ops)
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1e-2, atol=3e-2)}

@@ -50,6 +50,7 @@ def _tie_free_inputs(batch, heads, rank, num_keys, num_cores, dtype, seed=0):
     return row, col, cores, (first, first.clone())
 
 
+@pytest.mark.numerics  # run again under a second CPU dispatch level (.ci/run)
 @interpreted
 @pytest.mark.parametrize(
     "batch, heads, rank, num_keys, num_cores, topk",

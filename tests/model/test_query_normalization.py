@@ -16,6 +16,8 @@ from ultramem import UltraMemConfig, UltraMemForCausalLM
 from ultramem.configuration_ultramem import QUERY_NORMS
 from ultramem.query_normalization import QueryNormalization, collecting_statistics, update_running_statistics
 
+pytestmark = pytest.mark.numerics  # run again under a second CPU dispatch level (.ci/run)
+
 BLOCKS, BLOCK_DIM = 2, 3
 FEATURES = BLOCKS * BLOCK_DIM
 

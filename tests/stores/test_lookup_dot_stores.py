@@ -12,6 +12,8 @@ from ultramem.quantized.format import QuantizationError
 from ultramem.quantized.stores import QUANTIZED_STORES
 from ultramem.value_stores import DeferredValueTable, MemoryValueTable
 
+pytestmark = pytest.mark.numerics  # run again under a second CPU dispatch level (.ci/run)
+
 NUM_ROWS, WIDTH, TOKENS, SLOTS = 40, 6, 33, 5  # 33 tokens: the embedding_bag path runs (from 32 tokens on)
 NAME = "model.memory_layers.0.pre_values.weight"
 

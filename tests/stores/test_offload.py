@@ -43,6 +43,7 @@ def greedy(model, **kwargs) -> torch.Tensor:
     return model.generate(**PROMPT, max_new_tokens=10, do_sample=False, **kwargs)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("offload", OFFLOADS)
 def test_generation_equals_in_memory_model_dynamic_cache(saved, offload):
     folder, reference = saved
@@ -56,6 +57,7 @@ def test_generation_equals_in_memory_model_dynamic_cache(saved, offload):
     assert torch.equal(greedy(model), greedy(reference))
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("offload", OFFLOADS)
 def test_generation_equals_in_memory_model_static_cache(saved, offload):
     folder, reference = saved
@@ -75,12 +77,14 @@ def greedy_static_cache(model, steps: int = 10) -> torch.Tensor:
     return torch.cat(tokens, dim=1)
 
 
+@pytest.mark.numerics
 def test_generation_with_cache_implementation_static(saved):
     folder, reference = saved
     model = UltraMemForCausalLM.from_pretrained(folder, memory_offload="disk").eval()
     assert torch.equal(greedy(model, cache_implementation="static"), greedy(reference, cache_implementation="static"))
 
 
+@pytest.mark.numerics
 def test_only_the_selected_rows_are_read(saved):
     """An instrumented read: each store gathers exactly the distinct rows the layer selected, once per step."""
     folder, _ = saved
@@ -138,6 +142,7 @@ def test_disk_table_pages_that_were_not_selected_never_become_resident(tmp_path)
     assert not (read & ~expected.bool()).any()  # no page outside the selected rows was read
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("offload", OFFLOADS)
 def test_save_pretrained_of_an_offloaded_model_writes_an_ordinary_checkpoint(saved, offload, tmp_path):
     folder, reference = saved
@@ -181,6 +186,7 @@ def test_sharded_checkpoint_through_the_remote_code_class(saved, tmp_path):
     assert "memory_offload='disk' needs the `ultramem` package installed" in run("without-ultramem")
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("offload", OFFLOADS)
 def test_training_through_an_offloaded_store_leaves_the_tables_and_says_so(saved, offload):
     """Every other weight trains (the scores carry gradients back to queries, keys and cores); the table does not."""
@@ -291,6 +297,7 @@ def test_memory_offload_reaches_the_model_from_pipeline_and_lm_eval(saved, entry
     assert {type(layer.values).__name__ for layer in model.model.memory_layers} == {"DiskValueStore"}
 
 
+@pytest.mark.numerics
 def test_accelerate_device_map_disk_offload_matches_in_memory_model(saved, tmp_path):
     """Transformers' own big-model path (`device_map`, `max_memory`, `offload_folder`) runs the model: Accelerate's
     hooks load the offloaded value tables in their forward and the cores for the aux loss, and a warning points to
