@@ -90,8 +90,9 @@ class InferenceCache(nn.Module):
 
     def _stored(self, name: str) -> Derived:
         arity = self.arity[name]
-        tensors = tuple(getattr(self, f"{name}_{i}") for i in range(max(arity, 1)))
-        return tensors if arity else tensors[0]
+        if not arity:
+            return self._buffers[f"{name}_0"]  # the dict itself: a module attribute look-up costs microseconds a read
+        return tuple(self._buffers[f"{name}_{i}"] for i in range(arity))
 
     def clear(self) -> None:
         """Forgets what the buffers were computed from: the next read recomputes them (in place)."""

@@ -79,12 +79,16 @@ def tucker_candidate_topk(
         flat_index: (..., topk) int64 index x * m + y into the candidate grid, best first.
         core_scores: (..., topk, h) per-core scores of the winners.
     """
-    # S_row^T C^(i) S_col as two broadcast matmuls (a three-operand einsum costs ~2x at decode, T = 1)
-    row_times_core = row_scores.unsqueeze(-3).transpose(-1, -2) @ cores  # (..., h, m, r)
-    per_core = (row_times_core @ col_scores.unsqueeze(-3)).flatten(-2)  # (..., h, m*m)
+    # S_row^T C^(i) S_col as two broadcast products, each summed over one rank index: r is 2 in the paper, too narrow
+    # for a matmul to pay (broadcast matmuls copied their operands: twice the operators at decode, T = 1)
+    *lead, rank, num_candidates = col_scores.shape
+    col_parts = col_scores.reshape(*lead, 1, 1, rank, num_candidates)  # (..., 1, 1, r, m)
+    core_times_col = (cores.unsqueeze(-1) * col_parts).sum(-2)  # (..., h, r, m): C^(i) S_col
+    row_parts = row_scores.reshape(*lead, 1, rank, num_candidates, 1)  # (..., 1, r, m, 1)
+    per_core = (row_parts * core_times_col.unsqueeze(-2)).sum(-3).flatten(-2)  # (..., h, m*m)
     _, flat_index = per_core.sum(dim=-2).topk(topk, dim=-1)  # (..., topk)
-    gather_index = flat_index.unsqueeze(-2).expand(*per_core.shape[:-1], topk)  # (..., h, topk)
-    core_scores = per_core.gather(-1, gather_index).transpose(-1, -2)  # (..., topk, h)
+    gather_index = flat_index.unsqueeze(-1).expand(*flat_index.shape, per_core.shape[-2])  # (..., topk, h)
+    core_scores = per_core.transpose(-1, -2).gather(-2, gather_index)  # (..., topk, h)
     return flat_index, core_scores
 
 
@@ -130,8 +134,8 @@ def rank_one_candidates(
         return row_index, col_index
     # The quadrant is chosen from the axes' extremes, then one top-m per axis runs on the sign-flipped projections
     # (the bottom-m of a is the top-m of -a): two topk calls instead of four, same candidates.
-    row_min, row_max = row_projected.amin(dim=-1, keepdim=True), row_projected.amax(dim=-1, keepdim=True)  # (..., 1)
-    col_min, col_max = col_projected.amin(dim=-1, keepdim=True), col_projected.amax(dim=-1, keepdim=True)
+    row_min, row_max = row_projected.aminmax(dim=-1, keepdim=True)  # (..., 1)
+    col_min, col_max = col_projected.aminmax(dim=-1, keepdim=True)
     sign = torch.where(row_max * col_max >= row_min * col_min, 1.0, -1.0).to(row_projected.dtype)
     row_index, col_index = ((axis * sign).topk(topk, dim=-1).indices for axis in (row_projected, col_projected))
     return row_index, col_index
@@ -162,10 +166,11 @@ def tucker_topk(
     u, t = leading_vectors
     num_keys, rank = row_scores.shape[-1], row_scores.shape[-2]
     # a = u^T S_row, b = t^T S_col, summed over the rank by broadcasting (an einsum here goes through a bmm on a
-    # permuted copy: 10x slower on CPU)
-    row_index, col_index = rank_one_candidates(
-        (row_scores.detach() * u.unsqueeze(-1)).sum(-2), (col_scores.detach() * t.unsqueeze(-1)).sum(-2), topk, signed
-    )  # (..., H, m') each
+    # permuted copy: 10x slower on CPU); the choice of candidates has no gradient
+    with torch.no_grad():
+        row_index, col_index = rank_one_candidates(
+            (row_scores * u.unsqueeze(-1)).sum(-2), (col_scores * t.unsqueeze(-1)).sum(-2), topk, signed
+        )  # (..., H, m') each
     num_candidates = row_index.shape[-1]
     expand = (*row_index.shape[:-1], rank, num_candidates)
     row_candidates = row_scores.gather(-1, row_index.unsqueeze(-2).expand(expand))  # (..., H, r, m')

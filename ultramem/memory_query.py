@@ -72,7 +72,7 @@ class CausalDepthwiseConv(nn.Module):
             updated = cache.update_conv_state(x, self.cache_layer_idx, self.state_idx, conv_kernel_size=context)
             if has_past:
                 width = context + x.shape[-1]
-                window = updated[..., -width:].to(x.dtype)
+                window = (updated if updated.shape[-1] == width else updated[..., -width:]).to(x.dtype)
                 if window.shape[-1] < width:
                     window = F.pad(window, (width - window.shape[-1], 0))
         if window is None:
@@ -155,7 +155,12 @@ class MemoryQuery(nn.Module):
         return not hasattr(weight, "ds_id") and weight.device.type != "meta"
 
     def _projection_entry(self) -> CacheEntry:
-        return (self.proj.weight, *self.across_tokens.statistics()), lambda: self.across_tokens.folded(self.proj.weight)
+        """(W'^T (D, F), b'): the normalised query is addmm(b', x, W'^T), one operator."""
+        return (self.proj.weight, *self.across_tokens.statistics()), self._folded_projection
+
+    def _folded_projection(self) -> tuple[torch.Tensor, torch.Tensor]:
+        weight, bias = self.across_tokens.folded(self.proj.weight)  # (F, D), (F,)
+        return weight.T, bias
 
     def forward(
         self,
@@ -170,11 +175,15 @@ class MemoryQuery(nn.Module):
         # into the projection, unless the statistics of the query are being gathered (`recalibrate_query_statistics`)
         per_token = not (self.training and self.training_step)
         if per_token and self._folds() and not self.across_tokens.collecting:
-            query = F.linear(x, *self.inference_cache.get("projection", *self._projection_entry()))
+            weight_t, bias = self.inference_cache.get("projection", *self._projection_entry())
+            query = torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight_t)  # (B*T, H * (1|2) * Dk)
         else:
             query = self.proj(x)  # (B, T, H * (1|2) * Dk)
             if self.across_tokens is not None:
                 counted = padding_mask if self.counted_tokens is None else self.counted_tokens
                 query = self.across_tokens(query, counted, self.training_step)
-        query = self.norm(query.unflatten(-1, (self.num_heads, self.num_queries, self.rank, self.part_dim)))
-        return query[..., 0, :, :], query[..., -1, :, :]  # row and column queries, (B, T, H, r, Dk/r)
+        if self.num_queries == 1:  # one query for both axes (trick 5)
+            query = self.norm(query.view(*x.shape[:-1], self.num_heads, self.rank, self.part_dim))
+            return query, query  # (B, T, H, r, Dk/r)
+        query = self.norm(query.view(*x.shape[:-1], self.num_heads, self.num_queries, self.rank, self.part_dim))
+        return query[..., 0, :, :], query[..., 1, :, :]  # row and column queries, (B, T, H, r, Dk/r)

@@ -139,21 +139,19 @@ class KeyRetrieval(nn.Module):
         return {"keys": self._keys_entry()}
 
     def _keys_entry(self) -> CacheEntry:
-        """The LayerNorm'd row and column keys side by side, (H, r, 2n, Dk/r): one GEMM scores both for a shared
-        query."""
+        """The LayerNorm'd row and column keys side by side, as the right operand of one batched GEMM over the H*r
+        query parts: (H*r, Dk/r, 2n)."""
         parameters = (self.row_keys, self.col_keys, *self.key_norm.parameters())
-        return parameters, lambda: self.key_norm(torch.cat([self.row_keys, self.col_keys], dim=-2))
+        return parameters, lambda: self.key_norm(torch.cat([self.row_keys, self.col_keys], dim=-2)).flatten(0, 1).mT
 
     def axis_scores(self, row_query: torch.Tensor, col_query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """S_row and S_col (B, T, H, r, n) of every key; the LayerNorm'd keys are cached at inference. With one query
         for both axes (trick 5) they are one GEMM's halves (views)."""
         keys = self.inference_cache.get("keys", *self._keys_entry())
         if self.shared_query:
-            scores = torch.einsum("bthrd,hrnd->bthrn", row_query, keys)  # (B, T, H, r, 2n)
+            scores = part_scores(row_query, keys)  # (B, T, H, r, 2n)
             return scores[..., : self.num_keys], scores[..., self.num_keys :]
-        row = torch.einsum("bthrd,hrnd->bthrn", row_query, keys[..., : self.num_keys, :])
-        col = torch.einsum("bthrd,hrnd->bthrn", col_query, keys[..., self.num_keys :, :])
-        return row, col
+        return part_scores(row_query, keys[..., : self.num_keys]), part_scores(col_query, keys[..., self.num_keys :])
 
     def with_balance_loss(
         self, row_scores: torch.Tensor, axis_projections: Callable[[], tuple[torch.Tensor, ...]]
@@ -171,6 +169,14 @@ class KeyRetrieval(nn.Module):
         loss = self.balance_loss_coef * sum(key_balance_loss(scores, self.topk) for scores in axis_projections())
         self.last_balance_loss = loss.detach()
         return with_loss_gradient(row_scores, loss)
+
+
+def part_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The query parts (B, T, H, r, Dk/r) against their keys (H*r, Dk/r, n'): (B, T, H, r, n'), as one bmm over the
+    H*r parts (an einsum spends a dozen permutes and views around the same bmm, which a decode step pays each time)."""
+    *tokens, heads, rank, part_dim = query.shape
+    scores = torch.bmm(query.reshape(-1, heads * rank, part_dim).transpose(0, 1), keys)  # (H*r, B*T, n')
+    return scores.view(heads, rank, *tokens, -1).movedim((0, 1), (-3, -2))
 
 
 class ProductKeyRetrieval(KeyRetrieval):
@@ -286,8 +292,7 @@ class ImplicitValueExpansion(nn.Module):
         return rows, groups if self.num_groups > 1 else torch.zeros_like(groups)
 
     def forward(self, pooled: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Pooled values (..., E, Dv) of the E groups and the layer's normed input x (..., D) -> output (..., D)."""
-        pooled = pooled.flatten(-2)
+        """The E groups' pooled values side by side (..., E * Dv) and the layer's normed input x (..., D) -> (..., D)."""
         if self.gate is not None:
             pooled = self.gate(pooled, x)
         return self.projector(pooled)
@@ -412,7 +417,7 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
 
     def _output(self, pooled: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The store's pooled values (B*T, E, Dv) and the normed input (B, T, D) -> the layer's output (B, T, D)."""
-        pooled = pooled.to(x.dtype).unflatten(0, x.shape[:-1])  # (B, T, E, Dv)
+        pooled = pooled.to(x.dtype).view(*x.shape[:-1], -1)  # (B, T, E * Dv)
         return self.dropout(self.value_expansion(pooled, x))  # not a view: FSDP2 warns about views leaving a module
 
 

@@ -43,7 +43,7 @@ def call(args):
 def test_the_triton_memory_layer_launches_at_most_six_kernels_in_a_decode_step(decode_kernels, tmp_path, capsys):
     """tiny-ultramem against tiny-dense, compiled on CPU: with the one-kernel selection (opt-in) the memory layer's
     extra launches stay within issue 34's bound (its selection one kernel, no `topk`); the default Triton path (the
-    candidate kernel between the axes' `topk`) and the PyTorch path launch more."""
+    candidate kernel between the axes' `topk`) and the PyTorch path launch more (11 and 9 at torch 2.13)."""
     decode_kernels.main(["--size", "tiny", "--device", "cpu", "--results-dir", str(tmp_path)])
     result = json.loads((tmp_path / "decode_kernels_cpu.json").read_text())
     rows = {row["model"]: row for row in result["rows"]}
@@ -56,5 +56,5 @@ def test_the_triton_memory_layer_launches_at_most_six_kernels_in_a_decode_step(d
     assert triton["by_name"]["op:ultramem.tucker_candidate_index"] == layers
     assert torch_path["by_name"]["op:aten.topk"] >= 2 * layers  # the reference: each axis' top-m, then the grid's
     extra = [row["per_memory_layer_over_dense"] for row in (fused, triton, torch_path)]
-    assert extra == sorted(extra) and extra[0] < extra[1], extra
+    assert extra[0] < min(extra[1:]), extra  # the one-kernel selection launches the fewest
     assert "ultramem/triton+fused-selection" in capsys.readouterr().out
