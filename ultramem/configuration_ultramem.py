@@ -75,6 +75,13 @@ perfect_square = _checked("must be a positive perfect square", lambda n: n > 0 a
 
 
 @as_validated_field
+def ngram_placement(blocks: list | None) -> None:
+    for i, block in enumerate(blocks or []):
+        ok = isinstance(block, numbers.Integral) and not isinstance(block, bool)
+        _require(ok, f"ngram_layers[{i}]", block, "must be a block index (the n-gram memory adds to its input)")
+
+
+@as_validated_field
 def memory_placement(pairs: list | None) -> None:
     for i, pair in enumerate(pairs or []):
         ok = isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, numbers.Integral) for x in pair)
@@ -244,6 +251,18 @@ class UltraMemConfig(PreTrainedConfig):
     value_pool_size: int | None = positive(default=None)
     key_balance_loss_coef: float | int = non_negative(default=0.0)
 
+    # Hashed n-gram memory (Engram, `ngram_memory`): the blocks whose input stream an n-gram memory adds to (None or []:
+    # none); n-grams of orders 2..ngram_order, `ngram_heads` hash heads each with rows of `ngram_head_dim` values;
+    # about `ngram_table_size` rows per layer, each head's share a prime of its own; a depthwise conv of
+    # `ngram_conv_kernel_size` taps dilated by ngram_order; `ngram_hash_seed` picks the hash's multipliers
+    ngram_layers: list | None = ngram_placement(default=None)
+    ngram_order: int = _checked("must be >= 2 (bigrams and longer)", lambda value: value >= 2)(default=3)
+    ngram_heads: int = positive(default=4)
+    ngram_head_dim: int = positive(default=32)
+    ngram_table_size: int = positive(default=65536)
+    ngram_conv_kernel_size: int = _checked("must be >= 1", lambda value: value >= 1)(default=4)
+    ngram_hash_seed: int = non_negative(default=0)
+
     # Aux loss on the Tucker core's non-leading singular values
     aux_loss_alpha: float | int = non_negative(default=0.001)
     aux_loss_tau: float | int = non_negative(default=0.15)
@@ -274,6 +293,7 @@ class UltraMemConfig(PreTrainedConfig):
         **kwargs,
     ):
         self.memory_layers = [[int(a), int(b)] for a, b in (self.memory_layers or [])]
+        self.ngram_layers = [int(block) for block in (self.ngram_layers or [])]
         if self.memory_num_values is None:
             self.memory_num_values = self.memory_num_keys**2 // self.ive_expansion
         self._derive_cache_layout()
@@ -297,6 +317,7 @@ class UltraMemConfig(PreTrainedConfig):
             inside = f"block indices must be in [0, {blocks}) (num_hidden_layers)"
             _require(0 <= a < blocks and 0 <= b < blocks, f"memory_layers[{i}]", [a, b], inside)
             _require(a <= b, f"memory_layers[{i}]", [a, b], "needs a <= b (read before block a, write after block b)")
+        self._validate_ngram_memories()
         if not self.memory_layers:
             return
         n, m, expansion = self.memory_num_keys, self.memory_topk, self.ive_expansion
@@ -323,6 +344,16 @@ class UltraMemConfig(PreTrainedConfig):
             _require(expansion == 1, "ive_expansion", expansion, one)
             same = f"must equal hidden_size={self.hidden_size} when value_projection=False"
             _require(self.memory_value_dim == self.hidden_size, "memory_value_dim", self.memory_value_dim, same)
+
+    def _validate_ngram_memories(self) -> None:
+        blocks = self.num_hidden_layers
+        for i, block in enumerate(self.ngram_layers):
+            _require(0 <= block < blocks, f"ngram_layers[{i}]", block, f"must be in [0, {blocks}) (num_hidden_layers)")
+        once = "must name each block once (one n-gram memory per block)"
+        _require(len(set(self.ngram_layers)) == len(self.ngram_layers), "ngram_layers", self.ngram_layers, once)
+        heads = (self.ngram_order - 1) * self.ngram_heads
+        enough = f"must be >= the {heads} hash heads of a layer ((ngram_order - 1) x ngram_heads): each needs its rows"
+        _require(self.ngram_table_size >= heads, "ngram_table_size", self.ngram_table_size, enough)
 
     def _validate_successor_switches(self) -> None:
         """The UltraMemV2 / Memory+ / PEER switches (see the field comments), with memory layers present."""
@@ -434,13 +465,29 @@ class UltraMemConfig(PreTrainedConfig):
     @property
     def memory_conv_state_slots(self) -> list[tuple[int, int]]:
         """(cache layer, slot) of each memory layer's query-conv state, in `memory_layers` order; [] without one."""
-        if not (self.use_query_conv and self.query_conv_kernel_size > 1):
-            return []
-        return conv_state_slots([a for a, _ in self.memory_layers], self.num_hidden_layers)
+        return self._state_slots()[0]
+
+    @property
+    def ngram_state_slots(self) -> list[tuple[tuple[int, int], tuple[int, int] | None]]:
+        """(cache layer, slot) of each n-gram memory's last N-1 token ids and of its conv's inputs (None for a conv of
+        one tap, which keeps none), in `ngram_layers` order."""
+        return self._state_slots()[1]
+
+    def _state_slots(self) -> tuple[list[tuple[int, int]], list[tuple[tuple[int, int], tuple[int, int] | None]]]:
+        query_blocks = (
+            [a for a, _ in self.memory_layers] if self.use_query_conv and self.query_conv_kernel_size > 1 else []
+        )
+        conv_blocks = self.ngram_layers if self.ngram_conv_kernel_size > 1 else []
+        slots = conv_state_slots([*query_blocks, *self.ngram_layers, *conv_blocks], self.num_hidden_layers)
+        queries, ids = slots[: len(query_blocks)], slots[len(query_blocks) : len(query_blocks) + len(self.ngram_layers)]
+        convs = slots[len(query_blocks) + len(self.ngram_layers) :] or [None] * len(ids)
+        return queries, list(zip(ids, convs, strict=True))
 
     def _derive_cache_layout(self) -> None:
-        """Cache layers that hold a memory layer's query-conv state are "hybrid" (KV and conv states)."""
-        slots = self.memory_conv_state_slots
+        """Cache layers that hold a memory layer's query-conv state or an n-gram memory's states are "hybrid" (KV and
+        conv states)."""
+        queries, ngrams = self._state_slots()
+        slots = [*queries, *(slot for pair in ngrams for slot in pair if slot is not None)]
         hybrid = {layer for layer, _ in slots}
         self.layer_types = ["hybrid" if i in hybrid else "full_attention" for i in range(self.num_hidden_layers)]
         self.number_of_conv_states = max([slot + 1 for _, slot in slots], default=1)

@@ -16,6 +16,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from .modeling_ultramem import KeyRetrieval, TuckerQueryKeyRetrieval, UltraMemForCausalLM, UltraMemMemoryLayer
+from .ngram_memory import NGramMemory, ngram_rows
 
 
 def score_factors(
@@ -126,6 +127,31 @@ def _layer_statistics(
     return statistics, rows.unique()
 
 
+@torch.no_grad()
+def ngram_statistics(layer: NGramMemory, call: tuple, keep: torch.Tensor) -> dict[str, float]:
+    """How one n-gram memory reads, from the arguments of its call (hidden states, ids, padding, cache, packing), over
+    the tokens where `keep` (B, T): its rows against uniform picks (`row_usage`), `collision_rate` (the share of the
+    distinct n-grams of the batch that share a row with another in a head, mean over heads) and its context gate's
+    `gate_mean` and `gate_std`."""
+    hidden_states, input_ids, padding_mask, _, sequence_ids = call
+    ngrams = layer.ngrams(input_ids, padding_mask, None, sequence_ids)  # (B, N, T)
+    rows = ngram_rows(ngrams, layer.multipliers, layer.moduli, layer.offsets)  # (B, T, heads)
+    gate = layer.gate(hidden_states, layer.read(rows).to(hidden_states.dtype))[..., 0][keep]
+    picked, kept = rows[keep], ngrams.transpose(1, 2)[keep]  # (tokens, heads), (tokens, N)
+    heads_per_order = layer.num_heads // (layer.order - 1)
+    collided = []
+    for head in range(layer.num_heads):
+        distinct, inverse = kept[:, : head // heads_per_order + 2].unique(dim=0, return_inverse=True)
+        row_of = picked.new_zeros(distinct.shape[0]).scatter_(0, inverse, picked[:, head])  # each n-gram's row
+        collided.append((torch.bincount(row_of)[row_of] > 1).double().mean())
+    return {
+        **row_usage(picked, layer.table_rows),
+        "collision_rate": float(torch.stack(collided).mean()),
+        "gate_mean": gate.float().mean().item(),
+        "gate_std": gate.float().std().item(),
+    }
+
+
 def row_usage(rows: torch.Tensor, num_rows: int) -> dict[str, float]:
     """How widely the picks `rows` (any shape) spread over a table of `num_rows` rows.
 
@@ -189,9 +215,11 @@ def retrieval_diagnostics(
     if hasattr(model, "get_base_model"):  # a PEFT-wrapped model: the UltraMem model inside, its adapters in place
         model = model.get_base_model()
     memory_layers = list(model.model.memory_layers)
-    if not memory_layers:
+    ngram_memories = list(getattr(model.model, "ngram_memories", ()))  # none in a checkpoint of an older version
+    if not (memory_layers or ngram_memories):
         return {}
     captured: dict[int, dict[str, tuple[torch.Tensor, ...]]] = {idx: {} for idx in range(len(memory_layers))}
+    ngram_calls: dict[int, tuple] = {}
 
     def capture(idx: int, name: str):
         def hook(module, args, output):
@@ -204,6 +232,8 @@ def retrieval_diagnostics(
         handles.append(layer.retrieval.register_forward_hook(capture(idx, "retrieval")))
         handles.append(layer.register_forward_hook(capture(idx, "layer")))
         handles.append(layer.norm.register_forward_hook(capture(idx, "input")))  # the normed input, inside the call
+    for idx, ngram in enumerate(ngram_memories):
+        handles.append(ngram.register_forward_pre_hook(lambda module, args, idx=idx: ngram_calls.update({idx: args})))
     was_training = model.training
     model.eval()
     try:
@@ -214,6 +244,9 @@ def retrieval_diagnostics(
             handle.remove()
 
     keep = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    summary = _ngram_summary([ngram_statistics(ngram, ngram_calls[i], keep) for i, ngram in enumerate(ngram_memories)])
+    if not memory_layers:
+        return summary
     per_layer: list[dict[str, float]] = []
     rows_read = []
     for idx, layer in enumerate(memory_layers):
@@ -224,7 +257,7 @@ def retrieval_diagnostics(
         stats["memory_output_std"] = layer_output[keep].float().std().item()
         per_layer.append(stats)
         rows_read.append(rows.cpu())  # layers may sit on different devices
-    summary = {name: sum(stats[name] for stats in per_layer) / len(per_layer) for name in per_layer[0]}
+    summary.update({name: sum(stats[name] for stats in per_layer) / len(per_layer) for name in per_layer[0]})
     for name, worst in WORST_LAYER.items():
         summary[f"{worst.__name__}_{name}"] = worst(stats[name] for stats in per_layer)
     for idx, stats in enumerate(per_layer):
@@ -232,6 +265,15 @@ def retrieval_diagnostics(
     pool_size = getattr(model.config, "value_pool_size", None)
     if pool_size:
         summary["pool_slot_usage"] = torch.cat(rows_read).unique().numel() / pool_size
+    return summary
+
+
+def _ngram_summary(per_layer: list[dict[str, float]]) -> dict[str, float]:
+    """`ngram_{j}/<name>` of each n-gram memory, and its worst layer's usage and collision rate."""
+    summary = {f"ngram_{idx}/{name}": value for idx, stats in enumerate(per_layer) for name, value in stats.items()}
+    if per_layer:
+        summary["min_ngram_usage_vs_uniform"] = min(stats["usage_vs_uniform"] for stats in per_layer)
+        summary["max_ngram_collision_rate"] = max(stats["collision_rate"] for stats in per_layer)
     return summary
 
 

@@ -18,7 +18,7 @@ from .query_normalization import QueryNormalization
 
 
 class CausalDepthwiseConv(nn.Module):
-    """Causal depthwise Conv1d over time (trick 4), with its last k-1 inputs kept in the generation cache.
+    """Causal depthwise Conv1d over time (trick 4), with its last (k-1) x dilation inputs kept in the generation cache.
 
     Padded positions are zeroed before the convolution, so left padding never leaks into a real token's
     query, and the cached state is exactly what a full recomputation would see. Rows that pack several
@@ -26,9 +26,10 @@ class CausalDepthwiseConv(nn.Module):
     attends within each.
     """
 
-    def __init__(self, channels: int, kernel_size: int, cache_layer_idx: int, state_idx: int):
+    def __init__(self, channels: int, kernel_size: int, cache_layer_idx: int, state_idx: int, dilation: int = 1):
         super().__init__()
         self.kernel_size = kernel_size
+        self.dilation = dilation  # the n-gram memory's conv skips N - 1 tokens between taps (Engram)
         self.cache_layer_idx = cache_layer_idx
         self.state_idx = state_idx
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
@@ -53,7 +54,7 @@ class CausalDepthwiseConv(nn.Module):
         if sequence_ids is not None:
             return self._within_sequences(x, sequence_ids)
         x = x.transpose(1, 2)  # (B, D, T)
-        context = self.kernel_size - 1
+        context = (self.kernel_size - 1) * self.dilation
         window = None
         if cache is not None and context > 0:
             layers = cache.layers
@@ -78,20 +79,25 @@ class CausalDepthwiseConv(nn.Module):
         if window is None:
             window = F.pad(x, (context, 0))  # (B, D, k-1+T): zeros before the first token
         if x.shape[-1] == 1:  # a decode step: one dot product per channel, a fraction of conv1d's cost on CPU
-            return ((window * self.weight[:, 0]).sum(-1) + self.bias).unsqueeze(1)  # (B, 1, D)
-        return F.conv1d(window, self.weight, self.bias, groups=x.shape[1]).transpose(1, 2)  # (B, T, D)
+            taps = window if self.dilation == 1 else window[..., :: self.dilation]  # (B, D, k)
+            return ((taps * self.weight[:, 0]).sum(-1) + self.bias).unsqueeze(1)  # (B, 1, D)
+        convolved = F.conv1d(window, self.weight, self.bias, dilation=self.dilation, groups=x.shape[1])
+        return convolved.transpose(1, 2)  # (B, T, D)
 
     def _within_sequences(self, x: torch.Tensor, sequence_ids: torch.Tensor) -> torch.Tensor:
         """The convolution of packed rows x (B, T, D), each tap masked where it would reach into the previous sequence.
 
-        sequence_ids (B, T): the index of the sequence each token belongs to. Tap `shift` multiplies x[t - shift]
-        by weight[..., k-1-shift], as in conv1d over the zero-padded window.
+        sequence_ids (B, T): the index of the sequence each token belongs to. Tap i multiplies x[t - i * dilation]
+        by weight[..., k-1-i], as in conv1d over the zero-padded window.
         """
         output = x * self.weight[:, 0, -1] + self.bias
-        for shift in range(1, min(self.kernel_size, x.shape[1])):
+        for tap in range(1, self.kernel_size):
+            shift = tap * self.dilation
+            if shift >= x.shape[1]:
+                break
             same_sequence = (sequence_ids[:, shift:] == sequence_ids[:, :-shift]).unsqueeze(-1)  # (B, T-shift, 1)
             earlier = F.pad(x[:, :-shift] * same_sequence, (0, 0, shift, 0))  # x[t - shift], zero across a boundary
-            output = output + earlier * self.weight[:, 0, -1 - shift]
+            output = output + earlier * self.weight[:, 0, -1 - tap]
         return output
 
 

@@ -62,6 +62,7 @@ from .memory_ops import (
 )
 from .memory_query import MemoryQuery
 from .moved_names import moved_attribute
+from .ngram_memory import NGramMemory
 from .query_normalization import QueryNormalization, collecting_statistics
 from .task_heads import TaskHeadWithAuxLoss
 from .transformers_compat import CACHE_FIELD as _CACHE_FIELD  # the cache's name in this release
@@ -564,6 +565,8 @@ class UltraMemModel(UltraMemPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([UltraMemDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.memory_layers = nn.ModuleList([UltraMemMemoryLayer(config, j) for j in range(config.num_memory_layers)])
+        slots = config.ngram_state_slots
+        self.ngram_memories = nn.ModuleList([NGramMemory(config, j, *slots[j]) for j in range(len(slots))])
         self.value_pool = self.pre_value_pool = None  # a value table shared by all memory layers (value_pool_size)
         if config.value_pool_size is not None:
             scales = MemoryInitScales.from_config(config)
@@ -649,6 +652,8 @@ class UltraMemModel(UltraMemPreTrainedModel):
         """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if input_ids is None and self.ngram_memories:
+            raise ValueError("UltraMemConfig.ngram_layers: the n-gram memories hash the token ids; pass input_ids")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, D)
         if _CACHE_FIELD != "cache" and cache is not None and not isinstance(cache, Cache):
@@ -691,7 +696,9 @@ class UltraMemModel(UltraMemPreTrainedModel):
         stores = (self.value_pool, self.pre_value_pool) if self.value_pool is not None else None
         memory_args = (padding_mask, cache, sequence_ids, stores)
         with collecting_statistics(statistics):  # around the blocks only: a recomputation in the backward adds none
-            hidden_states = self._blocks(hidden_states, memory_args, causal_mask, position_embeddings, cache, **kwargs)
+            hidden_states = self._blocks(
+                hidden_states, input_ids, memory_args, causal_mask, position_embeddings, cache, **kwargs
+            )
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{_CACHE_FIELD: cache})
 
@@ -710,15 +717,19 @@ class UltraMemModel(UltraMemPreTrainedModel):
     def _blocks(
         self,
         hidden_states: torch.Tensor,
+        input_ids: torch.Tensor | None,
         memory_args: tuple,
         causal_mask: torch.Tensor | None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         cache: Cache | None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
-        """The decoder blocks on (B, T, D), each memory layer started at its read block and added at its write block."""
+        """The decoder blocks on (B, T, D), each memory layer started at its read block and added at its write block,
+        each n-gram memory added to its block's input."""
         pending: dict[int, Callable[[], torch.Tensor]] = {}  # memory layer -> its output, wanted at its write block
         for block_idx, decoder_layer in enumerate(self.layers):
+            for ngram in (ngram for ngram in self.ngram_memories if ngram.block == block_idx):
+                hidden_states = hidden_states + ngram(hidden_states, input_ids, *memory_args[:3])
             reading = [layer for layer in self.memory_layers if layer.read_block == block_idx]
             parallel_memory = None
             if reading and self.config.memory_site != BLOCK_SITE:  # beside (or instead of) the block's MLP

@@ -199,6 +199,10 @@ def _skip_layers(num_layers: int, span: int) -> list[list[int]]:
     return [[2 + i * (span + 1), 2 + i * (span + 1) + span] for i in range(num_layers)]
 
 
+# Engram's n-gram memory (Cheng et al. 2026) at tiny scale: bigrams and trigrams, 4 hash heads each of 32 values, a
+# conv of 4 taps dilated by 3
+TINY_NGRAM: dict[str, Any] = dict(ngram_order=3, ngram_heads=4, ngram_head_dim=32, ngram_conv_kernel_size=4)
+
 # MLP widths of the V2 presets that give the activated parameters of tiny-/small-ultramem (`count_parameters`)
 TINY_V2_INNER = 1056
 SMALL_V2_INNER = 1776
@@ -232,6 +236,28 @@ _PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         dict(**_ultramem("tiny", 16, 64, 256, [[0, 1], [2, 3]]), max_position_embeddings=TINY_CONTEXT),
     ),
     "tiny-pkm": ("ultramem", dict(**_pkm("tiny", 16, 2, 64, 256, 2), max_position_embeddings=TINY_CONTEXT)),
+    # Engram's memory at block 1 holding tiny-ultramem's sparse parameters (524,288 rows of 32: 16.8M); and both kinds
+    # in one model, the same sparse total split 3:1 between product keys (n = 448) and n-grams (122,880 rows)
+    "tiny-engram": (
+        "ultramem",
+        dict(
+            **BACKBONES["tiny"].kwargs(),
+            **TINY_NGRAM,
+            ngram_layers=[1],
+            ngram_table_size=524288,
+            max_position_embeddings=TINY_CONTEXT,
+        ),
+    ),
+    "tiny-ultramem-engram": (
+        "ultramem",
+        dict(
+            **_ultramem("tiny", 16, 64, 224, [[0, 1], [2, 3]]),
+            **TINY_NGRAM,
+            ngram_layers=[1],
+            ngram_table_size=122880,
+            max_position_embeddings=TINY_CONTEXT,
+        ),
+    ),
     # 16 experts of GeLU width 516 (SwiGLU 344): total parameters of tiny-ultramem, 2 active ~ tiny-dense MLP
     "tiny-moe": ("mixtral", dict(**_moe("tiny", 16, 516), max_position_embeddings=TINY_CONTEXT)),
     # The GPU campaign's quality comparison: trains to a useful loss in minutes on one GPU. 25.2M dense; the
@@ -355,13 +381,15 @@ def _describe(name: str, config: PreTrainedConfig) -> dict[str, Any]:
     }
     if isinstance(config, MixtralConfig):
         row.update(top_m=config.num_experts_per_tok, experts=config.num_local_experts)
-    elif config.memory_layers:
+    if not isinstance(config, MixtralConfig) and config.memory_layers:
         row.update(
             top_m=f"{config.memory_topk}x{config.memory_heads}",
             kdim=config.memory_key_dim,
             knum=round(math.sqrt(config.memory_num_values)),
             mem_layers=len(config.memory_layers),
         )
+    if getattr(config, "ngram_layers", None):  # n-gram memories counted beside: "2+1ng"
+        row.update(mem_layers=f"{len(config.memory_layers)}+{len(config.ngram_layers)}ng")
     return row
 
 
@@ -373,7 +401,7 @@ def preset_table() -> list[dict[str, Any]]:
 def format_table(rows: list[dict[str, Any]]) -> str:
     header = (
         f"{'preset':<20}{'hidden':>7}{'inner':>7}{'heads':>6}{'L':>4}{'top-m':>7}{'exp':>5}{'kdim':>6}"
-        f"{'knum':>6}{'mem':>5}{'params(B)':>11}{'paper':>8}{'diff':>8}{'FLOPs(G)':>10}{'paper':>8}"
+        f"{'knum':>6}{'mem':>7}{'params(B)':>11}{'paper':>8}{'diff':>8}{'FLOPs(G)':>10}{'paper':>8}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
@@ -381,7 +409,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         diff = f"{100 * (r['params_b'] / paper_p - 1):+.1f}%" if paper_p else "-"
         lines.append(
             f"{r['preset']:<20}{r['hidden']:>7}{r['inner']:>7}{r['heads']:>6}{r['layers']:>4}{r['top_m']!s:>7}"
-            f"{r['experts']!s:>5}{r['kdim']!s:>6}{r['knum']!s:>6}{r['mem_layers']!s:>5}{r['params_b']:>11.3f}"
+            f"{r['experts']!s:>5}{r['kdim']!s:>6}{r['knum']!s:>6}{r['mem_layers']!s:>7}{r['params_b']:>11.3f}"
             f"{paper_p if paper_p else '-'!s:>8}{diff:>8}{r['flops_g']:>10.3f}{paper_f if paper_f else '-'!s:>8}"
         )
     return "\n".join(lines)

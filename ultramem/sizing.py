@@ -52,6 +52,14 @@ def count_parameters(config: PreTrainedConfig) -> dict[str, float]:
         activated += config.num_memory_layers * config.memory_heads * config.memory_topk * row_width
         physical_values = sum(table.shape[0] for name, table in tables.items() if ".pre_value" not in name)
         memory_slots = config.num_memory_layers * config.memory_num_keys**2
+    if getattr(config, "ngram_layers", None):  # each token reads (N-1) K rows of each n-gram table
+        ngram_tables = [
+            p
+            for name, p in params.items()
+            if name.startswith("model.ngram_memories.") and name.endswith(".values.weight")
+        ]
+        activated -= sum(table.numel() for table in ngram_tables)
+        activated += len(ngram_tables) * (config.ngram_order - 1) * config.ngram_heads * config.ngram_head_dim
     return {
         "total": total,
         "activated": activated,

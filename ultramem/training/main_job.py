@@ -87,7 +87,8 @@ def train_one(preset: str, args: argparse.Namespace, config_overrides: str | Non
     result = train(ModelArguments(preset=preset, config_overrides=config_overrides), data_args, training_args)
     seconds = time.perf_counter() - start
     model, blocks = result.trainer.model, torch.tensor(result.trainer.eval_dataset["input_ids"])
-    health = retrieval_diagnostics(model, blocks) if getattr(model.config, "memory_layers", None) else {}
+    has_memory = getattr(model.config, "memory_layers", None) or getattr(model.config, "ngram_layers", None)
+    health = retrieval_diagnostics(model, blocks) if has_memory else {}
     metrics = (float(result.metrics["eval_loss"]), seconds, result.log_history, health, blocks.numel())
     return RunResult(preset, output_dir, *metrics)
 
@@ -110,8 +111,11 @@ def health_table(result: RunResult) -> str:
     lines = [
         f"retrieval health of {result.preset} on {result.health_tokens:,} held-out tokens "
         "(rows read vs uniform: 1.0 = as spread as chance; input cosine near 1: every token asks the same)",
-        f"{'memory layer':<14}{'rows read':>11}{'vs uniform':>12}{'KL to uniform':>15}{'input cosine':>14}",
     ]
+    if layers:
+        lines.append(
+            f"{'memory layer':<14}{'rows read':>11}{'vs uniform':>12}{'KL to uniform':>15}{'input cosine':>14}"
+        )
     for layer in layers:
         names = ("slot_usage", "usage_vs_uniform", "usage_kl", "input_cosine")
         stats = {name: result.health[f"layer_{layer}/{name}"] for name in names}
@@ -119,7 +123,21 @@ def health_table(result: RunResult) -> str:
             f"{layer:<14}{stats['slot_usage']:>10.1%}{stats['usage_vs_uniform']:>12.2f}"
             f"{stats['usage_kl']:>15.2f}{stats['input_cosine']:>14.2f}"
         )
+    ngrams = sorted({int(key.split("/")[0][len("ngram_") :]) for key in result.health if key.startswith("ngram_")})
+    if ngrams:
+        lines.append(
+            f"{'n-gram memory':<14}{'rows read':>11}{'vs uniform':>12}{'collisions':>12}{'gate mean, std':>17}"
+        )
+    for layer in ngrams:
+        stats = {name: result.health[f"ngram_{layer}/{name}"] for name in NGRAM_HEALTH}
+        lines.append(
+            f"{layer:<14}{stats['slot_usage']:>10.1%}{stats['usage_vs_uniform']:>12.2f}{stats['collision_rate']:>11.1%}"
+            f"{stats['gate_mean']:>11.2f}, {stats['gate_std']:.2f}"
+        )
     return "\n".join(lines)
+
+
+NGRAM_HEALTH = ("slot_usage", "usage_vs_uniform", "collision_rate", "gate_mean", "gate_std")
 
 
 def plot_losses(results: list[RunResult], path: str) -> None:

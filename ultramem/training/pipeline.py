@@ -30,6 +30,7 @@ import torch
 from transformers import PretrainedConfig, TrainerCallback, default_data_collator, set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
+from ultramem.ngram_memory import use_canonical_ids
 from ultramem.tokenization import load_tokenizer
 from ultramem.training.arguments import DataArguments, ModelArguments, UltraMemTrainingArguments
 from ultramem.training.data import load_raw_datasets, tokenize_and_pack
@@ -164,6 +165,8 @@ def train(
             print(f"ultramem-train: resuming from {resume} ({_checkpoint_step(resume)})", file=sys.stderr)
     set_seed(training_args.seed)
     model = build_model(model_args, config, defer_tables=training_args.memory_parallel != "none")
+    if model_args.model_name_or_path is None:  # n-gram memories hash the tokenizer's canonical ids from the start
+        use_canonical_ids(model, tokenizer)
     if training_args.ddp_find_unused_parameters is None and model.config.model_type == "ultramem":
         # Every parameter of an UltraMem (or its dense preset) takes part in each step: DDP need not search the graph
         # for unused ones (the Trainer's default without gradient checkpointing), which it warned about on every rank

@@ -212,7 +212,7 @@ class UltraMemTrainer(ShardedTableOverrides, AtomicCheckpointTrainer, FSDPTraine
         if self._last_value_lr is not None:
             extras["value_lr_multiplier"] = self.value_lr.factor(self.state.global_step - 1, self.state.max_steps)
             extras["value_learning_rate"] = self._last_value_lr
-        if value_table_names(self.model):
+        if value_table_names(self.model) or getattr(getattr(self.model, "config", None), "ngram_layers", None):
             extras.update(self._memory_diagnostics())
         return extras
 

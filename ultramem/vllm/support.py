@@ -19,6 +19,11 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, str, str]] = {
         "serve the tables in memory (on vLLM's CPU backend they are in host memory already), shrink them with "
         "`python -m ultramem.quantize CKPT OUT --format int4`, or use Transformers' generate with memory_offload",
     ),
+    "ngram_layers": (
+        [],
+        "hashed n-gram memories (Engram)",
+        "serve the checkpoint with Transformers' generate; the vLLM model class does not hold n-gram memories yet",
+    ),
 }
 
 

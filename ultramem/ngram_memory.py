@@ -1,0 +1,275 @@
+"""Hashed n-gram memory (Engram: Cheng et al. 2026, "Conditional Memory via Scalable Lookup"): a memory layer whose
+addresses depend only on the token ids, so that for a whole step they are known before the first block runs.
+
+For token t and each n-gram order n = 2..N, K hash heads map the canonical ids of tokens t-n+1..t to a row of their
+own: a multiplicative-XOR hash, id_0 * c_0 ^ id_1 * c_1 ^ ... ^ id_{n-1} * c_{n-1} (id_j the token j positions back),
+modulo a prime of the head's own. The (N-1) K rows side by side are the retrieved memory e. A context gate decides how
+much of it the token takes, and a short convolution mixes in the neighbours':
+
+    alpha = sigmoid(signed_sqrt(RMSNorm(h) . RMSNorm(W_k e) / sqrt(D)))      h: the residual stream entering the block
+    v = alpha * W_v e
+    y = v + SiLU(Conv(RMSNorm(v)))       causal depthwise conv of kernel k dilated by N, zero at init (y = v)
+
+and y is added to the stream. The canonical ids (`canonical_token_ids`: NFKC, lower case, spaces stripped) are a
+buffer of the model, saved with it. An n-gram never reaches across a document boundary (the token after an EOS starts
+a new document), into padding or across packed sequences: positions outside the token's document hash as `vocab_size`
+(no token). The last N-1 ids and the conv's inputs live in the generation cache, as the query conv's state does.
+
+This file is copied beside `modeling_ultramem.py` into checkpoints (remote code), so it imports only relatively.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import unicodedata
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache
+
+from .configuration_ultramem import UltraMemConfig
+from .memory_implementations import memory_ops_for
+from .memory_query import CausalDepthwiseConv
+from .value_stores import MemoryValueTable
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment
+
+
+def _splitmix64(state: int) -> int:
+    """One output of splitmix64 (Steele et al. 2014) for `state`: a well-mixed 64-bit integer, the same everywhere."""
+    z = (state + _GOLDEN_GAMMA) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def hash_multipliers(vocab_size: int, order: int, layer: int, seed: int) -> list[int]:
+    """The N odd multipliers c_0..c_{N-1} of memory layer `layer`: each below 2^63 / (vocab_size + 1), so a product
+    with any id (the no-token id `vocab_size` included) and the XOR of such products fit a signed 64-bit integer."""
+    bound = ((1 << 63) - 1) // (vocab_size + 1)
+    return [2 * (_splitmix64(seed * 1_000_003 + layer * 64 + j) % (bound // 2)) + 1 for j in range(order)]
+
+
+def _is_prime(value: int) -> bool:
+    return value >= 2 and all(value % divisor for divisor in range(2, math.isqrt(value) + 1))
+
+
+def head_moduli(rows_per_head: int, count: int, skip: int) -> list[int]:
+    """`count` distinct primes, the (skip+1)-th to (skip+count)-th at or above `rows_per_head`: every head of every
+    layer hashes modulo a prime of its own."""
+    primes, candidate = [], max(rows_per_head, 2)
+    while len(primes) < skip + count:
+        if _is_prime(candidate):
+            primes.append(candidate)
+        candidate += 1
+    return primes[skip:]
+
+
+def canonical_token_ids(tokenizer, vocab_size: int) -> torch.Tensor:
+    """(vocab_size + 1,) int64: each token id's canonical id, the smallest id whose text, NFKC-normalised, lower-cased
+    and stripped of spaces, is the same ("Apple", " apple" and "APPLE" share one). Special tokens and ids past the
+    tokenizer's vocabulary keep their own; the last entry maps the no-token id to itself."""
+    canonical = list(range(vocab_size + 1))
+    first: dict[str, int] = {}
+    special = set(getattr(tokenizer, "all_special_ids", []))
+    tokens = tokenizer.convert_ids_to_tokens(list(range(min(len(tokenizer), vocab_size))))
+    for token_id, token in enumerate(tokens):
+        if token is None or token_id in special:
+            continue
+        text = unicodedata.normalize("NFKC", tokenizer.convert_tokens_to_string([token])).lower().strip()
+        canonical[token_id] = first.setdefault(text, token_id)
+    return torch.tensor(canonical, dtype=torch.int64)
+
+
+def use_canonical_ids(model: nn.Module, tokenizer) -> None:
+    """Every n-gram memory of `model` hashes `tokenizer`'s canonical ids (a fresh model's are the token ids): for a
+    model trained from scratch, before its first step; the map is saved with the model."""
+    for module in model.modules():
+        if isinstance(module, NGramMemory):
+            module.set_canonical_ids(canonical_token_ids(tokenizer, module.vocab_size).to(module.canonical_ids.device))
+
+
+def ngram_tokens(
+    tokens: torch.Tensor, no_token: int, eos_ids: torch.Tensor, order: int, sequences: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(B, N, T): [:, j, t] the token j positions back (j = 0..N-1) from each of the last T of `tokens` (B, N-1+T), or
+    `no_token` where that is not of t's document: padding, before the first token, before an EOS that ended the
+    document (the token after an EOS starts the next) or, with `sequences` (B, N-1+T), another packed sequence."""
+    is_eos = torch.isin(tokens, eos_ids).long()
+    keys = [torch.cumsum(is_eos, dim=1) - is_eos] + ([sequences] if sequences is not None else [])  # (B, N-1+T)
+    length = tokens.shape[1] - order + 1
+
+    def back(x: torch.Tensor, j: int) -> torch.Tensor:
+        return x[:, order - 1 - j : order - 1 - j + length]
+
+    columns = []
+    for j in range(order):
+        same = functools.reduce(torch.logical_and, [back(key, j) == back(key, 0) for key in keys])
+        columns.append(torch.where(same, back(tokens, j), no_token))
+    return torch.stack(columns, dim=1)
+
+
+def ngram_rows(
+    ngrams: torch.Tensor, multipliers: torch.Tensor, moduli: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
+    """The table rows of every head for n-grams (B, N, T) (`ngram_tokens`, canonical ids).
+
+    The hash of order n: id_0 c_0 XOR ... XOR id_{n-1} c_{n-1}, modulo each of its heads' primes, plus the head's first
+    row. multipliers: (N,) int64 c_j. moduli, offsets: ((N-1) K,) int64, order-major (the K bigram heads first).
+    Returns (B, T, (N-1) K) int64 rows, order-major.
+    """
+    mixed, orders = ngrams[:, 0] * multipliers[0], []
+    for back in range(1, multipliers.shape[0]):  # XOR in the token `back` positions back: the hash of order back + 1
+        mixed = torch.bitwise_xor(mixed, ngrams[:, back] * multipliers[back])
+        orders.append(mixed)
+    hashed = torch.stack(orders, dim=-1).repeat_interleave(moduli.shape[0] // len(orders), dim=-1)  # (B, T, (N-1)K)
+    return torch.remainder(hashed, moduli) + offsets
+
+
+class NGramMemory(nn.Module):
+    """One n-gram memory layer (Engram): added to the residual stream entering block `block`.
+
+    Its table (`values`, one row of `ngram_head_dim` per hash bucket, the heads' buckets one after the other) is a value
+    store like a product-key layer's, read with the store's lookup (each head its own pooled group, weight 1).
+    """
+
+    def __init__(self, config: UltraMemConfig, ngram_idx: int, id_slot: tuple[int, int], conv_slot: tuple[int, int]):
+        super().__init__()
+        self.config = config
+        self.ngram_idx = ngram_idx
+        self.block = config.ngram_layers[ngram_idx]
+        self.order = config.ngram_order
+        self.num_heads = (config.ngram_order - 1) * config.ngram_heads
+        self.vocab_size = config.vocab_size
+        self.seed = config.ngram_hash_seed
+        self.id_slot = id_slot
+        moduli = self._moduli()
+        self.table_rows = sum(moduli)
+        eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+        # The hash's constants and the canonical ids: buffers saved with the model (a checkpoint alone reproduces its
+        # addresses), filled here too so that every rank of a ZeRO-3 run holds them (as the IVE shuffle)
+        on_meta = torch.empty(0).device.type == "meta"
+        for name, values in (
+            ("canonical_ids", list(range(config.vocab_size + 1))),
+            ("multipliers", hash_multipliers(config.vocab_size, self.order, ngram_idx, self.seed)),
+            ("moduli", moduli),
+            ("offsets", [sum(moduli[:i]) for i in range(len(moduli))]),
+            ("eos_ids", [token for token in eos if token is not None]),
+        ):
+            buffer = torch.empty(len(values), dtype=torch.int64) if on_meta else torch.tensor(values, dtype=torch.int64)
+            self.register_buffer(name, buffer, persistent=name != "eos_ids")
+        self.values = MemoryValueTable(self.table_rows, config.ngram_head_dim, config.initializer_range)
+        width = self.num_heads * config.ngram_head_dim
+        self.key_proj = nn.Linear(width, config.hidden_size, bias=False)
+        self.value_proj = nn.Linear(width, config.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.key_norm = nn.RMSNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.value_norm = nn.RMSNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.conv = CausalDepthwiseConv(
+            config.hidden_size, config.ngram_conv_kernel_size, *conv_slot, dilation=config.ngram_order
+        )
+
+    def init_ultramem(self) -> None:
+        """The hash's constants and identity canonical ids (a tokenizer's map replaces them: `set_canonical_ids`), and
+        a zero conv, so the layer starts as y = v (Engram's identity start)."""
+        init.copy_(self.canonical_ids, torch.arange(self.vocab_size + 1))
+        init.copy_(
+            self.multipliers, torch.tensor(hash_multipliers(self.vocab_size, self.order, self.ngram_idx, self.seed))
+        )
+        moduli = torch.tensor(self._moduli())
+        init.copy_(self.moduli, moduli)
+        init.copy_(self.offsets, torch.cumsum(moduli, 0) - moduli)
+        init.zeros_(self.conv.weight)
+        init.zeros_(self.conv.bias)
+
+    def _moduli(self) -> list[int]:
+        """Each head's prime, distinct from every other head's of the model: the layer's share of the table."""
+        rows_per_head = self.config.ngram_table_size // self.num_heads
+        return head_moduli(rows_per_head, self.num_heads, self.ngram_idx * self.num_heads)
+
+    @torch.no_grad()
+    def set_canonical_ids(self, canonical_ids: torch.Tensor) -> None:
+        """Use a tokenizer's canonical map (`canonical_token_ids`), (vocab_size + 1,) int64."""
+        if canonical_ids.shape != self.canonical_ids.shape:
+            raise ValueError(
+                f"canonical_ids has {canonical_ids.shape[0]} entries; the n-gram memory needs vocab_size + 1 = "
+                f"{self.canonical_ids.shape[0]} (one per token id and the no-token id last)"
+            )
+        self.canonical_ids.copy_(canonical_ids)
+
+    def ngrams(
+        self,
+        input_ids: torch.Tensor,
+        padding_mask: torch.Tensor | None,
+        cache: Cache | None,
+        sequence_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """(B, T) token ids -> the canonical n-grams the hash reads (B, N, T) (`ngram_tokens`); the last N-1 ids go to
+        the cache."""
+        ids = input_ids if padding_mask is None else input_ids.masked_fill(padding_mask == 0, self.vocab_size)
+        tokens = torch.cat([self._history(ids, cache), ids], dim=1)  # (B, N-1+T)
+        sequences = None
+        if sequence_ids is not None:  # packed rows (no cache): the history is no token, of no sequence
+            sequences = F.pad(sequence_ids, (self.order - 1, 0), value=-1)
+        return ngram_tokens(self.canonical_ids[tokens], self.vocab_size, self.eos_ids, self.order, sequences)
+
+    def rows(
+        self,
+        input_ids: torch.Tensor,
+        padding_mask: torch.Tensor | None,
+        cache: Cache | None,
+        sequence_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """(B, T) token ids -> (B, T, (N-1) K) table rows."""
+        ngrams = self.ngrams(input_ids, padding_mask, cache, sequence_ids)
+        return ngram_rows(ngrams, self.multipliers, self.moduli, self.offsets)
+
+    def read(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows (B, T, (N-1) K) -> the retrieved memory e (B, T, (N-1) K d), through the table's store: each head its
+        own pooled group of weight 1."""
+        batch, length, heads = rows.shape
+        rows = rows.view(batch * length, heads)
+        groups = torch.arange(heads, device=rows.device).expand_as(rows)
+        weights = torch.ones(*rows.shape, 1, dtype=self.values.weight.dtype, device=rows.device)
+        ops = memory_ops_for(getattr(self.config, "_memory_implementation", None), rows.device)
+        return self.values(rows, groups, weights, heads, ops).view(batch, length, -1)
+
+    def gate(self, hidden_states: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        """alpha (B, T, 1) = sigmoid(signed_sqrt(RMSNorm(h) . RMSNorm(W_k e) / sqrt(D)))."""
+        score = (self.hidden_norm(hidden_states) * self.key_norm(self.key_proj(memory))).sum(-1, keepdim=True)
+        score = score / math.sqrt(hidden_states.shape[-1])
+        return torch.sigmoid(score.sign() * score.abs().clamp_min(1e-6).sqrt())
+
+    def _history(self, ids: torch.Tensor, cache: Cache | None) -> torch.Tensor:
+        """(B, N-1) ids before `ids` (the no-token id where there are none), from the cache, which then keeps the last
+        N-1 of both."""
+        context = self.order - 1
+        none = ids.new_full((ids.shape[0], context), self.vocab_size)
+        if cache is None:
+            return none
+        layer, slot = self.id_slot
+        if not cache.layers[layer].has_previous_state[slot]:
+            cache.update_conv_state(torch.cat([none, ids], dim=1).unsqueeze(1), layer, slot, conv_kernel_size=context)
+            return none
+        # the cache returns its state, then the new ids; while `generate` records the past (assisted decoding) the
+        # state is longer than N-1
+        updated = cache.update_conv_state(ids.unsqueeze(1), layer, slot, conv_kernel_size=context)[:, 0]
+        history = updated[:, : updated.shape[1] - ids.shape[1]][:, -context:]
+        return F.pad(history, (context - history.shape[1], 0), value=self.vocab_size)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        input_ids: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        sequence_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The residual stream entering the block (B, T, D) and the token ids (B, T) -> the layer's output (B, T, D)."""
+        memory = self.read(self.rows(input_ids, padding_mask, cache, sequence_ids)).to(hidden_states.dtype)  # e
+        value = self.gate(hidden_states, memory) * self.value_proj(memory)
+        return value + F.silu(self.conv(self.value_norm(value), padding_mask, cache, sequence_ids))
