@@ -5,8 +5,9 @@ forward (`step`), and one new token of `model.generate` as users call it (`gener
 generating `--new-tokens` + 1 and 1 tokens, over `--new-tokens`, so generate's own per-token work counts too).
 Operators are those that reach PyTorch's dispatcher below autograd (a `TorchDispatchMode`: views and in-place
 ops included, a composite such as `linear` counted as the kernels it runs), attributed to the innermost memory layer
-whose forward runs them. The count is deterministic for one PyTorch version; each one costs host time on every
-device (a few microseconds on CPU, a kernel launch on a GPU), which is why the step's count matters without graphs.
+(product-key or n-gram) whose forward runs them. The count is deterministic for one PyTorch version; each one costs
+host time on every device (a few microseconds on CPU, a kernel launch on a GPU), which is why the step's count matters
+without graphs.
 
     python benchmarks/bench_decode_ops.py                        # every tiny variant, a few seconds
     python benchmarks/bench_decode_ops.py --presets tiny-ultramem --list   # with the memory layer's operators in order
@@ -27,8 +28,9 @@ from lib.report import format_table, write_json
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ultramem.modeling_ultramem import UltraMemMemoryLayer
+from ultramem.ngram_memory import NGramMemory
 
-VARIANTS = ("tiny-dense", "tiny-ultramem", "tiny-pkm", "tiny-ultramemv2", "tiny-memoryplus")
+VARIANTS = ("tiny-dense", "tiny-ultramem", "tiny-pkm", "tiny-ultramemv2", "tiny-memoryplus", "tiny-engram")
 REST = "rest"
 
 
@@ -41,7 +43,7 @@ class OperatorCount(TorchDispatchMode):
         self.ops: dict[str, list[str]] = {REST: []}
         self.hooks = []
         for name, module in model.named_modules():
-            if isinstance(module, UltraMemMemoryLayer):
+            if isinstance(module, (UltraMemMemoryLayer, NGramMemory)):
                 self.ops[name] = []
                 self.hooks.append(module.register_forward_pre_hook(lambda m, a, name=name: self.owners.append(name)))
                 self.hooks.append(module.register_forward_hook(self._leave))

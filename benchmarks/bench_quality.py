@@ -98,7 +98,26 @@ QUERY_NORM_ROWS = {
     }
     for scale in ("tiny", "small")
 }
-GROUPS = ("comparison", "ladder", "variants", "v2_ladder", "query_norm")  # v2_ladder: UltraMem to V2, one change a row
+# Product keys and hashed n-grams (issue 45): tiny-ultramem's sparse budget (16.8M) split between UltraMem's tables and
+# an Engram memory at block 1, from all product keys to all n-grams; row name -> (preset, overrides)
+NGRAM_ROWS = {
+    "tiny": {
+        "n-gram share 0% (UltraMem)": ("tiny-ultramem", {}),
+        "n-gram share 25%": ("tiny-ultramem-engram", {}),
+        "n-gram share 50%": ("tiny-ultramem-engram", dict(memory_num_keys=362, ngram_table_size=262144)),
+        "n-gram share 100% (Engram)": ("tiny-engram", {}),
+        "Dense baseline": ("tiny-dense", {}),
+        "MoE baseline": ("tiny-moe", {}),
+    }
+}
+GROUPS = (
+    "comparison",
+    "ladder",
+    "variants",
+    "v2_ladder",
+    "query_norm",
+    "ngram",
+)  # v2_ladder: UltraMem to V2, one a row
 # Held-out blocks the final retrieval health is measured on (2,048 tokens at the tiny block size)
 HEALTH_BLOCKS = 16
 
@@ -158,6 +177,9 @@ def row_configs(scale: str) -> list[tuple[str, str, PreTrainedConfig, dict[str, 
     for name, (preset, mode) in QUERY_NORM_ROWS.get(scale, {}).items():
         config = presets.get_config(preset, query_norm=mode)
         rows.append(("query_norm", name, config, _value_lr(config, presets.get_training_arguments(preset))))
+    for name, (preset, overrides) in NGRAM_ROWS.get(scale, {}).items():
+        config = presets.get_config(preset, **overrides)
+        rows.append(("ngram", name, config, _value_lr(config, presets.get_training_arguments(preset))))
     return rows
 
 
@@ -390,7 +412,7 @@ class QualityRecorder(TrainerCallback):
         curve, and the retrieval health of every memory layer on held-out text (`retrieval_diagnostics`). Measured
         inside training, before that recomputation, stale statistics made healthy layers look collapsed."""
         self.curve[-1]["val_loss"] = lm_validation_loss(model, self.blocks, self.eval_batch_size, self.bf16)
-        if getattr(model.config, "memory_layers", None):
+        if getattr(model.config, "memory_layers", None) or getattr(model.config, "ngram_layers", None):
             blocks = self.blocks[:HEALTH_BLOCKS].to(next(model.parameters()).device)
             with torch.autocast(blocks.device.type, dtype=torch.bfloat16, enabled=self.bf16):
                 self.health = retrieval_diagnostics(model, blocks)
@@ -579,6 +601,7 @@ def markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         ("variants", "The memory-layer family at equal parameters", "Diff to UltraMem (V1)"),
         ("v2_ladder", "From UltraMem to UltraMemV2 (each row adds one change)", "Diff to previous"),
         ("query_norm", "The query's across-token normalisation (retrieval collapse)", "Diff to 'none'"),
+        ("ngram", "Product keys and hashed n-grams at one sparse budget", "Diff to 0% (UltraMem)"),
     )
     for group, title, diff_title in groups:
         entries = [e for e in table if e["group"] == group]
@@ -603,6 +626,9 @@ def markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 if "usage_vs_uniform" in health
                 else "-"
             )
+            if "min_ngram_usage_vs_uniform" in health:  # the n-gram memories' worst layer, and its hash collisions
+                ngram = f"n-gram {health['min_ngram_usage_vs_uniform']:.2f} ({health['max_ngram_collision_rate']:.0%} coll.)"
+                usage = ngram if usage == "-" else f"{usage}; {ngram}"
             cosine = f"{health['max_input_cosine']:.2f}" if "max_input_cosine" in health else "-"
             output_std = health.get("memory_output_std", e["final_diagnostics"].get("memory/memory_output_std"))
             lines.append(
@@ -670,6 +696,7 @@ def write_results(output_dir: Path, rows: list[Row], runs: list[dict[str, Any]],
     plot(table, runs, "variants", Path(f"{stem}_variants.png"), f"UltraMem, UltraMemV2, Memory+ ({meta['scale']})")
     plot(table, runs, "v2_ladder", Path(f"{stem}_v2_ladder.png"), f"From UltraMem to UltraMemV2 ({meta['scale']})")
     plot(table, runs, "query_norm", Path(f"{stem}_query_norm.png"), f"Query normalisation ({meta['scale']})")
+    plot(table, runs, "ngram", Path(f"{stem}_ngram.png"), f"Product keys and n-grams ({meta['scale']})")
 
 
 def planned_runs(rows: list[Row], seeds: int, seeded: set[str]) -> list[tuple[Row, int]]:

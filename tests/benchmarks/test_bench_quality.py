@@ -57,9 +57,11 @@ def test_tiny_ladder_ends_are_the_comparison_models():
     assert rows["PKM x10"] == rows["PKM"]
     assert rows["+query conv"] == rows["UltraMem"]
     # + Dense and MoE, + V2, V2 w/o PEER, Memory+, + the V2 ladder's rows between UltraMem and UltraMemV2, + the query
-    # normalisation's other modes for UltraMem and "none" for V2 and Memory+ (their default rows are the presets)
-    others = len(bench_quality.QUERY_NORMS) - 1 + 2
+    # normalisation's other modes for UltraMem and "none" for V2 and Memory+ (their default rows are the presets), + the
+    # n-gram shares 25%, 50% and 100% (0% is UltraMem)
+    others = len(bench_quality.QUERY_NORMS) - 1 + 2 + 3
     assert len(set(rows.values())) == len(ablation.LADDER_ROWS) + 2 + 3 + len(ablation.V2_LADDER_ROWS) - 2 + others
+    assert rows["n-gram share 0% (UltraMem)"] == rows["UltraMem"] and rows["MoE baseline"] == rows["MoE"]
     default = UltraMemConfig().query_norm
     assert rows[f"UltraMem (query_norm={default})"] == rows["UltraMem"]
     assert rows[f"UltraMemV2 (query_norm={default})"] == rows["UltraMemV2"]

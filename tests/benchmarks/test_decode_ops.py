@@ -10,7 +10,13 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 # Operators per memory layer beyond the dense model of the same backbone (torch 2.13, batch 1, float32), as measured
 # when the bound was last lowered; issue 48's target is 60
-MAX_OPS_OVER_DENSE = {"tiny-ultramem": 89, "tiny-pkm": 50, "tiny-ultramemv2": 103, "tiny-memoryplus": 51}
+MAX_OPS_OVER_DENSE = {
+    "tiny-ultramem": 89,
+    "tiny-pkm": 50,
+    "tiny-ultramemv2": 103,
+    "tiny-memoryplus": 51,
+    "tiny-engram": 116,
+}
 
 
 @pytest.fixture(scope="module")

@@ -127,6 +127,7 @@ def test_the_layer_is_its_equations_in_float64():
 
 
 def test_cached_generation_equals_recomputation_with_left_padding_and_an_eos_in_a_prompt():
+    """Dynamic and static caches; beam search reorders the n-gram states with the rest."""
     model = ngram_model(seed=1)
     input_ids, attention_mask = left_padded_batch(97, [9, 4, 7])
     input_ids[0, 4] = EOS
@@ -137,8 +138,12 @@ def test_cached_generation_equals_recomputation_with_left_padding_and_an_eos_in_
             for _ in range(6):
                 tokens = torch.cat([tokens, model(tokens).logits[:, -1:].argmax(-1)], dim=1)
         assert out[row, attention_mask.shape[1] - attention_mask[row].sum() :].tolist() == tokens[0].tolist()
+    static = model.generate(
+        input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False, cache_implementation="static"
+    )
+    assert torch.equal(static, out)
     beams = model.generate(input_ids[:1, 4:], max_new_tokens=4, num_beams=3, do_sample=False)
-    assert beams.shape == (1, 9)
+    assert torch.equal(beams, model.generate(input_ids[:1, 4:], max_new_tokens=4, num_beams=3, use_cache=False))
 
 
 def test_steps_of_several_tokens_continue_the_history():
