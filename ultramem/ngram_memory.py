@@ -174,8 +174,10 @@ class NGramMemory(nn.Module):
         )
 
     def init_ultramem(self) -> None:
-        """The hash's constants and identity canonical ids (a tokenizer's map replaces them: `set_canonical_ids`), and
-        a zero conv, so the layer starts as y = v (Engram's identity start)."""
+        """The hash's constants and identity canonical ids (a tokenizer's map replaces them: `set_canonical_ids`), a
+        zero conv (y = v, Engram's identity start) and a zero table: a row no training n-gram reached adds nothing
+        instead of noise (the main job's recipe, tiny-engram: validation loss 6.599 against 6.708 with N(0, 0.02)
+        rows, of which 5% are read in 120 steps)."""
         init.copy_(self.canonical_ids, torch.arange(self.vocab_size + 1))
         init.copy_(
             self.multipliers, torch.tensor(hash_multipliers(self.vocab_size, self.order, self.ngram_idx, self.seed))
@@ -185,6 +187,7 @@ class NGramMemory(nn.Module):
         init.copy_(self.offsets, torch.cumsum(moduli, 0) - moduli)
         init.zeros_(self.conv.weight)
         init.zeros_(self.conv.bias)
+        init.zeros_(self.values.weight)
 
     def _moduli(self) -> list[int]:
         """Each head's prime, distinct from every other head's of the model: the layer's share of the table."""
