@@ -31,7 +31,6 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 
 from .configuration_ultramem import UltraMemConfig
-from .memory_implementations import memory_ops_for
 from .memory_query import CausalDepthwiseConv
 from .value_stores import MemoryValueTable
 
@@ -133,8 +132,8 @@ def ngram_rows(
 class NGramMemory(nn.Module):
     """One n-gram memory layer (Engram): added to the residual stream entering block `block`.
 
-    Its table (`values`, one row of `ngram_head_dim` per hash bucket, the heads' buckets one after the other) is a value
-    store like a product-key layer's, read with the store's lookup (each head its own pooled group, weight 1).
+    Its table (`values`, one row of `ngram_head_dim` per hash bucket, the heads' buckets one after the other) is a
+    `MemoryValueTable`, held in memory (the offloaded, quantized and sharded stores serve product-key tables only).
     """
 
     def __init__(self, config: UltraMemConfig, ngram_idx: int, id_slot: tuple[int, int], conv_slot: tuple[int, int]):
@@ -232,14 +231,8 @@ class NGramMemory(nn.Module):
         return ngram_rows(ngrams, self.multipliers, self.moduli, self.offsets)
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rows (B, T, (N-1) K) -> the retrieved memory e (B, T, (N-1) K d), through the table's store: each head its
-        own pooled group of weight 1."""
-        batch, length, heads = rows.shape
-        rows = rows.view(batch * length, heads)
-        groups = torch.arange(heads, device=rows.device).expand_as(rows)
-        weights = torch.ones(*rows.shape, 1, dtype=self.values.weight.dtype, device=rows.device)
-        ops = memory_ops_for(getattr(self.config, "_memory_implementation", None), rows.device)
-        return self.values(rows, groups, weights, heads, ops).view(batch, length, -1)
+        """Rows (B, T, (N-1) K) -> the retrieved memory e (B, T, (N-1) K d): the heads' rows side by side."""
+        return F.embedding(rows, self.values.weight).flatten(-2)
 
     def gate(self, hidden_states: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
         """alpha (B, T, 1) = sigmoid(signed_sqrt(RMSNorm(h) . RMSNorm(W_k e) / sqrt(D)))."""

@@ -15,7 +15,7 @@ MAX_OPS_OVER_DENSE = {
     "tiny-pkm": 50,
     "tiny-ultramemv2": 103,
     "tiny-memoryplus": 51,
-    "tiny-engram": 116,
+    "tiny-engram": 103,
 }
 
 
