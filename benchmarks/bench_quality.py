@@ -108,7 +108,13 @@ NGRAM_ROWS = {
         "n-gram share 100% (Engram)": ("tiny-engram", {}),
         "Dense baseline": ("tiny-dense", {}),
         "MoE baseline": ("tiny-moe", {}),
-    }
+    },
+    "151m": {
+        "n-gram share 0% (UltraMem)": ("ultramem-151m-x12", {}),
+        "n-gram share 25%": ("ultramem-engram-151m", {}),
+        "n-gram share 100% (Engram)": ("engram-151m", {}),
+        "Dense baseline": ("dense-151m", {}),
+    },
 }
 GROUPS = (
     "comparison",

@@ -203,6 +203,20 @@ def _skip_layers(num_layers: int, span: int) -> list[list[int]]:
 # conv of 4 taps dilated by 3
 TINY_NGRAM: dict[str, Any] = dict(ngram_order=3, ngram_heads=4, ngram_head_dim=32, ngram_conv_kernel_size=4)
 
+# ... and at the GPU plan's scales, 16 hash heads whose rows side by side are the hidden size: the n-gram tables of
+# `engram-*` hold the sparse parameters of the UltraMem preset of the scale (two layers); `ultramem-engram-*` splits
+# them 3:1 between product keys (fewer keys per axis) and one n-gram layer at block 1
+GPU_NGRAM: dict[str, Any] = dict(ngram_order=3, ngram_heads=8, ngram_conv_kernel_size=4)
+
+
+def _engram(scale: str, blocks: list[int], rows_per_layer: int) -> dict[str, Any]:
+    backbone = BACKBONES[scale]
+    head_dim = backbone.hidden_size // 16
+    return dict(
+        **backbone.kwargs(), **GPU_NGRAM, ngram_head_dim=head_dim, ngram_layers=blocks, ngram_table_size=rows_per_layer
+    )
+
+
 # MLP widths of the V2 presets that give the activated parameters of tiny-/small-ultramem (`count_parameters`)
 TINY_V2_INNER = 1056
 SMALL_V2_INNER = 1776
@@ -229,6 +243,16 @@ _PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "ultramem-151m-x12": ("ultramem", _ultramem("151m", 16, 256, 1100, _skip_layers(3, span=2))),
     "ultramem-680m-x12": ("ultramem", _ultramem("680m", 35, 384, 1632, _skip_layers(4, span=4))),
     "ultramem-1.6b-x12": ("ultramem", _ultramem("1.6b", 42, 448, 1792, _skip_layers(6, span=4))),
+    "engram-151m": ("ultramem", _engram("151m", [1, 6], 14_520_000)),
+    "ultramem-engram-151m": (
+        "ultramem",
+        {**_ultramem("151m", 16, 256, 953, _skip_layers(3, span=2)), **_engram("151m", [1], 7_243_600)},
+    ),
+    "engram-680m": ("ultramem", _engram("680m", [1, 12], 42_613_000)),
+    "ultramem-engram-680m": (
+        "ultramem",
+        {**_ultramem("680m", 35, 384, 1413, _skip_layers(4, span=4)), **_engram("680m", [1], 21_340_000)},
+    ),
     # Models that train in minutes on 2 CPU cores; tiny-ultramem is the last row of the tiny ablation ladder.
     "tiny-dense": ("ultramem", dict(**BACKBONES["tiny"].kwargs(), max_position_embeddings=TINY_CONTEXT)),
     "tiny-ultramem": (
