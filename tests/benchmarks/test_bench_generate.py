@@ -3,26 +3,12 @@ from one timestamp per new token with the prefill excluded. Structure and consis
 
 import json
 import statistics
-import sys
-from pathlib import Path
 
+import bench_generate
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
-
-@pytest.fixture(scope="module")
-def bench_generate():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import bench_generate
-
-        yield bench_generate
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-
-
-def test_bench_generate_times_every_new_token_after_the_prefill(bench_generate, tmp_path, capsys):
+def test_bench_generate_times_every_new_token_after_the_prefill(tmp_path, capsys):
     new_tokens = 4
     argv = ["--device", "cpu", "--sizes", "tiny", "--batch-sizes", "1,2", "--prompt", "8", "--new-tokens",
             str(new_tokens), "--warmup", "1", "--iters", "2", "--statistic", "median", "--moe-impl", "eager",
@@ -52,7 +38,7 @@ def test_bench_generate_times_every_new_token_after_the_prefill(bench_generate, 
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("tiny")  # the table is printed last
 
 
-def test_bench_generate_needs_two_new_tokens(bench_generate):
+def test_bench_generate_needs_two_new_tokens():
     with pytest.raises(SystemExit, match="--new-tokens must be >= 2"):
         bench_generate.parse_args(["--device", "cpu", "--new-tokens", "1"])
     with pytest.raises(SystemExit, match="--caches"):

@@ -1,22 +1,13 @@
 """Smoke test of benchmarks/bench_quality.py: two rows, a few real Trainer steps, and the committed row configs."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
+import bench_quality
 import pytest
 import torch
 
 from ultramem import UltraMemConfig, ablation
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_quality.py"
-if str(SCRIPT.parent) not in sys.path:  # the scripts import their library, benchmarks/lib
-    sys.path.insert(0, str(SCRIPT.parent))
-spec = importlib.util.spec_from_file_location("bench_quality", SCRIPT)
-bench_quality = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = bench_quality  # dataclasses look their module up there
-spec.loader.exec_module(bench_quality)
 
 SMOKE = [
     "--rows",

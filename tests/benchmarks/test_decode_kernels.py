@@ -2,27 +2,13 @@
 Inductor generates on CPU. The memory layer's bound is checked here, where the count is the same on every run."""
 
 import json
-import sys
-from pathlib import Path
 
-import pytest
+import decode_kernels
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 MAX_KERNELS_PER_MEMORY_LAYER = 6  # issue 34's target for the decode step
 
 
-@pytest.fixture(scope="module")
-def decode_kernels():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import decode_kernels
-
-        yield decode_kernels
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-
-
-def test_launches_are_read_from_generated_code(decode_kernels):
+def test_launches_are_read_from_generated_code():
     code = """
 def call(args):
     buf0 = empty_strided_cpu((2, 8), (8, 1), torch.float32)
@@ -40,7 +26,7 @@ def call(args):
     }
 
 
-def test_the_triton_memory_layer_launches_at_most_six_kernels_in_a_decode_step(decode_kernels, tmp_path, capsys):
+def test_the_triton_memory_layer_launches_at_most_six_kernels_in_a_decode_step(tmp_path, capsys):
     """tiny-ultramem against tiny-dense, compiled on CPU: with the one-kernel selection (opt-in) the memory layer's
     extra launches stay within issue 34's bound (its selection one kernel, no `topk`); the default Triton path (the
     candidate kernel between the axes' `topk`) and the PyTorch path launch more (11 and 9 at torch 2.13)."""

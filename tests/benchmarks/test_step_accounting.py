@@ -3,25 +3,16 @@ hand-made traces (overlapping kernels, a copy, a kernel past the call's return, 
 consistency of the split of real CPU traces of tiny decode steps. No timing is asserted."""
 
 import argparse
-import sys
-from pathlib import Path
 
+import bench_decode
 import pytest
 import torch
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from lib import models, step_account
 
 
 @pytest.fixture(scope="module")
 def lib():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import bench_decode
-        from lib import models, step_account
-
-        yield argparse.Namespace(step_account=step_account, models=models, bench_decode=bench_decode)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    return argparse.Namespace(step_account=step_account, models=models, bench_decode=bench_decode)
 
 
 def x(name, cat, ts, dur, tid=1, correlation=None):
