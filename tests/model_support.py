@@ -1,5 +1,11 @@
 """What the model tests share: the small config with every improvement of the paper on, its successors' switches,
-models whose inputs are not the init's, padded batches, and the float64 memory layer written from the equations."""
+models whose inputs are not the init's, padded batches, the float64 memory layer written from the equations, and a
+saved model loaded in a fresh process with and without the package."""
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import torch
@@ -230,3 +236,37 @@ def reference_memory_layer(
                 stacked = stacked * F.silu(params["value_expansion.gate.proj.weight"] @ x[b, t])
             outputs.append(params["value_expansion.projector.weight"] @ stacked)
     return torch.stack(outputs).view(batch, length, hidden_size)
+
+
+# Loads the folder argv[1] in a fresh process, with the package (argv[2] == "package") or through the checkpoint's own
+# code alone ("remote": `ultramem` unimportable), and saves its logits for the saved inputs
+LOAD_IN_A_FRESH_PROCESS = textwrap.dedent(
+    """
+    import sys
+    if sys.argv[2] == "remote":
+        sys.modules["ultramem"] = None
+    else:
+        import ultramem
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=sys.argv[2] == "remote").eval()
+    with torch.no_grad():
+        torch.save(model(torch.load(sys.argv[1] + "/inputs.pt")).logits, sys.argv[1] + "/" + sys.argv[2] + ".pt")
+    """
+)
+
+
+def assert_loads_alike_with_and_without_the_package(
+    model: UltraMemForCausalLM, input_ids: torch.Tensor, folder
+) -> None:
+    """`model` saved to `folder` gives the same logits for `input_ids`, bit for bit, loaded in a fresh process with the
+    package and through the checkpoint's own code alone."""
+    with torch.no_grad():
+        expected = model(input_ids).logits
+    model.save_pretrained(folder)
+    torch.save(input_ids, folder / "inputs.pt")
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for mode in ("package", "remote"):
+        command = [sys.executable, "-c", LOAD_IN_A_FRESH_PROCESS, str(folder), mode]
+        subprocess.run(command, check=True, env=environment, cwd=folder)
+        torch.testing.assert_close(torch.load(folder / f"{mode}.pt"), expected, rtol=0, atol=0)

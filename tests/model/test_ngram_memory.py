@@ -2,20 +2,15 @@
 float64 loop of its equations, cached generation against recomputation, the canonical map, save and load with and
 without the package, and bad input as one line."""
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoTokenizer
+from model_support import assert_loads_alike_with_and_without_the_package, left_padded_batch, small_config
 
-from tests.model_support import left_padded_batch, small_config
 from ultramem import UltraMemForCausalLM
 from ultramem.configuration_ultramem import UltraMemConfigError
 from ultramem.ngram_memory import canonical_token_ids, hash_multipliers, head_moduli
+from ultramem.tokenization import load_tokenizer
 
 EOS = 5
 NGRAM = dict(ngram_layers=[1, 3], ngram_order=3, ngram_heads=2, ngram_head_dim=4, ngram_table_size=60)
@@ -169,9 +164,7 @@ def test_packed_sequences_hash_as_separate_rows():
 
 
 def test_the_canonical_map_merges_case_and_spaces_and_keeps_special_tokens():
-    tokenizer = AutoTokenizer.from_pretrained(
-        os.path.join(os.path.dirname(__import__("ultramem").__file__), "data", "tokenizer")
-    )
+    tokenizer = load_tokenizer()  # the tokenizer the package ships
     vocab = len(tokenizer)
     canonical = canonical_token_ids(tokenizer, vocab)
     assert canonical.shape == (vocab + 1,) and int(canonical[vocab]) == vocab
@@ -183,30 +176,7 @@ def test_the_canonical_map_merges_case_and_spaces_and_keeps_special_tokens():
 
 
 def test_save_and_load_with_and_without_the_package(tmp_path):
-    model = ngram_model(seed=4)
-    input_ids = torch.randint(1, 97, (2, 9))
-    with torch.no_grad():
-        expected = model(input_ids).logits
-    model.save_pretrained(tmp_path)
-    torch.save(input_ids, tmp_path / "inputs.pt")
-    script = textwrap.dedent(
-        """
-        import sys
-        if sys.argv[2] == "remote":
-            sys.modules["ultramem"] = None
-        else:
-            import ultramem
-        import torch
-        from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=sys.argv[2] == "remote").eval()
-        with torch.no_grad():
-            torch.save(model(torch.load(sys.argv[1] + "/inputs.pt")).logits, sys.argv[1] + "/" + sys.argv[2] + ".pt")
-        """
-    )
-    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for mode in ("package", "remote"):
-        subprocess.run([sys.executable, "-c", script, str(tmp_path), mode], check=True, env=environment, cwd=tmp_path)
-        torch.testing.assert_close(torch.load(tmp_path / f"{mode}.pt"), expected, rtol=0, atol=0)
+    assert_loads_alike_with_and_without_the_package(ngram_model(seed=4), torch.randint(1, 97, (2, 9)), tmp_path)
 
 
 @pytest.mark.parametrize(

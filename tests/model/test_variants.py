@@ -4,15 +4,18 @@ The float64 reference is `test_modeling.reference_memory_layer`, written from th
 `model_support.VARIANTS`.
 """
 
-import os
 import statistics
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
-from model_support import VARIANTS, left_padded_batch, perturbed_model, reference_memory_layer, small_config
+from model_support import (
+    VARIANTS,
+    assert_loads_alike_with_and_without_the_package,
+    left_padded_batch,
+    perturbed_model,
+    reference_memory_layer,
+    small_config,
+)
 
 from ultramem import UltraMemConfig, UltraMemConfigError, UltraMemForCausalLM
 from ultramem.ablation import V2_LADDER_ROWS, ultramemv2_ladder
@@ -227,29 +230,7 @@ def test_successor_switches_are_checked_in_one_line(overrides, field, allowed):
 @pytest.mark.parametrize("variant", ["ultramemv2", "memoryplus"])
 def test_save_and_load_in_a_fresh_process_with_and_without_the_package(variant, tmp_path):
     model = perturbed_model(small_config(**VARIANTS[variant]), seed=8)
-    input_ids = torch.randint(1, 97, (2, 7))
-    with torch.no_grad():
-        expected = model(input_ids).logits
-    model.save_pretrained(tmp_path)
-    torch.save(input_ids, tmp_path / "inputs.pt")
-    script = textwrap.dedent(
-        """
-        import sys
-        if sys.argv[2] == "remote":
-            sys.modules["ultramem"] = None
-        else:
-            import ultramem
-        import torch
-        from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=sys.argv[2] == "remote").eval()
-        with torch.no_grad():
-            torch.save(model(torch.load(sys.argv[1] + "/inputs.pt")).logits, sys.argv[1] + "/" + sys.argv[2] + ".pt")
-        """
-    )
-    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for mode in ("package", "remote"):
-        subprocess.run([sys.executable, "-c", script, str(tmp_path), mode], check=True, env=environment, cwd=tmp_path)
-        torch.testing.assert_close(torch.load(tmp_path / f"{mode}.pt"), expected, rtol=0, atol=0)
+    assert_loads_alike_with_and_without_the_package(model, torch.randint(1, 97, (2, 7)), tmp_path)
 
 
 @pytest.mark.parametrize(
