@@ -448,14 +448,8 @@ def train_arguments(row: Row, seed: int, settings: dict[str, Any], data: dict[st
 
 def counts(config: dict[str, Any]) -> dict[str, float]:
     """Total/activated parameters, FLOPs per token (presets' meta-device count) and the sparse/dense split."""
-    built = built_config(config)
-    result = dict(sizing.count_parameters(built))
-    if isinstance(built, MixtralConfig):  # total - activated = experts * (1 - k/E)
-        experts, k = built.num_local_experts, built.num_experts_per_tok
-        sparse = (result["total"] - result["activated"]) * experts / (experts - k)
-    else:
-        sparse = result["physical_values"] * (built.memory_value_dim + built.pre_value_dim)  # values and pre-values
-    result.update(sparse=sparse, dense=result["total"] - sparse)
+    result = dict(sizing.count_parameters(built_config(config)))
+    result["dense"] = result["total"] - result["sparse"]
     return result
 
 
