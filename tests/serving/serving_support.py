@@ -123,17 +123,14 @@ def reference_ids(model: torch.nn.Module, batch: list[list[int]], max_new_tokens
 TENSOR_PARALLEL_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 
 
-def run_engine(
-    path: Path, batches: list[list[list[int]]], max_tokens: int, extra_env: dict[str, str] | None = None, **engine
-) -> dict:
+def run_engine(path: Path, batches: list[list[list[int]]], max_tokens: int, **engine) -> dict:
     """Greedy token ids of every prompt of every batch (one `generate` call per batch, in order, on one engine), the
     engine's counters (`vllm:prefix_cache_hits`, `vllm:num_preemptions`, ...), and the rows of each value table as
-    each worker holds them (`table_rows`). `extra_env`: more variables for the engine's process."""
+    each worker holds them (`table_rows`)."""
     request = path.parent / f"{path.name}-request.json"
     result = path.parent / f"{path.name}-result.json"
     request.write_text(json.dumps(dict(model=str(path), batches=batches, max_tokens=max_tokens, engine=engine)))
     env = {**os.environ, **ENGINE_ENV, **(TENSOR_PARALLEL_ENV if engine.get("tensor_parallel_size", 1) > 1 else {})}
-    env.update(extra_env or {})
     subprocess.run([sys.executable, __file__, str(request), str(result)], check=True, timeout=400, env=env)
     return json.loads(result.read_text())
 

@@ -127,10 +127,10 @@ FAMILY_ENGINE = dict(
 )
 
 
-def _serve_and_compare(path, model, extra_env: dict[str, str] | None = None, **engine) -> dict:
+def _serve_and_compare(path, model, **engine) -> dict:
     first = prompts([1, 7, 40, 120, 150], seed=6)
     second = prompts([5, 20], seed=7, prefix=first[-1][:140])
-    result = run_engine(path, [first, second], MAX_TOKENS, extra_env, **{**FAMILY_ENGINE, **engine})
+    result = run_engine(path, [first, second], MAX_TOKENS, **{**FAMILY_ENGINE, **engine})
     for got, batch in zip(result["ids"], (first, second), strict=True):
         assert_same_ids(got, reference_ids(model, batch, MAX_TOKENS), batch)
     assert result["counters"]["vllm:prefix_cache_hits"] > 0, result["counters"]
@@ -146,17 +146,13 @@ def test_family_under_batching_chunked_prefill_and_prefix_caching(variant, tmp_p
     _serve_and_compare(path, build_checkpoint(path, **variant))
 
 
-# UltraMemV2 is traced by Dynamo and run by its eager backend, as vLLM's own CPU CI runs its models
-# (`VLLM_CPU_CI_ENV`): Inductor's C++ build of a second model took 230 s of CI's time; UltraMem's is built
-@pytest.mark.parametrize(
-    ("variant", "extra_env"), [({}, None), (V2, {"VLLM_CPU_CI_ENV": "1"})], ids=["ultramem", "ultramemv2-dynamo"]
-)
-def test_compiled_mode(variant, extra_env, tmp_path):
+@pytest.mark.parametrize("variant", [{}, V2], ids=["ultramem", "ultramemv2"])
+def test_compiled_mode(variant, tmp_path):
     """Without `enforce_eager`, vLLM traces the whole model with Dynamo (the query conv, a custom op, stays opaque) and
     compiles it for batch sizes it has not seen: the same tokens as Transformers, hence as eager mode. The lookup's
     bag offsets used to have a data-dependent length, which the compiled graph specialised on the warm-up batch."""
     path = tmp_path / "checkpoint"
-    _serve_and_compare(path, build_checkpoint(path, **variant), extra_env, enforce_eager=False)
+    _serve_and_compare(path, build_checkpoint(path, **variant), enforce_eager=False)
 
 
 @pytest.mark.parametrize("variant", ["int4", "ultramemv2"])
