@@ -16,7 +16,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from .modeling_ultramem import KeyRetrieval, TuckerQueryKeyRetrieval, UltraMemForCausalLM, UltraMemMemoryLayer
-from .ngram_memory import NGramMemory, ngram_rows
+from .ngram_memory import NGramMemory
 
 
 def score_factors(
@@ -135,7 +135,7 @@ def ngram_statistics(layer: NGramMemory, call: tuple, keep: torch.Tensor) -> dic
     `gate_mean` and `gate_std`."""
     hidden_states, input_ids, padding_mask, _, sequence_ids = call
     ngrams = layer.ngrams(input_ids, padding_mask, None, sequence_ids)  # (B, N, T)
-    rows = ngram_rows(ngrams, layer.multipliers, layer.moduli, layer.offsets)  # (B, T, heads)
+    rows = layer.rows(ngrams)  # (B, T, heads)
     gate = layer.gate(hidden_states, layer.read(rows).to(hidden_states.dtype))[..., 0][keep]
     picked, kept = rows[keep], ngrams.transpose(1, 2)[keep]  # (tokens, heads), (tokens, N)
     heads_per_order = layer.num_heads // (layer.order - 1)

@@ -219,15 +219,8 @@ class NGramMemory(nn.Module):
             sequences = F.pad(sequence_ids, (self.order - 1, 0), value=-1)
         return ngram_tokens(self.canonical_ids[tokens], self.vocab_size, self.eos_ids, self.order, sequences)
 
-    def rows(
-        self,
-        input_ids: torch.Tensor,
-        padding_mask: torch.Tensor | None,
-        cache: Cache | None,
-        sequence_ids: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """(B, T) token ids -> (B, T, (N-1) K) table rows."""
-        ngrams = self.ngrams(input_ids, padding_mask, cache, sequence_ids)
+    def rows(self, ngrams: torch.Tensor) -> torch.Tensor:
+        """The n-grams (B, N, T) of `ngrams` -> (B, T, (N-1) K) table rows, with this layer's hash."""
         return ngram_rows(ngrams, self.multipliers, self.moduli, self.offsets)
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
@@ -266,6 +259,7 @@ class NGramMemory(nn.Module):
         sequence_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The residual stream entering the block (B, T, D) and the token ids (B, T) -> the layer's output (B, T, D)."""
-        memory = self.read(self.rows(input_ids, padding_mask, cache, sequence_ids)).to(hidden_states.dtype)  # e
+        rows = self.rows(self.ngrams(input_ids, padding_mask, cache, sequence_ids))
+        memory = self.read(rows).to(hidden_states.dtype)  # e
         value = self.gate(hidden_states, memory) * self.value_proj(memory)
         return value + F.silu(self.conv(self.value_norm(value), padding_mask, cache, sequence_ids))
