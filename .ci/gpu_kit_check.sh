@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The carried GPU kit (issue 22), checked on CPU: a fresh virtual environment holding the GPU image's versions of the
-# packages that matter (not this project's dependencies), the kit built by benchmarks/gpu_kit.py for this Python and
+# packages that matter (not this project's dependencies), the kit built by benchmarks/gpu/kit.py for this Python and
 # installed exactly as on the GPU machine (--no-index --no-deps --target), then the campaign's smoke run end to end,
 # the mission's included (call 8: ultramem-train under DeepSpeed ZeRO-2 and lm_eval, both from the kit; issue 35).
 # The image-like environment is built once per set of versions outside the clone, in $ULTRAMEM_CI_CACHE (default
@@ -35,12 +35,12 @@ fi
 python -c "import transformers; assert transformers.__version__ == '5.17.0', transformers.__version__"  # the image's
 echo "gpu_kit_check: image-like environment ready in $(( $(date +%s) - start )) s"
 # The kit for this Python, and the install line it prints for the GPU machine, run here with this Python's wheels.
-python benchmarks/gpu_kit.py --kit "$work/kit" \
+python benchmarks/gpu/kit.py --kit "$work/kit" \
     --python-version "$(python -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 python -m pip install -q --no-index --no-deps --target "$work/site" "$work"/kit/*.whl
 # The campaign's test (every step at smoke size, resumed by call, stopped by its budget; the mission's record checked)
 # with the kit on the path: deepspeed and lm-eval come from it alone (the image has neither)
 python -c "import importlib.util as u; assert not u.find_spec('deepspeed') and not u.find_spec('lm_eval')"
 PYTHONPATH="$PWD/$work/site:$PWD" ULTRAMEM_GPU_KIT_CHECK=1 python -m pytest -q -p no:cacheprovider \
-    tests/benchmarks/test_benchmarks_speed.py::test_gpu_campaign_smoke_runs_by_call_resumes_and_stops_within_its_budget
+    tests/benchmarks/test_gpu_campaign.py::test_gpu_campaign_smoke_runs_by_call_resumes_and_stops_within_its_budget
 echo "gpu_kit_check: passed in $(( $(date +%s) - start )) s"

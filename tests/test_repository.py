@@ -8,11 +8,17 @@ CODE = [
     *ROOT.glob("ultramem/**/*.py"),
     *ROOT.glob("ultramem/**/*.yaml"),
     *ROOT.glob("benchmarks/*.py"),
+    *ROOT.glob("benchmarks/*/*.py"),
     *ROOT.glob("tests/**/*.py"),
     ROOT / "pyproject.toml",
     ROOT / ".ci" / "run",
 ]
-DOCS = [ROOT / "README.md", *ROOT.glob("benchmarks/*.md"), *ROOT.glob("ultramem/**/*.md")]
+DOCS = [
+    ROOT / "README.md",
+    *ROOT.glob("benchmarks/*.md"),
+    *ROOT.glob("benchmarks/gpu/*.md"),
+    *ROOT.glob("ultramem/**/*.md"),
+]
 OUTSIDE = re.compile(r"""\.\./shared|["'/]shared["'/]|shared/data""")
 
 

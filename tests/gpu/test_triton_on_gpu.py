@@ -19,7 +19,7 @@ from ultramem.sizing import build_model
 # Every test needs a CUDA device and is skipped without one, so the CPU suite (and CI) skips them.
 # `ULTRAMEM_GPU_SMOKE=1` runs them on CPU at small shapes with the kernels in Triton's interpreter (the campaign's
 # smoke run). `ULTRAMEM_GPU_REPORT=<path>` appends every comparison to that JSON as it is made (`rows`), keeping what
-# the file already holds (benchmarks/check_gpu.py writes the environment there first).
+# the file already holds (benchmarks/gpu/check.py writes the environment there first).
 SMOKE = os.environ.get("ULTRAMEM_GPU_SMOKE") == "1"
 REPORT = os.environ.get("ULTRAMEM_GPU_REPORT")
 pytestmark = [

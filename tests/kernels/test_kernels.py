@@ -338,7 +338,7 @@ def test_kernels_compile_for_ampere_and_hopper():
     env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_DEFAULT_FP_FUSION="1")
     env.pop("TRITON_INTERPRET", None)
     result = subprocess.run(
-        [sys.executable, "benchmarks/aot_check.py", "--configs", "151m"],
+        [sys.executable, "benchmarks/gpu/aot_check.py", "--configs", "151m"],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -19,7 +19,7 @@ import triton.language as tl
 from ultramem.kernels import _device
 
 # Tile sizes: about 8 elements per thread, which keeps every kernel at <= ~110 registers per thread
-# and without spills on sm_80 and sm_90 (`python benchmarks/aot_check.py` compiles and reports).
+# and without spills on sm_80 and sm_90 (`python benchmarks/gpu/aot_check.py` compiles and reports).
 FORWARD_TILE = (2048, 8)  # (elements per program, warps)
 BACKWARD_TILE = (1024, 4)
 SEGMENT_TILE = (1024, 4)

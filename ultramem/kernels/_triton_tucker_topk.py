@@ -158,7 +158,7 @@ MAX_CHUNK = 2048  # keys an axis' sort holds at once; more are taken a chunk at 
 def selection_tile(num_keys: int, topk: int) -> tuple[int, int, int]:
     """(CHUNK, M_PAD, num_warps): chunks of up to 2,048 keys; 16 warps from a 64 x 64 candidate grid, else 8 from a
     chunk of 1,024: at most 128 registers with no spills on sm_80 and sm_90 at the paper's shapes
-    (`benchmarks/aot_check.py`; the 680M shape took 252 with 8 warps, chunks of 4,096 spilled)."""
+    (`benchmarks/gpu/aot_check.py`; the 680M shape took 252 with 8 warps, chunks of 4,096 spilled)."""
     chunk, padded_topk = min(triton.next_power_of_2(num_keys), MAX_CHUNK), triton.next_power_of_2(topk)
     return chunk, padded_topk, 16 if padded_topk * padded_topk >= 4096 else 8 if chunk >= 1024 else 4
 

@@ -2,17 +2,17 @@
 
 A GPU is lent for about 15 minutes in all (its start and every idle wait included), one command at most 10. The
 campaign is a fixed list of steps, each with its own time limit, grouped into calls; every call is one device
-command (see benchmarks/README.md for the plan and the seconds per step):
+command (see benchmarks/gpu/README.md for the plan and the seconds per step):
 
-    python benchmarks/gpu_kit.py          # here, once: the wheels the GPU image lacks, into .whl/ (it prints the line)
+    python benchmarks/gpu/kit.py          # here, once: the wheels the GPU image lacks, into .whl/ (it prints the line)
     python3 -m pip install --no-index --no-deps --target /tmp/ultramem-kit .whl/*.whl \
-        && PYTHONPATH=/tmp/ultramem-kit:$PWD python3 benchmarks/gpu_campaign.py --call 1   # on the GPU: 540 s
-    PYTHONPATH=/tmp/ultramem-kit:$PWD python3 benchmarks/gpu_campaign.py --call 2          # the next call: 240 s
-    python benchmarks/gpu_campaign.py --smoke      # the same driver on CPU at tiny sizes, kernels interpreted (CI)
+        && PYTHONPATH=/tmp/ultramem-kit:$PWD python3 benchmarks/gpu/campaign.py --call 1   # on the GPU: 540 s
+    PYTHONPATH=/tmp/ultramem-kit:$PWD python3 benchmarks/gpu/campaign.py --call 2          # the next call: 240 s
+    python benchmarks/gpu/campaign.py --smoke      # the same driver on CPU at tiny sizes, kernels interpreted (CI)
 
 Call 1: correctness (never skipped), kernel bandwidth, decoding at 680M. Call 2: the 151M training step and decode
 latency as the memory grows 16x. Calls 3-5: quality at "small", decoding at 1.6B, offloading at 1.6B. Call 8: the mission (train with
-DeepSpeed, lm_eval, model card; benchmarks/mission.py).
+DeepSpeed, lm_eval, model card; benchmarks/gpu/mission.py).
 Everything lands in `benchmarks/results/<device>/`: each step's JSON/PNG the moment it exists, its log in `logs/`,
 `campaign.json` (device, versions, every step's exact command, exit status and duration) and README.md, the targets
 read as met or missed from what has been measured so far. A step that ran is not run again (`--redo NAME` forces
@@ -34,7 +34,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lib import env, targets
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: `lib`, and this folder as `gpu`
+
+from lib import env  # noqa: E402
+
+from gpu import targets  # noqa: E402
 
 TIMED_OUT = 124
 # Seconds of the call's device limit the driver may spend (the rest: the kit's install, interpreter start-up, copying
@@ -58,7 +62,7 @@ CALL_BUDGETS = {
 
 @dataclass(frozen=True)
 class Step:
-    """One command of the campaign: `line` (a script in benchmarks/ and its flags; "{results}" is the results folder),
+    """One command of the campaign: `line` (a script under benchmarks/ and its flags; "{results}" is the results folder),
     stopped after `seconds`."""
 
     name: str
@@ -95,10 +99,10 @@ def decode_680m(mode: str, batches: str, flags: str) -> str:
 
 
 def gpu_steps() -> list[Step]:
-    """The campaign on a CUDA device, in call order. Estimated seconds (before any GPU run) in benchmarks/README.md."""
+    """The campaign on a CUDA device, in call order. Estimated seconds (before any GPU run) in benchmarks/gpu/README.md."""
     return [
         # call 1 (540 s): correctness, kernel bandwidth, decoding at 680M
-        Step("check_gpu", 1, 200, f"check_gpu.py {OUT}"),
+        Step("check_gpu", 1, 200, f"gpu/check.py {OUT}"),
         Step("bench_kernels", 1, 120, "bench_kernels.py --device cuda --configs 680m --dtypes bfloat16 --tokens 4096 "
              "16384 65536 --own-shape-only --no-candidates --repeats 10 --out-dir {results}"),
         Step("decode_680m", 1, 180, decode_680m(DECODE, "1,16,64", "--name decode_680m")),
@@ -132,8 +136,8 @@ def gpu_steps() -> list[Step]:
              "all --bf16 --max-steps 300 --batch-size 32 --block-size 512 --learning-rate 1e-3 --eval-points 6 "
              f"--eval-blocks 64 {QUALITY}", resumable=True),
         # call 8 (480 s, the kit's install included): the mission (issue 35), ultramem-train under DeepSpeed ZeRO-2,
-        # lm_eval on its checkpoint, the model card (benchmarks/mission.py; mission.json)
-        Step("mission", 8, 440, "mission.py --results-dir {results}"),
+        # lm_eval on its checkpoint, the model card (benchmarks/gpu/mission.py; mission.json)
+        Step("mission", 8, 440, "gpu/mission.py --results-dir {results}"),
         # call 9 (issue 34): where the decode step's time goes, split from profiler traces (lib/step_account.py):
         # under CUDA graphs the totals (kernels, copies, gaps, host) and what runs outside the graph; eager, the share
         # of each memory layer
@@ -167,7 +171,7 @@ def smoke_steps() -> list[Step]:
     decode = f"bench_decode.py {timing} --sizes tiny --batch-sizes 1 --context 8 --analytic-sizes tiny"
     train = f"bench_train.py {timing} --batch 1 --seq-len 16"
     return [
-        Step("check_gpu", 1, 600, f"check_gpu.py --smoke {OUT}", {"TRITON_INTERPRET": "1"}),
+        Step("check_gpu", 1, 600, f"gpu/check.py --smoke {OUT}", {"TRITON_INTERPRET": "1"}),
         Step("bench_kernels", 1, 300, "bench_kernels.py --device cpu --smoke --out-dir {results}"),
         Step("bench_quantized_kernel", 1, 300, "bench_quantized_kernel.py --smoke --out-dir {results}",
              {"TRITON_INTERPRET": "1"}),
@@ -178,7 +182,7 @@ def smoke_steps() -> list[Step]:
              "--name scaling_tiny"),
         Step("quality_tiny", 3, 600, "bench_quality.py --scale tiny --rows Dense,UltraMem --seeds 1 --max-steps 2 "
              f"--batch-size 2 --block-size 32 --eval-points 1 --eval-blocks 2 {QUALITY}", resumable=True),
-        Step("mission", 8, 400, "mission.py --smoke --results-dir {results} --checkpoint-dir {results}/checkpoints"),
+        Step("mission", 8, 400, "gpu/mission.py --smoke --results-dir {results} --checkpoint-dir {results}/checkpoints"),
         Step("decode_account_tiny", 9, 300, f"{decode} --account 2 --name decode_account_tiny"),
         Step("generate_tiny", 10, 300, f"bench_generate.py {timing} --sizes tiny --batch-sizes 1 --prompt 8 "
              "--new-tokens 3 --name generate_tiny"),
@@ -194,7 +198,7 @@ def device_name(smoke: bool) -> str:
     import torch
 
     if not torch.cuda.is_available():
-        raise SystemExit("gpu_campaign.py: no CUDA device is visible; on CPU run it with --smoke")
+        raise SystemExit("campaign.py: no CUDA device is visible; on CPU run it with --smoke")
     return torch.cuda.get_device_name(0)
 
 

@@ -15,8 +15,8 @@ Stages, each a subprocess with its command, exit status, seconds and log recorde
 4. card:   `ultramem.hub_cards.card.render_card` from lm_eval's results file, written to `<results>/model_card.md`
    (offline: the payload only, nothing is pushed).
 
-    python benchmarks/mission.py                # GPU: ultramem-151m-x12, bf16, Triton kernels (the device default)
-    python benchmarks/mission.py --smoke        # CPU: tiny-ultramem, gloo, 2 processes, kernels embedding_bag
+    python benchmarks/gpu/mission.py            # GPU: ultramem-151m-x12, bf16, Triton kernels (the device default)
+    python benchmarks/gpu/mission.py --smoke    # CPU: tiny-ultramem, gloo, 2 processes, kernels embedding_bag
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lib import env
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for `lib`
+
+from lib import env  # noqa: E402
 
 DATA_DIR = env.REPO / "tests" / "eval" / "fixtures" / "eval"  # the shipped offline copies (10 items a task)
 TASKS = ("arc_challenge", "boolq", "winogrande", "hellaswag")

@@ -6,8 +6,8 @@ image's declared versions (`IMAGE`), downloads exactly the wheels that are missi
 and platform (and, transitively, what those wheels need that the image cannot give; DeepSpeed, an sdist only, is
 built here into a pure-Python wheel), and prints the one command that installs and runs them there:
 
-    python benchmarks/gpu_kit.py                        # builds .whl/ for the GPU image (CPython 3.12, x86_64)
-    python benchmarks/gpu_kit.py --python-version 3.11  # the same kit for this machine's Python (the CPU check)
+    python benchmarks/gpu/kit.py                        # builds .whl/ for the GPU image (CPython 3.12, x86_64)
+    python benchmarks/gpu/kit.py --python-version 3.11  # the same kit for this machine's Python (the CPU check)
 
 Nothing is installed on the GPU machine from the network: `pip install --no-index --no-deps --target` unpacks the
 kit into a temporary folder, which goes on `PYTHONPATH` before the image's site-packages.
@@ -34,7 +34,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KIT = REPO / ".whl"
 LIMIT_MIB = 40
 PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64")
@@ -77,7 +77,7 @@ IMAGE: dict[str, str | None] = {
     ),  # fmt: skip
 }
 # What the campaign imports beyond the package's own dependencies: its correctness step is a pytest suite (tests/gpu);
-# the mission (benchmarks/mission.py, call 8) trains under DeepSpeed and scores with lm-eval (pyproject's extras).
+# the mission (benchmarks/gpu/mission.py, call 8) trains under DeepSpeed and scores with lm-eval (pyproject's extras).
 # lm-eval imports requests (lm_eval.utils) without requiring it.
 CAMPAIGN_REQUIREMENTS = ["pytest>=8", "deepspeed>=0.19,<0.20", "lm-eval==0.4.13", "requests"]
 # Only an sdist on PyPI: built here into a pure-Python wheel, its C++/CUDA ops left to be JIT-built (never, in the
@@ -263,7 +263,7 @@ def install_command(kit: Path = KIT, call: int = 1, target: str = "/tmp/ultramem
     # python3: the GPU image's interpreter with PyTorch (`python` may be another); --upgrade: a warm machine's next
     # call replaces the kit quietly instead of warning once per package
     return (f"python3 -m pip install --quiet --upgrade --no-index --no-deps --target {target} {wheels} && "
-            f"PYTHONPATH={target}:$PWD python3 benchmarks/gpu_campaign.py --call {call}")  # fmt: skip
+            f"PYTHONPATH={target}:$PWD python3 benchmarks/gpu/campaign.py --call {call}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -1,7 +1,7 @@
 """Correctness on a real GPU, as one command: the `gpu` test suite (tests/gpu) with its comparisons written to JSON.
 
-    python benchmarks/check_gpu.py                       # writes results/check_gpu_<gpu>.json; exit 1 if a check fails
-    ULTRAMEM_GPU_SMOKE=1 TRITON_INTERPRET=1 python benchmarks/check_gpu.py --smoke   # the same on CPU, small shapes
+    python benchmarks/gpu/check.py                       # writes results/check_gpu_<gpu>.json; exit 1 if a check fails
+    TRITON_INTERPRET=1 python benchmarks/gpu/check.py --smoke   # the same on CPU, small shapes
 
 The checks themselves are tests (`python -m pytest tests/gpu`, skipped without CUDA); this entry adds the
 environment and one file the campaign keeps. Every comparison is written the moment it is made.
@@ -12,10 +12,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from lib import env, report
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for `lib`
+
+from lib import env, report  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("--smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
         os.environ["ULTRAMEM_GPU_SMOKE"] = "1"
     elif not torch.cuda.is_available():
-        raise SystemExit("check_gpu.py needs a CUDA device (on CPU: --smoke, or the interpreter tests of the suite)")
+        raise SystemExit("check.py needs a CUDA device (on CPU: --smoke, or the interpreter tests of the suite)")
     device = torch.device("cpu" if args.smoke else "cuda")
     path = args.results_dir / f"check_gpu_{env.device_tag(device)}.json"
     report.write_json(path, {"environment": env.environment(device), "rows": []})

@@ -1,7 +1,7 @@
 """Compile every Triton kernel for Ampere (sm_80) and Hopper (sm_90) without a GPU, and report
 registers and spills per kernel, at the launch parameters of the paper's UltraMem-x12 configurations.
 
-    python benchmarks/aot_check.py [--arch 80 90] [--dtype bfloat16] [--configs 1.6b]
+    python benchmarks/gpu/aot_check.py [--arch 80 90] [--dtype bfloat16] [--configs 1.6b]
 
 Triton ships ptxas and cuobjdump, so this runs on a CPU-only machine: CI checks that the kernels
 build for the GPUs they target, which the CPU interpreter cannot. Run it without TRITON_INTERPRET.
