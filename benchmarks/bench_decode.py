@@ -5,7 +5,7 @@ to the largest that fits. The three models at a size are this project's dense ba
 (`ultramem-*-x12`) and Transformers' `MixtralForCausalLM` (`moe-*-2inN`, parameters and FLOPs matched, see
 docs/design.md) on its fastest expert path. All three use the same StaticCache, SDPA attention and execution mode
 (`--mode compile`: torch.compile(mode="reduce-overhead"), i.e. CUDA graphs; or `--mode eager`). Beside each
-time the paper's analytic memory access is printed (`ultramem.sizing.decode_memory_access`).
+time the paper's analytic memory access is printed (`lib.models.decode_memory_access`).
 
 H100 / H200 (bf16, CUDA graphs; the 1.6B models at batch 64 need ~80 GB with the KV cache, i.e. an H200):
 
@@ -40,7 +40,6 @@ import torch
 from lib import cli, models, report, step_account, timing
 
 from ultramem.kernels import fused_selection
-from ultramem.sizing import decode_memory_access
 
 DEFAULT_NAME = "decode"
 KINDS = ("dense", "ultramem", "moe")
@@ -83,7 +82,7 @@ def build_peer(size: str, kind: str, args) -> tuple[torch.nn.Module, dict[str, A
 
 def row_of(info: dict[str, Any], model, batch: int, args, timing_: dict[str, float] | None = None) -> dict[str, Any]:
     """A result row: the model, the batch, the analytic memory access of one step, and its timing if given."""
-    access = decode_memory_access(model, batch, args.context, torch.finfo(args.dtype).bits // 8)
+    access = models.decode_memory_access(model, batch, args.context, torch.finfo(args.dtype).bits // 8)
     row = {"size": info["size"], "kind": info["kind"], "batch": batch, "access_gb": access.total / 1e9,
            "sparse_gb": access.sparse_weights / 1e9, "kv_gb": access.kv_cache / 1e9}  # fmt: skip
     if timing_ is not None:
@@ -137,7 +136,7 @@ def analytic_rows(args) -> list[dict[str, Any]]:
         metas = {kind: models.build(preset, "meta", args.dtype) for kind, preset in models.PEERS[size].items()}
         for batch in args.batch_sizes:
             access = {
-                k: decode_memory_access(m, batch, args.context, torch.finfo(args.dtype).bits // 8)
+                k: models.decode_memory_access(m, batch, args.context, torch.finfo(args.dtype).bits // 8)
                 for k, m in metas.items()
             }
             gb = {kind: a.total / 1e9 for kind, a in access.items()}
@@ -247,7 +246,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "fused_selection": args.fused_selection}  # fmt: skip
     payload = {
         "settings": settings,
-        "analytic_model": "ultramem.sizing.decode_memory_access: bytes read per step = every dense weight once + B "
+        "analytic_model": "lib.models.decode_memory_access: bytes read per step = every dense weight once + B "
         "input-embedding rows + KV cache (2*B*context*L*D) + MoE: min(2B, N_moe) experts per layer; UltraMem: "
         "min(B*H*m, N) value rows of Dv per memory layer",
         "analytic": analytic,

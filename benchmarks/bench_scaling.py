@@ -27,7 +27,7 @@ import torch
 from lib import cli, models, report, timing
 
 from ultramem.presets import get_config
-from ultramem.sizing import count_parameters, decode_memory_access
+from ultramem.sizing import count_parameters
 
 DEFAULT_NAME = "scaling"
 
@@ -68,7 +68,7 @@ def scaled_overrides(args, slots: int) -> tuple[dict[str, Any], dict[str, Any], 
 
 def bench_point(kind: str, overrides: dict[str, Any], args) -> dict[str, Any]:
     model = models.build(models.PEERS[args.size][kind], args.device, args.dtype, **overrides).eval()
-    access = decode_memory_access(model, args.batch, args.context, torch.finfo(args.dtype).bits // 8)
+    access = models.decode_memory_access(model, args.batch, args.context, torch.finfo(args.dtype).bits // 8)
     row: dict[str, Any] = {"kind": kind, "total_params_b": count_parameters(model.config)["total"] / 1e9,
                            "access_gb": access.total / 1e9}  # fmt: skip
     with torch.no_grad():

@@ -1,10 +1,12 @@
-"""The models the speed benchmarks compare, built alike, and the one decoding step every decode benchmark times."""
+"""The models the speed benchmarks compare, built alike, the one decoding step every decode benchmark times, and the
+bytes that step must read (the paper's memory-access model)."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -152,3 +154,45 @@ def choose_moe_implementation(
     choice = min(timed, key=timed.get) if timed else candidates[0]
     model.set_experts_implementation(choice)
     return choice, probes
+
+
+@dataclass(frozen=True)
+class DecodeAccess:
+    """Bytes one decoding step must read, split as in the paper's section "Why UltraMem instead of MoE"."""
+
+    dense_weights: int  # every weight read once per step regardless of batch (attention, MLP, keys, projectors, head)
+    sparse_weights: int  # MoE: min(k*B, N_moe) experts per layer; UltraMem: min(B*H*m, N) value rows per memory layer
+    kv_cache: int  # keys and values of the context
+
+    @property
+    def total(self) -> int:
+        return self.dense_weights + self.sparse_weights + self.kv_cache
+
+
+def decode_memory_access(model: PreTrainedModel, batch: int, context: int, bytes_per_value: int) -> DecodeAccess:
+    """The paper's memory-access model for one step of `batch` tokens with a KV cache of `context` tokens.
+
+    MoE layer: min(k*B, N_moe) x (one expert's weights); the paper's experts are 2-matrix GeLU (2 x D x 2D),
+    Mixtral's are SwiGLU (3 x D x 2/3*2D), the same bytes. UltraMem memory layer: min(B*H*m, N) x Dv for the
+    values; keys, query and projectors are read whole. Input embeddings count B rows; everything else once.
+    `model` may live on the meta device: only parameter shapes are read.
+    """
+    config = model.config
+    embedding = model.get_input_embeddings().weight
+    value_tables = set(model.get_value_table_names()) if hasattr(model, "get_value_table_names") else set()
+    dense = sparse = 0
+    for name, param in model.named_parameters():
+        if param is embedding and not config.tie_word_embeddings:
+            dense += min(batch, param.shape[0]) * param.shape[1]
+        elif name in value_tables:
+            slots = config.memory_heads * config.memory_topk * batch
+            sparse += min(slots, param.shape[0]) * param.shape[1]
+        elif ".experts." in name:
+            experts = param.shape[0]
+            sparse += min(config.num_experts_per_tok * batch, experts) * (param.numel() // experts)
+        else:
+            dense += param.numel()
+    kv_width = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv = 2 * batch * context * config.num_hidden_layers * kv_width * head_dim
+    return DecodeAccess(dense * bytes_per_value, sparse * bytes_per_value, kv * bytes_per_value)

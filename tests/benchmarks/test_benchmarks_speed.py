@@ -131,22 +131,20 @@ def test_bench_vs_ultra_mem_reports_ratio(bench, tmp_path):
 @pytest.mark.parametrize("batch", [1, 3, 64])
 def test_analytic_access_is_the_papers_formula(bench, batch):
     """Sparse bytes: min(2B, N_moe) experts per MoE layer; min(B H m, N) value rows of Dv per memory layer."""
-    from ultramem.sizing import decode_memory_access
-
     models = bench("lib.models")
     moe = models.build("tiny-moe", torch.device("meta"), torch.bfloat16)
     c = moe.config
     expert = 3 * c.hidden_size * c.intermediate_size
-    access = decode_memory_access(moe, batch, context=10, bytes_per_value=2)
+    access = models.decode_memory_access(moe, batch, context=10, bytes_per_value=2)
     assert access.sparse_weights == 2 * c.num_hidden_layers * min(2 * batch, c.num_local_experts) * expert
     assert access.kv_cache == 2 * 2 * batch * 10 * c.num_hidden_layers * c.hidden_size
 
     ultramem = models.build("tiny-ultramem", torch.device("meta"), torch.bfloat16)
     c = ultramem.config
     rows = min(batch * c.memory_heads * c.memory_topk, c.memory_num_values)
-    access = decode_memory_access(ultramem, batch, context=10, bytes_per_value=2)
+    access = models.decode_memory_access(ultramem, batch, context=10, bytes_per_value=2)
     assert access.sparse_weights == 2 * len(c.memory_layers) * rows * c.memory_value_dim
-    dense = decode_memory_access(models.build("tiny-dense", torch.device("meta"), torch.bfloat16), batch, 10, 2)
+    dense = models.decode_memory_access(models.build("tiny-dense", torch.device("meta"), torch.bfloat16), batch, 10, 2)
     assert dense.sparse_weights == 0 and dense.kv_cache == access.kv_cache
 
 
