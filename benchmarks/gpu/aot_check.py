@@ -13,6 +13,7 @@ import argparse
 import json
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -25,8 +26,13 @@ from ultramem.kernels import _triton_candidate_topk as candidates
 from ultramem.kernels import _triton_lookup_reduce as lookup
 from ultramem.kernels import _triton_quantized_lookup as quantized
 from ultramem.kernels import _triton_tucker_topk as selection
+from ultramem.presets import get_config
 
-PRESETS = {"151m": "ultramem-151m-x12", "680m": "ultramem-680m-x12", "1.6b": "ultramem-1.6b-x12"}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for `lib`
+
+from lib.models import PEERS  # noqa: E402
+
+SIZES = ["151m", "680m", "1.6b"]
 TRITON_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -58,9 +64,7 @@ def forward_tiles(slots: int, chunk: int) -> dict[str, tuple[int, int, int]]:
 
 def kernel_launches(config_name: str, dtype: str) -> dict[str, tuple]:
     """(kernel, argument types, constexprs, warps) of every launch at one configuration, by name."""
-    from ultramem.presets import get_config
-
-    config = get_config(PRESETS[config_name])
+    config = get_config(PEERS[config_name]["ultramem"])
     slots = config.memory_heads * config.memory_topk
     chunk = config.memory_value_dim // config.mcs_cores
     groups = config.ive_expansion
@@ -239,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", nargs="+", type=int, default=[80, 90])
     parser.add_argument("--dtype", default="bfloat16", choices=list(TRITON_DTYPES))
-    parser.add_argument("--configs", nargs="+", default=["1.6b"], choices=list(PRESETS))
+    parser.add_argument("--configs", nargs="+", default=["1.6b"], choices=SIZES)
     args = parser.parse_args(argv)
     report = []
     for config_name in args.configs:

@@ -103,8 +103,8 @@ def gpu_steps() -> list[Step]:
     return [
         # call 1 (540 s): correctness, kernel bandwidth, decoding at 680M
         Step("check_gpu", 1, 200, f"gpu/check.py {OUT}"),
-        Step("bench_kernels", 1, 120, "bench_kernels.py --device cuda --configs 680m --dtypes bfloat16 --tokens 4096 "
-             "16384 65536 --own-shape-only --no-candidates --repeats 10 --out-dir {results}"),
+        Step("bench_kernels", 1, 120, f"bench_kernels.py --device cuda --ops lookup_reduce --configs 680m --dtypes "
+             f"bfloat16 --tokens 4096,16384,65536 --own-shape-only --iters 10 {OUT}"),
         Step("decode_680m", 1, 180, decode_680m(DECODE, "1,16,64", "--name decode_680m")),
         # call 2 (240 s): the 151M training step, decode latency as slots grow 16x
         Step("train_151m", 2, 110, f"{TRAIN_151M} --name train_151m {OUT}"),
@@ -122,10 +122,10 @@ def gpu_steps() -> list[Step]:
         # call 4: the decode comparison at the paper's 1.6B, under CUDA graphs (eager steps are launch-bound)
         Step("decode_1.6b_graphs", 4, 450, f"bench_decode.py {GRAPHS} --sizes 1.6b "
              "--batch-sizes 1,4,16 --analytic-sizes 1.6b --name decode_1.6b_graphs"),
-        Step("bench_quantized_kernel", 4, 120, "bench_quantized_kernel.py --device cuda --configs 680m 1.6b --tokens "
-             "1024 4096 16384 --out-dir {results}"),
-        Step("bench_lookup_dot", 4, 90, "bench_lookup_dot.py --device cuda --configs 680m --pre-value-dims 256 "
-             "--dtypes bfloat16 --tokens 4096 16384 65536 --repeats 10 --out-dir {results}"),
+        Step("bench_quantized_kernel", 4, 120, "bench_kernels.py --device cuda --ops quantized_lookup_reduce --configs "
+             f"680m,1.6b --dtypes bfloat16 --rows 1048576 --tokens 1024,4096,16384 --name quantized_kernel {OUT}"),
+        Step("bench_lookup_dot", 4, 90, "bench_kernels.py --device cuda --ops lookup_dot --configs 680m --dtypes "
+             f"bfloat16 --tokens 4096,16384,65536 --iters 10 --name lookup_dot {OUT}"),
         # issue 11 on a GPU: ultramem-1.6b-x12 (a 44 GB checkpoint, built here, deleted after) with its tables in
         # pinned host memory against the same model fully on the GPU; a rerun reuses a checkpoint left by a cut one
         Step("offload_1.6b", 5, 540, "bench_offload.py --device cuda --checkpoints /tmp/ultramem_offload_checkpoints "
@@ -149,8 +149,8 @@ def gpu_steps() -> list[Step]:
              f"grouped_mm {OUT} --name generate_680m"),
         # call 11 (issue 34): TDQKR's selection at inference (reference, unfused kernels, one kernel) at decode to
         # prefill sizes
-        Step("selection_680m", 11, 90, "bench_kernels.py --device cuda --configs 680m --dtypes bfloat16 --tokens 1 16 "
-             "64 4096 --own-shape-only --repeats 20 --out-dir {results} --name selection_680m"),
+        Step("selection_680m", 11, 90, "bench_kernels.py --device cuda --ops tucker_candidate_topk,tucker_topk "
+             f"--configs 680m --dtypes bfloat16 --tokens 1,16,64,4096 --iters 20 --name selection_680m {OUT}"),
         # and the kernels the compiled decode step launches per memory layer (at most 6), counted in Inductor's code
         Step("decode_kernels_680m", 11, 180, f"decode_kernels.py --size 680m --device cuda {OUT}"),
         # call 12 (issue 34): the decode step under CUDA graphs with the Triton path as it ships, then with the opt-in
@@ -172,10 +172,10 @@ def smoke_steps() -> list[Step]:
     train = f"bench_train.py {timing} --batch 1 --seq-len 16"
     return [
         Step("check_gpu", 1, 600, f"gpu/check.py --smoke {OUT}", {"TRITON_INTERPRET": "1"}),
-        Step("bench_kernels", 1, 300, "bench_kernels.py --device cpu --smoke --out-dir {results}"),
-        Step("bench_quantized_kernel", 1, 300, "bench_quantized_kernel.py --smoke --out-dir {results}",
-             {"TRITON_INTERPRET": "1"}),
-        Step("bench_lookup_dot", 1, 300, "bench_lookup_dot.py --device cpu --smoke --out-dir {results}"),
+        Step("bench_kernels", 1, 300, f"bench_kernels.py --device cpu --smoke {OUT}"),
+        Step("bench_quantized_kernel", 1, 300, f"bench_kernels.py --device cpu --smoke --ops quantized_lookup_reduce "
+             f"--name quantized_kernel_cpu {OUT}", {"TRITON_INTERPRET": "1"}),
+        Step("bench_lookup_dot", 1, 300, f"bench_kernels.py --device cpu --smoke --ops lookup_dot --name lookup_dot_cpu {OUT}"),
         Step("decode_tiny", 1, 300, f"{decode} --name decode_tiny"),
         Step("train_tiny", 2, 300, f"{train} --name train_tiny"),
         Step("scaling_tiny", 2, 300, f"bench_scaling.py {timing} --slots 16384,65536 --batch 1 --context 8 "

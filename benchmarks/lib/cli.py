@@ -1,5 +1,6 @@
-"""The flags every speed script shares (device, dtype, timing, output) with their device-dependent defaults, and
-the parsers of list-valued flags. A bad value exits with one line naming the flag and the allowed range."""
+"""The flags the benchmark scripts share (output; device, dtype and timing for the timed ones; decoding) with their
+device-dependent defaults, and the parsers of list-valued flags. A bad value exits with one line naming the flag and
+the allowed range."""
 
 from __future__ import annotations
 
@@ -17,20 +18,39 @@ from .timing import STATISTICS
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def make_parser(doc: str, default_name: str, decode: bool = False) -> argparse.ArgumentParser:
-    """A script's parser: the shared flags, and with `decode` the decoding ones (context, mode, MoE path)."""
+def make_parser(
+    doc: str,
+    default_name: str,
+    *,
+    device: bool = True,
+    timed: bool = True,
+    decode: bool = False,
+    plot: bool = True,
+    dtypes: bool = False,
+) -> argparse.ArgumentParser:
+    """A script's parser: where its JSON goes (`--results-dir`, `--name`), with `plot` `--no-plot`, with `device`
+    `--device`; with `timed` the dtype and timing flags (`dtypes`: several dtypes, `--dtypes a,b`, instead of
+    `--dtype`); with `decode` the decoding ones (context, mode, MoE path)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
-    add("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
-    add("--dtype", choices=sorted(DTYPES), default=None, help="bfloat16 on CUDA, float32 on CPU")
+    add("--name", default=None, help=f"output stem in --results-dir (default {default_name}{'_<device>' * device})")
+    add("--results-dir", type=Path, default=RESULTS_DIR, help="where the JSON and PNG go")
+    if plot:
+        add("--no-plot", action="store_true", help="skip the PNG")
+    if device:
+        add("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
+    if not timed:
+        return parser
+    if dtypes:
+        add("--dtypes", type=lambda text: names(text, DTYPES, "--dtypes"), default=None,
+            help="comma-separated, timed one after the other: bfloat16,float32 on CUDA, float32 on CPU")  # fmt: skip
+    else:
+        add("--dtype", choices=sorted(DTYPES), default=None, help="bfloat16 on CUDA, float32 on CPU")
     add("--warmup", type=int, default=3, help="untimed iterations before timing")
     add("--iters", type=int, default=10, help="timed iterations (summarized by --statistic)")
-    add("--name", default=None, help=f"output stem in --results-dir (default {default_name}_<device>)")
     add("--statistic", choices=STATISTICS, default=None,
         help="reported time per call: wall-clock median (default on CUDA) or min, or the median process CPU time "
         "(default on CPU: a shared machine's waiting time excluded; run with OMP_NUM_THREADS=1)")  # fmt: skip
-    add("--results-dir", type=Path, default=RESULTS_DIR, help="where the JSON and PNG go")
-    add("--no-plot", action="store_true", help="skip the PNG")
     if decode:
         add("--context", type=int, default=None, help="KV-cache tokens (2048 on CUDA, 128 on CPU)")
         add("--mode", choices=("eager", "compile"), default=None,
@@ -53,18 +73,25 @@ def add_fused_selection_argument(parser: argparse.ArgumentParser) -> None:
 
 def resolve(args: argparse.Namespace, default_name: str) -> argparse.Namespace:
     """Fill in device-dependent defaults and check the shared flags (and the decoding ones where present)."""
+    if getattr(args, "device", None) is None:
+        args.name = args.name or default_name
+        return args
     args.device = torch.device(args.device)
     cuda = args.device.type == "cuda"
     if cuda and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is visible; use --device cpu")
-    args.dtype = (
-        DTYPES[args.dtype] if isinstance(args.dtype, str) else args.dtype or (torch.bfloat16 if cuda else torch.float32)
-    )
+    args.name = args.name or f"{default_name}_{device_tag(args.device)}"
+    if not hasattr(args, "statistic"):
+        return args
+    if hasattr(args, "dtypes"):
+        args.dtypes = [DTYPES[name] for name in args.dtypes or (["bfloat16", "float32"] if cuda else ["float32"])]
+    else:
+        args.dtype = DTYPES[args.dtype] if isinstance(args.dtype, str) else args.dtype
+        args.dtype = args.dtype or (torch.bfloat16 if cuda else torch.float32)
     args.statistic = args.statistic or ("median" if cuda else "cpu")
     if args.statistic == "cpu" and cuda:
         raise SystemExit("--statistic cpu measures host CPU time and is meaningless on CUDA; use median or min")
     at_least(args, warmup=0, iters=1)
-    args.name = args.name or f"{default_name}_{device_tag(args.device)}"
     if hasattr(args, "context"):
         args.context = args.context if args.context is not None else (2048 if cuda else 128)
         args.mode = args.mode or ("compile" if cuda else "eager")
@@ -75,9 +102,10 @@ def resolve(args: argparse.Namespace, default_name: str) -> argparse.Namespace:
 
 
 def at_least(args: argparse.Namespace, **minimums: int) -> None:
-    """Exit naming the flag when one of `minimums` (flag dest: smallest value) is not met."""
+    """Exit naming the flag when one of `minimums` (flag dest: smallest value) is not met (None: not given, the
+    script's default follows)."""
     for dest, minimum in minimums.items():
-        if getattr(args, dest) < minimum:
+        if getattr(args, dest) is not None and getattr(args, dest) < minimum:
             raise SystemExit(f"--{dest.replace('_', '-')} must be >= {minimum}, got {getattr(args, dest)}")
 
 

@@ -93,4 +93,4 @@ def environment(device: torch.device | str = "cpu", **settings: Any) -> dict[str
         properties = torch.cuda.get_device_properties(device)
         info.update(capability=f"sm_{properties.major}{properties.minor}",
                     memory_gib=round(properties.total_memory / 2**30, 1), nvidia_smi=nvidia_smi())  # fmt: skip
-    return {**info, **{k: str(v).removeprefix("torch.") for k, v in settings.items()}}
+    return {**info, **{k: str(v).replace("torch.", "") for k, v in settings.items()}}

@@ -41,15 +41,17 @@ def write_json(path: Path, payload: dict[str, Any]) -> Path:
 
 
 def save(args: Any, payload: dict[str, Any]) -> Path:
-    """`<results-dir>/<name>.json` of a speed script (its shared flags in `args`), its environment first."""
-    settings = {"dtype": args.dtype, "statistic": args.statistic}
+    """`<results-dir>/<name>.json` of a script (its shared flags, `lib.cli`, in `args`), its environment first: the
+    device, and the dtype and statistic of a timed script."""
+    settings = {key: getattr(args, key) for key in ("dtype", "dtypes", "statistic") if hasattr(args, key)}
+    device = getattr(args, "device", "cpu")
     return write_json(
-        args.results_dir / f"{args.name}.json", {"environment": environment(args.device, **settings), **payload}
+        args.results_dir / f"{args.name}.json", {"environment": environment(device, **settings), **payload}
     )
 
 
 def finish(args: Any, payload: dict[str, Any], table: str) -> Path:
-    """A speed script's end: `save`, then the table printed last."""
+    """A script's end: `save`, then the table printed last."""
     path = save(args, payload)
     print(f"wrote {path}")
     print(table)

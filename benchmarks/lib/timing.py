@@ -83,19 +83,21 @@ def measure_interleaved(fns: dict[str, Callable[[], Any]], device: torch.device,
     return {name: summarize(wall, cpu, statistic) for name, (wall, cpu) in times.items()}
 
 
-def median_ms(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    """Median wall time of `fn` after one warm-up call; on CUDA the L2 cache is flushed before each call, so a
-    kernel's bandwidth is measured from device memory."""
+def flushed_ms(
+    fn: Callable[[], Any], device: torch.device, warmup: int, iters: int, statistic: str = "median"
+) -> float:
+    """Milliseconds of one call of `fn` (`statistic` of `time_calls`); on CUDA the L2 cache is flushed before each
+    call, so a kernel's bandwidth is measured from device memory."""
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.float32, device=device) if device.type == "cuda" else None
-    wall, _ = time_calls(fn, device, warmup=1, iters=repeats, before_each=None if flush is None else flush.zero_)
-    return statistics.median(wall)
+    wall, cpu = time_calls(fn, device, warmup, iters, before_each=None if flush is None else flush.zero_)
+    return summarize(wall, cpu, statistic)["ms"]
 
 
-def copy_bandwidth_gbps(device: torch.device, num_bytes: int, repeats: int) -> float:
-    """Measured device-to-device copy: bytes read plus bytes written per second."""
+def copy_bandwidth_gbps(device: torch.device, num_bytes: int, iters: int) -> float:
+    """Measured device-to-device copy (median wall time): bytes read plus bytes written per second."""
     source = torch.empty(num_bytes, dtype=torch.uint8, device=device).fill_(1)
     target = torch.empty_like(source)
-    return 2 * num_bytes / median_ms(lambda: target.copy_(source), device, repeats) / 1e6
+    return 2 * num_bytes / flushed_ms(lambda: target.copy_(source), device, 1, iters) / 1e6
 
 
 def count_launches(fn: Callable[[], Any], device: torch.device) -> dict[str, Any]:

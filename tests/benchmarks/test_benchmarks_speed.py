@@ -6,9 +6,6 @@ without a GPU here (StaticCache decoding, the closed-form SVD) are checked in te
 
 import importlib
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -155,45 +152,35 @@ def test_bad_arguments_name_the_flag(bench):
         bench("bench_decode").parse_args(["--device", "cpu", "--sizes", "7b"])
 
 
-def test_benchmark_script_writes_results(tmp_path):
-    """CPU smoke run of benchmarks/bench_kernels.py at toy sizes: JSON, PNG and a table, no timings checked."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("TRITON_INTERPRET", None)
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARKS / "bench_kernels.py"),
-            "--device",
-            "cpu",
-            "--smoke",
-            "--out-dir",
-            str(tmp_path),
-        ],
-        cwd=BENCHMARKS.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+def test_bench_kernels_runs_its_ops_and_writes_results(bench, tmp_path, capsys):
+    """bench_kernels.py at smoke size, the ops of its registry that run without Triton: JSON, PNG and a table per
+    op, no timings checked (quantized_lookup_reduce needs Triton: tests/quantized)."""
+    ops = ["lookup_reduce", "tucker_candidate_topk", "tucker_topk", "lookup_dot"]
+    bench("bench_kernels").main(["--device", "cpu", "--smoke", "--ops", ",".join(ops), "--results-dir", str(tmp_path)])
+    report = read(tmp_path, "bench_kernels_cpu")
+    assert report["complete"] and [row["op"] for row in report["results"]] == sorted(
+        (row["op"] for row in report["results"]), key=ops.index
     )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    report = json.loads((tmp_path / "bench_kernels_cpu.json").read_text())
-    assert report["environment"]["device_type"] == "cpu" and report["results"] and report["complete"]
-    assert {"torch", "embedding_bag"} <= {row["impl"] for row in report["results"]}
+    assert {(row["op"], row["impl"]) for row in report["results"]} >= {
+        (op, impl) for op in ("lookup_reduce", "lookup_dot") for impl in ("torch", "embedding_bag")
+    }
     assert all(row["forward_ms"] > 0 for row in report["results"] if row["status"] == "ok")
     assert (tmp_path / "bench_kernels_cpu.png").stat().st_size > 0
-    assert "forward_ms" in result.stdout.strip().splitlines()[-len(report["results"]) - 2]  # header, rule, rows
+    assert capsys.readouterr().out.rstrip().splitlines()[-1].lstrip().startswith("lookup_dot")  # its table last
 
 
 def test_bench_kernels_times_with_the_shared_timer(bench, monkeypatch):
-    """One timing routine for every benchmark: bench_kernels' median goes through `lib.timing.time_calls`."""
-    timing, calls = bench("lib.timing"), []
+    """One timing routine for every benchmark: a kernel's time goes through `lib.timing.time_calls`."""
+    timing, kernels, calls = bench("lib.timing"), bench("bench_kernels"), []
 
     def fake(fn, device, warmup, iters, before_each=None, after_each=None):
         calls.append((warmup, iters, before_each))
         return [3.0, 1.0, 2.0], [0.0, 0.0, 0.0]
 
     monkeypatch.setattr(timing, "time_calls", fake)
-    assert bench("bench_kernels").timing.median_ms(lambda: None, torch.device("cpu"), 3) == 2.0
+    args = kernels.parse_args(["--device", "cpu", "--iters", "3"])
+    case = kernels.Case(kernels.memory_shape("151m", 64), torch.float32, args, copy_gbps=1.0)
+    assert case.ms(lambda: None) == 2.0
     assert calls == [(1, 3, None)]
 
 

@@ -6,7 +6,6 @@ triton where no GPU is present); on a CUDA machine they run compiled on the GPU.
 """
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -165,14 +164,18 @@ def test_cpu_tables_keep_the_quantized_embedding_bag_op(monkeypatch):
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the script's CPU mode (the GPU campaign runs it on the device)")
 def test_bandwidth_benchmark_measures_every_format(monkeypatch):
-    """benchmarks/bench_quantized_kernel.py: one row per format, the stored row bytes of each, a checked kernel."""
+    """benchmarks/bench_kernels.py's quantized_lookup_reduce: one row per format, the stored row bytes of each, a
+    checked kernel."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location("bench_quantized_kernel", BENCHMARKS / "bench_quantized_kernel.py")
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclass looks its module up there
-    spec.loader.exec_module(bench)
-    rows = {row.format: row for row in bench.measure("151m", [2], 64, DEVICE, repeats=1)}
-    assert {name: row.row_bytes for name, row in rows.items()} == {"bf16": 2 * 512, "int8": 2 * 264, "int4": 8 * 36}
+    bench = importlib.import_module("bench_kernels")
+    args = bench.parse_args(["--device", "cpu", "--smoke", "--ops", "quantized_lookup_reduce", "--tokens", "2"])
+    case = bench.Case(bench.memory_shape("151m", 64), torch.bfloat16, args, copy_gbps=1.0)
+    rows = {row["impl"]: row for row in bench.OPS["quantized_lookup_reduce"](case)}
+    assert {name: row["row_bytes"] for name, row in rows.items()} == {
+        "bfloat16": 2 * 512,
+        "int8": 2 * 264,
+        "int4": 8 * 36,
+    }
     for name in ("int8", "int4"):
-        assert rows[name].max_relative_error < 1e-5 and rows[name].speedup_vs_bf16 > 0
-        assert rows[name].score_backward_ms > 0
+        assert rows[name]["max_relative_error"] < 1e-5 and rows[name]["speedup_vs_dense"] > 0
+        assert rows[name]["score_backward_ms"] > 0
