@@ -9,6 +9,7 @@ is unsharded for them, as for its forward. Every rank must run the diagnostics t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Iterator
 
@@ -129,12 +130,12 @@ def _layer_statistics(
 
 @torch.no_grad()
 def ngram_statistics(layer: NGramMemory, call: tuple, keep: torch.Tensor) -> dict[str, float]:
-    """How one n-gram memory reads, from the arguments of its call (hidden states, ids, padding, cache, packing), over
+    """How one n-gram memory reads, from the arguments of its call (hidden states, ids, `MemoryInputs`), over
     the tokens where `keep` (B, T): its rows against uniform picks (`row_usage`), `collision_rate` (the share of the
     distinct n-grams of the batch that share a row with another in a head, mean over heads) and its context gate's
     `gate_mean` and `gate_std`."""
-    hidden_states, input_ids, padding_mask, _, sequence_ids = call
-    ngrams = layer.ngrams(input_ids, padding_mask, None, sequence_ids)  # (B, N, T)
+    hidden_states, input_ids, inputs = call
+    ngrams = layer.ngrams(input_ids, dataclasses.replace(inputs, cache=None))  # (B, N, T); the cache moved on
     rows = layer.rows(ngrams)  # (B, T, heads)
     gate = layer.gate(hidden_states, layer.read(rows).to(hidden_states.dtype))[..., 0][keep]
     picked, kept = rows[keep], ngrams.transpose(1, 2)[keep]  # (tokens, heads), (tokens, N)

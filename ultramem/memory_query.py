@@ -5,6 +5,8 @@ whose last inputs live in the generation cache, a linear map, the across-token n
 This file is copied beside `modeling_ultramem.py` into checkpoints (remote code), so it imports only relatively.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,6 +17,16 @@ from .configuration_ultramem import NO_QUERY_NORM, UltraMemConfig
 from .inference_cache import CacheEntry, InferenceCache
 from .init_scales import MemoryInitScales, ScaledLayerNorm
 from .query_normalization import QueryNormalization
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    """What every memory layer of one forward reads beside the residual stream; the model builds it once."""
+
+    padding_mask: torch.Tensor | None = None  # (B, T): 0 at padded tokens of the current ones
+    cache: Cache | None = None  # the generation cache, holding the convolutions' states
+    sequence_ids: torch.Tensor | None = None  # (B, T): each token's sequence, for rows that pack several
+    stores: tuple[nn.Module, nn.Module | None] | None = None  # a shared value pool: (values, pre-values)
 
 
 class CausalDepthwiseConv(nn.Module):
@@ -42,17 +54,13 @@ class CausalDepthwiseConv(nn.Module):
         init.copy_(self.weight, identity)
         init.zeros_(self.bias)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        padding_mask: torch.Tensor | None = None,
-        cache: Cache | None = None,
-        sequence_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if padding_mask is not None:
-            x = x * padding_mask.unsqueeze(-1).to(x.dtype)
-        if sequence_ids is not None:
-            return self._within_sequences(x, sequence_ids)
+    def forward(self, x: torch.Tensor, inputs: MemoryInputs = MemoryInputs()) -> torch.Tensor:
+        """x (B, T, D) -> (B, T, D)."""
+        if inputs.padding_mask is not None:
+            x = x * inputs.padding_mask.unsqueeze(-1).to(x.dtype)
+        if inputs.sequence_ids is not None:
+            return self._within_sequences(x, inputs.sequence_ids)
+        cache = inputs.cache
         x = x.transpose(1, 2)  # (B, D, T)
         context = (self.kernel_size - 1) * self.dilation
         window = None
@@ -168,15 +176,10 @@ class MemoryQuery(nn.Module):
         weight, bias = self.across_tokens.folded(self.proj.weight)  # (F, D), (F,)
         return weight.T, bias
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        padding_mask: torch.Tensor | None,
-        cache: Cache | None,
-        sequence_ids: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, inputs: MemoryInputs = MemoryInputs()) -> tuple[torch.Tensor, torch.Tensor]:
+        """The normed residual stream (B, T, D) -> row and column queries (B, T, H, r, Dk/r)."""
         if self.conv is not None:
-            x = self.conv(x, padding_mask, cache, sequence_ids)
+            x = self.conv(x, inputs)
         # running statistics (at inference, and under no_grad as in `generate` after training): a linear map, folded
         # into the projection, unless the statistics of the query are being gathered (`recalibrate_query_statistics`)
         per_token = not (self.training and self.training_step)
@@ -186,7 +189,7 @@ class MemoryQuery(nn.Module):
         else:
             query = self.proj(x)  # (B, T, H * (1|2) * Dk)
             if self.across_tokens is not None:
-                counted = padding_mask if self.counted_tokens is None else self.counted_tokens
+                counted = inputs.padding_mask if self.counted_tokens is None else self.counted_tokens
                 query = self.across_tokens(query, counted, self.training_step)
         if self.num_queries == 1:  # one query for both axes (trick 5)
             query = self.norm(query.view(*x.shape[:-1], self.num_heads, self.rank, self.part_dim))

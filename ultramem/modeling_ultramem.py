@@ -60,7 +60,7 @@ from .memory_ops import (
     tucker_aux_loss,
     with_loss_gradient,
 )
-from .memory_query import MemoryQuery
+from .memory_query import MemoryInputs, MemoryQuery
 from .moved_names import moved_attribute
 from .ngram_memory import NGramMemory
 from .query_normalization import QueryNormalization, collecting_statistics
@@ -329,86 +329,51 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         return memory_ops_for(getattr(self.config, "_memory_implementation", None), device)
 
     def retrieve(
-        self,
-        hidden_states: torch.Tensor,
-        padding_mask: torch.Tensor | None = None,
-        cache: Cache | None = None,
-        ops: MemoryOps | None = None,
-        sequence_ids: torch.Tensor | None = None,
+        self, hidden_states: torch.Tensor, inputs: MemoryInputs = MemoryInputs(), ops: MemoryOps | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Virtual addresses (B, T, H, m) and scores (B, T, H, m, h) for the residual stream (B, T, D).
+        """Virtual addresses (B, T, H, m) and scores (B, T, H, m, h) for the residual stream (B, T, D)."""
+        return self._retrieve(self.norm(hidden_states), inputs, ops or self.memory_ops(hidden_states.device))
 
-        padding_mask (B, T): 0 at padded tokens. sequence_ids (B, T): for rows that pack several sequences, the
-        sequence of each token (Transformers' `find_packed_sequence_indices`); None when each row is one sequence.
-        """
-        return self._retrieve(self.norm(hidden_states), padding_mask, cache, ops, sequence_ids)
-
-    def _retrieve(
-        self,
-        x: torch.Tensor,
-        padding_mask: torch.Tensor | None,
-        cache: Cache | None,
-        ops: MemoryOps | None,
-        sequence_ids: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        ops = ops or self.memory_ops(x.device)
-        row_query, col_query = self.query(x, padding_mask, cache, sequence_ids)
-        virtual_index, scores = self.retrieval(row_query, col_query, ops)
-        if self.config.memory_score_softmax:
-            scores = scores.softmax(dim=-2)
-        return virtual_index, scores
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        padding_mask: torch.Tensor | None = None,
-        cache: Cache | None = None,
-        sequence_ids: torch.Tensor | None = None,
-        stores: tuple[nn.Module, nn.Module | None] | None = None,
-    ) -> torch.Tensor:
-        values, pre_values = stores or (self.values, self.pre_values)
+    def forward(self, hidden_states: torch.Tensor, inputs: MemoryInputs = MemoryInputs()) -> torch.Tensor:
+        """The residual stream (B, T, D) -> the layer's output (B, T, D)."""
+        values, pre_values = inputs.stores or (self.values, self.pre_values)
         if hasattr(values, "base_layer"):  # a PEFT adapter layer wraps the table and adds to the rows it embeds
             raise ValueError(
                 "PEFT adapters cannot target the value tables (`values`): the memory layer pools the rows it reads "
                 "instead of embedding them. Train them with modules_to_save=['values'], or leave them frozen."
             )
         x = self.norm(hidden_states)
-        slots = self._selected_slots(x, padding_mask, cache, sequence_ids, pre_values)
-        return self._output(values(*slots), x)
+        return self._output(values(*self._selected_slots(x, inputs, pre_values)), x)
 
-    def start(
-        self,
-        hidden_states: torch.Tensor,
-        padding_mask: torch.Tensor | None = None,
-        cache: Cache | None = None,
-        sequence_ids: torch.Tensor | None = None,
-        stores: tuple[nn.Module, nn.Module | None] | None = None,
-    ) -> Callable[[], torch.Tensor]:
+    def start(self, hidden_states: torch.Tensor, inputs: MemoryInputs) -> Callable[[], torch.Tensor]:
         """Start the layer at its read block; the returned call gives its output, wanted after the write block.
 
         A store with `lookup_reduce_async` (the offloaded ones) reads its rows in the background while the
         blocks in between compute; any other store runs `forward` now (gradient checkpointing included).
         """
-        values, pre_values = stores or (self.values, self.pre_values)
+        values, pre_values = inputs.stores or (self.values, self.pre_values)
         if not hasattr(values, "lookup_reduce_async"):
-            output = self(hidden_states, padding_mask, cache, sequence_ids, stores)
+            output = self(hidden_states, inputs)
             return lambda: output
         x = self.norm(hidden_states)
-        pending = values.lookup_reduce_async(*self._selected_slots(x, padding_mask, cache, sequence_ids, pre_values))
+        pending = values.lookup_reduce_async(*self._selected_slots(x, inputs, pre_values))
         return lambda: self._output(pending.result(), x)
 
+    def _retrieve(self, x: torch.Tensor, inputs: MemoryInputs, ops: MemoryOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """`retrieve` on the normed input x (B, T, D)."""
+        row_query, col_query = self.query(x, inputs)
+        virtual_index, scores = self.retrieval(row_query, col_query, ops)
+        if self.config.memory_score_softmax:
+            scores = scores.softmax(dim=-2)
+        return virtual_index, scores
+
     def _selected_slots(
-        self,
-        x: torch.Tensor,
-        padding_mask: torch.Tensor | None,
-        cache: Cache | None,
-        sequence_ids: torch.Tensor | None,
-        pre_values: nn.Module | None,
+        self, x: torch.Tensor, inputs: MemoryInputs, pre_values: nn.Module | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, MemoryOps]:
         """The value store's arguments: rows and pooled groups (B*T, H*m), scores (B*T, H*m, h), E, the ops."""
         batch, length, _ = x.shape
         ops = self.memory_ops(x.device)
-        virtual_index, scores = self._retrieve(x, padding_mask, cache, ops, sequence_ids)
+        virtual_index, scores = self._retrieve(x, inputs, ops)
         num_slots = virtual_index.shape[-2] * virtual_index.shape[-1]
         rows, groups = self.value_expansion.physical_slots(virtual_index.reshape(batch * length, num_slots))
         scores = scores.reshape(batch * length, num_slots, -1)
@@ -694,10 +659,10 @@ class UltraMemModel(UltraMemPreTrainedModel):
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         stores = (self.value_pool, self.pre_value_pool) if self.value_pool is not None else None
-        memory_args = (padding_mask, cache, sequence_ids, stores)
+        memory_inputs = MemoryInputs(padding_mask, cache, sequence_ids, stores)
         with collecting_statistics(statistics):  # around the blocks only: a recomputation in the backward adds none
             hidden_states = self._blocks(
-                hidden_states, input_ids, memory_args, causal_mask, position_embeddings, cache, **kwargs
+                hidden_states, input_ids, memory_inputs, causal_mask, position_embeddings, cache, **kwargs
             )
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{_CACHE_FIELD: cache})
@@ -718,7 +683,7 @@ class UltraMemModel(UltraMemPreTrainedModel):
         self,
         hidden_states: torch.Tensor,
         input_ids: torch.Tensor | None,
-        memory_args: tuple,
+        memory_inputs: MemoryInputs,
         causal_mask: torch.Tensor | None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         cache: Cache | None,
@@ -729,13 +694,13 @@ class UltraMemModel(UltraMemPreTrainedModel):
         pending: dict[int, Callable[[], torch.Tensor]] = {}  # memory layer -> its output, wanted at its write block
         for block_idx, decoder_layer in enumerate(self.layers):
             for ngram in (ngram for ngram in self.ngram_memories if ngram.block == block_idx):
-                hidden_states = hidden_states + ngram(hidden_states, input_ids, *memory_args[:3])
+                hidden_states = hidden_states + ngram(hidden_states, input_ids, memory_inputs)
             reading = [layer for layer in self.memory_layers if layer.read_block == block_idx]
             parallel_memory = None
             if reading and self.config.memory_site != BLOCK_SITE:  # beside (or instead of) the block's MLP
-                parallel_memory = functools.partial(_sum_of_memories, reading, memory_args)
+                parallel_memory = functools.partial(_sum_of_memories, reading, memory_inputs)
             for memory_layer in reading if parallel_memory is None else ():  # starts as soon as its input exists
-                pending[memory_layer.memory_idx] = memory_layer.start(hidden_states, *memory_args)
+                pending[memory_layer.memory_idx] = memory_layer.start(hidden_states, memory_inputs)
             writes = [
                 pending.pop(layer.memory_idx)()
                 for layer in self.memory_layers
@@ -754,10 +719,10 @@ class UltraMemModel(UltraMemPreTrainedModel):
 
 
 def _sum_of_memories(
-    layers: list[UltraMemMemoryLayer], memory_args: tuple, hidden_states: torch.Tensor
+    layers: list[UltraMemMemoryLayer], inputs: MemoryInputs, hidden_states: torch.Tensor
 ) -> torch.Tensor:
     """The summed outputs (B, T, D) of the memory layers that read the MLP's input `hidden_states` (B, T, D)."""
-    return torch.stack([layer(hidden_states, *memory_args) for layer in layers]).sum(0)
+    return torch.stack([layer(hidden_states, inputs) for layer in layers]).sum(0)
 
 
 class UltraMemForCausalLM(ContinuousBatchingCheck, UltraMemPreTrainedModel, GenerationMixin):

@@ -31,7 +31,7 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 
 from .configuration_ultramem import UltraMemConfig
-from .memory_query import CausalDepthwiseConv
+from .memory_query import CausalDepthwiseConv, MemoryInputs
 from .value_stores import MemoryValueTable
 
 _MASK64 = (1 << 64) - 1
@@ -203,20 +203,15 @@ class NGramMemory(nn.Module):
             )
         self.canonical_ids.copy_(canonical_ids)
 
-    def ngrams(
-        self,
-        input_ids: torch.Tensor,
-        padding_mask: torch.Tensor | None,
-        cache: Cache | None,
-        sequence_ids: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def ngrams(self, input_ids: torch.Tensor, inputs: MemoryInputs = MemoryInputs()) -> torch.Tensor:
         """(B, T) token ids -> the canonical n-grams the hash reads (B, N, T) (`ngram_tokens`); the last N-1 ids go to
         the cache."""
+        padding_mask = inputs.padding_mask
         ids = input_ids if padding_mask is None else input_ids.masked_fill(padding_mask == 0, self.vocab_size)
-        tokens = torch.cat([self._history(ids, cache), ids], dim=1)  # (B, N-1+T)
+        tokens = torch.cat([self._history(ids, inputs.cache), ids], dim=1)  # (B, N-1+T)
         sequences = None
-        if sequence_ids is not None:  # packed rows (no cache): the history is no token, of no sequence
-            sequences = F.pad(sequence_ids, (self.order - 1, 0), value=-1)
+        if inputs.sequence_ids is not None:  # packed rows (no cache): the history is no token, of no sequence
+            sequences = F.pad(inputs.sequence_ids, (self.order - 1, 0), value=-1)
         return ngram_tokens(self.canonical_ids[tokens], self.vocab_size, self.eos_ids, self.order, sequences)
 
     def rows(self, ngrams: torch.Tensor) -> torch.Tensor:
@@ -251,15 +246,10 @@ class NGramMemory(nn.Module):
         return F.pad(history, (context - history.shape[1], 0), value=self.vocab_size)
 
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        input_ids: torch.Tensor,
-        padding_mask: torch.Tensor | None = None,
-        cache: Cache | None = None,
-        sequence_ids: torch.Tensor | None = None,
+        self, hidden_states: torch.Tensor, input_ids: torch.Tensor, inputs: MemoryInputs = MemoryInputs()
     ) -> torch.Tensor:
         """The residual stream entering the block (B, T, D) and the token ids (B, T) -> the layer's output (B, T, D)."""
-        rows = self.rows(self.ngrams(input_ids, padding_mask, cache, sequence_ids))
+        rows = self.rows(self.ngrams(input_ids, inputs))
         memory = self.read(rows).to(hidden_states.dtype)  # e
         value = self.gate(hidden_states, memory) * self.value_proj(memory)
-        return value + F.silu(self.conv(self.value_norm(value), padding_mask, cache, sequence_ids))
+        return value + F.silu(self.conv(self.value_norm(value), inputs))

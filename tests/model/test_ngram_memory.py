@@ -64,7 +64,7 @@ def test_the_hash_is_the_integer_definition_across_documents_and_steps():
     ids = torch.randint(1, ngram.vocab_size, (2, 20), generator=generator)
     ids[0, 6] = ids[1, 0] = ids[1, 1] = ids[0, 19] = EOS  # documents end inside, at the start and at the end
     ids[1, 8:12] = torch.tensor([11, 12, 13, 14])  # tokens that share a canonical id
-    rows = ngram.rows(ngram.ngrams(ids, None, None, None))
+    rows = ngram.rows(ngram.ngrams(ids))
     for b in range(2):
         assert rows[b].tolist() == reference_rows(ngram, ids[b].tolist())
     assert rows.dtype == torch.int64 and bool((rows < ngram.table_rows).all())

@@ -20,6 +20,7 @@ from model_support import (
 from ultramem import UltraMemConfig, UltraMemConfigError, UltraMemForCausalLM
 from ultramem.ablation import V2_LADDER_ROWS, ultramemv2_ladder
 from ultramem.memory_ops import key_balance_loss, with_loss_gradient
+from ultramem.memory_query import MemoryInputs
 from ultramem.presets import get_config
 from ultramem.sizing import count_parameters
 
@@ -46,7 +47,7 @@ def test_memory_layer_matches_float64_reference(variant, memory_implementation):
     upstream = torch.randn(2, 5, config.hidden_size, generator=generator)
     stores = _stores(model)
 
-    output = layer(hidden, stores=stores)
+    output = layer(hidden, MemoryInputs(stores=stores))
     output.backward(upstream)
 
     params = {name: p.detach().double().requires_grad_() for name, p in layer.named_parameters()}
@@ -91,7 +92,11 @@ def test_memory_beside_the_mlp_reads_after_attention_and_adds_to_the_mlp_output(
         mask = torch.full((6, 6), float("-inf")).triu(1)[None, None]
         attn, _ = block.self_attn(block.input_layernorm(hidden), position_embeddings=positions, attention_mask=mask)
         middle = hidden + attn
-        expected = middle + block.mlp(block.post_attention_layernorm(middle)) + memory(middle, stores=_stores(model))
+        expected = (
+            middle
+            + block.mlp(block.post_attention_layernorm(middle))
+            + memory(middle, MemoryInputs(stores=_stores(model)))
+        )
     torch.testing.assert_close(outputs.hidden_states[1], expected, rtol=1e-5, atol=1e-5)
 
 
@@ -150,7 +155,10 @@ def test_v2_init_gives_the_target_output_variance(value_gate):
         torch.manual_seed(seed)
         model = UltraMemForCausalLM(UltraMemConfig(**config)).eval()
         with torch.no_grad():
-            ratios += [layer(hidden, stores=_stores(model)).var().item() * 4 for layer in model.model.memory_layers]
+            ratios += [
+                layer(hidden, MemoryInputs(stores=_stores(model))).var().item() * 4
+                for layer in model.model.memory_layers
+            ]
     assert statistics.mean(ratios) == pytest.approx(1.0, abs=0.1)
 
 

@@ -15,6 +15,7 @@ from torch import nn
 from vllm.config import CacheConfig, ModelConfig
 from vllm.distributed import get_tensor_model_parallel_world_size
 
+from ultramem.memory_query import MemoryInputs
 from ultramem.modeling_ultramem import MemoryInitScales, UltraMemMemoryLayer, build_value_tables
 from ultramem.quantized import QuantizedValueTable
 from ultramem.quantized.format import quantized_width, resolve_group_size
@@ -87,5 +88,5 @@ def run_memory_layers(
 ) -> torch.Tensor:
     """The summed outputs (T, D) of `layers` on the flat batch (T, D), as `modeling_ultramem` sums them."""
     batch = hidden_states.unsqueeze(0)  # one "sequence": no mask, no cache; the conv state is vLLM's
-    outputs = [layer(batch, None, None, None, stores)[0] for layer in layers]
+    outputs = [layer(batch, MemoryInputs(stores=stores))[0] for layer in layers]
     return outputs[0] if len(outputs) == 1 else torch.stack(outputs).sum(0)

@@ -63,9 +63,9 @@ class QueryConv(MambaBase, nn.Module):
             self.model_config.dtype, self.cache_config.mamba_cache_dtype
         )
 
-    def forward(self, x: torch.Tensor, padding_mask=None, cache=None, sequence_ids=None) -> torch.Tensor:
-        """x (1, T, D): the flat batch, decode tokens first, as vLLM orders it. The other arguments are the
-        Transformers conv's (padding, its cache, packed sequences): vLLM has none of them, its state is this layer's.
+    def forward(self, x: torch.Tensor, inputs=None) -> torch.Tensor:
+        """x (1, T, D): the flat batch, decode tokens first, as vLLM orders it. `inputs` are the Transformers conv's
+        (padding, its cache, packed sequences): vLLM has none of them, its state is this layer's.
 
         Through a custom op (`vllm::ultramem_query_conv`), as vLLM's short conv: torch.compile keeps it whole, since
         it reads the step's metadata and states from the forward context, which a compiled graph cannot."""
