@@ -32,7 +32,16 @@ def short_run(tmp_path_factory):
     def run(preset: str, overrides: str | None = None) -> RunResult:
         if (preset, overrides) not in runs:
             args: argparse.Namespace = parse_args(
-                ["--output_dir", str(tmp_path_factory.mktemp("run")), "--max_steps", str(STEPS), "--eval_blocks", "16"]
+                [
+                    "--output_dir",
+                    str(tmp_path_factory.mktemp("run")),
+                    "--max_steps",
+                    str(STEPS),
+                    "--eval_blocks",
+                    "16",
+                    "--logging_steps",
+                    str(STEPS // 2),
+                ]
             )
             runs[preset, overrides] = train_one(preset, args, overrides)
             assert runs[preset, overrides].health_tokens >= 2048

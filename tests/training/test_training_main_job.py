@@ -34,3 +34,15 @@ def test_main_job_models_are_checked_before_any_training(capsys):
         parse_args(["--models", "tiny-ultramem", "tiny-ultramem-typo"])
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--models: unknown preset(s) tiny-ultramem-typo; allowed:" in error and "tiny-memoryplus" in error
+
+
+def test_main_job_logging_steps_are_checked_before_any_training(capsys):
+    assert parse_args(["--logging_steps", "5"]).logging_steps == 5
+    with pytest.raises(SystemExit):
+        parse_args(["--logging_steps", "0"])
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .splitlines()[-1]
+        .endswith("--logging_steps: 0 is not allowed; give a whole number >= 1")
+    )

@@ -53,12 +53,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block_size", type=int, default=128, help="Tokens per block.")
     parser.add_argument("--learning_rate", type=float, default=2e-3, help="Peak LR (values start at 10x).")
     parser.add_argument("--eval_blocks", type=int, default=32, help="Validation blocks for the evaluations.")
+    parser.add_argument(
+        "--logging_steps", type=int, default=None,
+        help="Steps between training logs with memory diagnostics (default: a twelfth of --max_steps).",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--models", nargs="+", default=list(MODELS), metavar="PRESET",
         help="Presets to train with this recipe, the first kept and sampled (e.g. add tiny-ultramemv2 tiny-memoryplus).",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.logging_steps is not None and args.logging_steps < 1:
+        parser.error(f"--logging_steps: {args.logging_steps} is not allowed; give a whole number >= 1")
     unknown = [name for name in args.models if name not in presets.PRESETS]
     if unknown:
         parser.error(f"--models: unknown preset(s) {', '.join(unknown)}; allowed: {', '.join(sorted(presets.PRESETS))}")
@@ -77,7 +83,7 @@ def train_one(preset: str, args: argparse.Namespace, config_overrides: str | Non
         seed=args.seed,
         eval_strategy="steps",
         eval_steps=max(1, args.max_steps // 4),
-        logging_steps=max(1, args.max_steps // 12),
+        logging_steps=args.logging_steps or max(1, args.max_steps // 12),
         save_strategy="no",
         report_to="none",
         diagnostics_batch_size=2,
