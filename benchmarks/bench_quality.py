@@ -5,8 +5,9 @@ benchmark's own, in `benchmarks/quality/<scale>/training_arguments.json` (the va
 constant, UltraMem's decays; the ladder's "+value lr decay" row changes only that). Regenerate both with
 `--write-configs`; a test checks they equal `ultramem.presets` and `ultramem.ablation`. All rows train on the same
 tokens, in the same order for a given seed, with the same schedule; rows with identical configs and training
-arguments (the ladder's first and last rows are the PKM and UltraMem presets at "tiny") are trained once. The validation loss is the language-model cross entropy alone (no TDQKR aux loss, no
-Mixtral router loss), measured on fixed blocks of the corpora's valid splits along the way.
+arguments (the ladder's first and last rows are the PKM and UltraMem presets at "tiny") are trained once. The
+validation loss is the Trainer's own evaluation (`ultramem-train`'s validation blocks, drawn across the corpora's valid
+splits), of the language-model cross entropy alone (no TDQKR aux loss, no Mixtral router loss).
 
 CPU (what `benchmarks/results/quality_*` holds; see benchmarks/README.md for the exact command and reading):
 
@@ -15,7 +16,7 @@ CPU (what `benchmarks/results/quality_*` holds; see benchmarks/README.md for the
 GPU (the paper's 151M rows, 100M tokens per model; not run yet, needs several device hours for every row):
 
     python benchmarks/bench_quality.py --scale 151m --rows comparison --bf16 --batch-size 96 --block-size 1024 \
-        --max-steps 1018 --eval-points 10 --eval-blocks 256 --learning-rate 6e-4 --output-dir $OUT
+        --max-steps 1018 --eval-points 10 --eval-blocks 256 --learning-rate 6e-4 --results-dir $OUT
 
 Results are rewritten after every run (`quality_<scale>.json`, `.md`, `_comparison.png`, `_ladder.png`), so an
 interrupted run still leaves a usable table; rerunning the same command skips the runs already recorded.
@@ -37,17 +38,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from datasets import Dataset
-from lib import env, report
+from lib import cli, env, report
 from transformers import AutoConfig, MixtralConfig, PreTrainedConfig, TrainerCallback
 
 from ultramem import UltraMemConfig, ablation, presets, sizing
 from ultramem.configuration_ultramem import NO_QUERY_NORM, QUERY_NORM_BEFORE_FIELD, QUERY_NORMS
 from ultramem.diagnostics import retrieval_diagnostics
-from ultramem.tokenization import load_tokenizer
 from ultramem.training import DataArguments, ModelArguments, UltraMemTrainingArguments, train
-from ultramem.training.data import embedded_corpus_files, pack_blocks, sample_blocks
+from ultramem.training.data import embedded_corpus_files
 from ultramem.training.schedule import DEFAULT_VALUE_LR_DECAY, DEFAULT_VALUE_LR_MULTIPLIER
 
 ROOT = env.BENCHMARKS
@@ -58,9 +56,9 @@ CHARS_PER_TOKEN = 5.0  # generous for English BPE, so the text subset never runs
 # default validation text (2,048-4,096 tokens of the shipped slice) two to four pieces, the first one Treasure Island's
 # title page and table of contents: a validation loss 2.5-3 nats above the training loss for every model.
 GUTENBERG_PIECE_CHARS = 2000
-# The validation blocks are drawn at random from a pool of this many times their tokens, spread along every book, the
-# way `ultramem-train --max_eval_samples` draws them: the first blocks of a pool are one book's title page, poem and
-# table of contents (10-11 nats a token), and taking them first added ~0.4 nats to every row.
+# The validation blocks are `ultramem-train --max_eval_samples`'s draw from a pool of this many times their tokens,
+# spread along every book: the first blocks of a pool are one book's title page, poem and table of contents (10-11 nats
+# a token), and taking them first added ~0.4 nats to every row.
 VALIDATION_POOL = 8
 VALIDATION_SEED = 0  # ultramem-train's default --eval_sample_seed
 
@@ -116,14 +114,14 @@ NGRAM_ROWS = {
         "Dense baseline": ("dense-151m", {}),
     },
 }
-GROUPS = (
-    "comparison",
-    "ladder",
-    "variants",
-    "v2_ladder",
-    "query_norm",
-    "ngram",
-)  # v2_ladder: UltraMem to V2, one a row
+GROUPS = {  # the rows' groups, in table order: (title, what each row's difference is to)
+    "comparison": ("Model comparison", "Diff to Dense"),
+    "ladder": ("Ablation ladder (each row adds one change)", "Diff to previous"),
+    "variants": ("The memory-layer family at equal parameters", "Diff to UltraMem (V1)"),
+    "v2_ladder": ("From UltraMem to UltraMemV2 (each row adds one change)", "Diff to previous"),
+    "query_norm": ("The query's across-token normalisation (retrieval collapse)", "Diff to 'none'"),
+    "ngram": ("Product keys and hashed n-grams at one sparse budget", "Diff to 0% (UltraMem)"),
+}
 # Held-out blocks the final retrieval health is measured on (2,048 tokens at the tiny block size)
 HEALTH_BLOCKS = 16
 
@@ -350,95 +348,39 @@ def prepare_text(cache_dir: Path, corpus_dirs: list[Path], split: str, tokens: i
     return path
 
 
-def validation_blocks(path: Path, block_size: int, count: int) -> torch.Tensor:
-    """`count` packed validation blocks, tokenized as `ultramem-train` does (document + end-of-text) and drawn across
-    the whole pool by its `sample_blocks` (seed `VALIDATION_SEED`, file order kept), an equal share from each corpus."""
-    tokenizer = load_tokenizer()
-    records = [json.loads(line) for line in path.read_text().splitlines()]
-    encoded = tokenizer([record["text"] for record in records], add_special_tokens=False, verbose=False)["input_ids"]
-    ids = [doc + [tokenizer.eos_token_id] for doc in encoded]
-    corpora = list(dict.fromkeys(record["source"] for record in records))
-    share = -(-count // len(corpora))
-    per_corpus = []
-    for corpus in corpora:
-        packed = pack_blocks(
-            {"input_ids": [doc for doc, record in zip(ids, records) if record["source"] == corpus]}, block_size
-        )
-        if len(packed["input_ids"]) < share:
-            raise ValueError(
-                f"--eval-blocks {count}: the validation text of {corpus} gives only {len(packed['input_ids'])} blocks "
-                f"of {block_size}, fewer than its share {share}"
-            )
-        per_corpus.append(sample_blocks(Dataset.from_dict(packed), share, VALIDATION_SEED)["input_ids"])
-    # interleave the corpora's blocks so any prefix of `count` blocks takes an equal share from each
-    return torch.tensor([block for group in zip(*per_corpus) for block in group][:count])
-
-
 # ---- training ---------------------------------------------------------------------------------------------------
-@torch.no_grad()
-def lm_validation_loss(model: torch.nn.Module, blocks: torch.Tensor, batch_size: int, bf16: bool) -> float:
-    """Mean next-token cross entropy over `blocks`: the LM loss only, comparable across UltraMem and Mixtral."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    total, count = 0.0, 0
-    for chunk in blocks.split(batch_size):
-        chunk = chunk.to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            logits = model(input_ids=chunk).logits
-        targets = chunk[:, 1:]
-        total += F.cross_entropy(logits[:, :-1].float().flatten(0, 1), targets.flatten(), reduction="sum").item()
-        count += targets.numel()
-    model.train(was_training)
-    return total / count
+def lm_loss_only(model: torch.nn.Module, inputs: Any, output: Any) -> Any:
+    """Forward hook: in evaluation, the model's loss without its auxiliary terms, so that the Trainer's `eval_loss` is the
+    LM cross entropy alone, comparable across rows (UltraMem's TDQKR aux loss, and Mixtral's 0.01 x router
+    load-balancing loss, about +0.02, are the size of the differences the paper reports)."""
+    if model.training or getattr(output, "loss", None) is None:
+        return output
+    if getattr(output, "lm_loss", None) is not None:  # UltraMem: loss = lm_loss + aux_loss
+        output.loss = output.lm_loss
+    elif getattr(output, "aux_loss", None) is not None:  # Mixtral: loss = LM + router_aux_loss_coef x aux_loss
+        output.loss = output.loss - model.router_aux_loss_coef * output.aux_loss
+    return output
 
 
-class QualityRecorder(TrainerCallback):
-    """Validation LM loss at step 0 and at `eval_steps`, and the Trainer's training logs, for one run."""
-
-    def __init__(self, blocks: torch.Tensor, eval_steps: set[int], eval_batch_size: int, bf16: bool) -> None:
-        self.blocks, self.eval_steps, self.eval_batch_size, self.bf16 = blocks, eval_steps, eval_batch_size, bf16
-        self.curve: list[dict[str, float]] = []
-        self.train_logs: list[dict[str, float]] = []
-        self.health: dict[str, float] = {}
-
-    def _evaluate(self, model: torch.nn.Module, step: int) -> None:
-        loss = lm_validation_loss(model, self.blocks, self.eval_batch_size, self.bf16)
-        self.curve.append({"step": step, "val_loss": loss})
+class EvaluateLanguageModelLoss(TrainerCallback):
+    """Puts `lm_loss_only` on the model the Trainer trains, for every evaluation of the run, the final one included."""
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):  # noqa: ANN001, D102
-        self._evaluate(model, 0)
-
-    def on_step_end(self, args, state, control, model=None, **kwargs):  # noqa: ANN001, D102
-        if state.global_step in self.eval_steps:
-            self._evaluate(model, state.global_step)
-
-    def measure_trained(self, model: torch.nn.Module) -> None:
-        """The model `train` saved (its query statistics recomputed with the final weights): the last point of the
-        curve, and the retrieval health of every memory layer on held-out text (`retrieval_diagnostics`). Measured
-        inside training, before that recomputation, stale statistics made healthy layers look collapsed."""
-        self.curve[-1]["val_loss"] = lm_validation_loss(model, self.blocks, self.eval_batch_size, self.bf16)
-        if getattr(model.config, "memory_layers", None) or getattr(model.config, "ngram_layers", None):
-            blocks = self.blocks[:HEALTH_BLOCKS].to(next(model.parameters()).device)
-            with torch.autocast(blocks.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-                self.health = retrieval_diagnostics(model, blocks)
-
-    def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001, D102
-        if logs and "loss" in logs:
-            self.train_logs.append({"step": state.global_step, **{k: float(v) for k, v in logs.items()}})
+        model.register_forward_hook(lm_loss_only)
 
 
 def train_arguments(row: Row, seed: int, settings: dict[str, Any], data: dict[str, Path], output_dir: Path):
-    """The typed `ultramem.training.train` arguments of one run, and the same as an `ultramem-train` command line."""
+    """The typed `ultramem.training.train` arguments of one run, and the same as an `ultramem-train` command line: the
+    Trainer evaluates at step 0, every `max_steps / eval_points` steps and on the saved model."""
     model = {"config_file": str(row.config_file)}
-    # max_eval_samples: the Trainer's own final evaluation; the curve uses the recorder's blocks
     data_ = {"train_file": str(data["train"]), "validation_file": str(data["valid"]), "block_size": settings["block_size"],
-             "max_eval_samples": 2}  # fmt: skip
+             "max_eval_samples": settings["eval_blocks"], "eval_sample_seed": VALIDATION_SEED}  # fmt: skip
     training = {"per_device_train_batch_size": settings["batch_size"], "per_device_eval_batch_size": settings["batch_size"],
                 "max_steps": settings["max_steps"], "learning_rate": settings["learning_rate"],
-                "logging_steps": settings["logging_steps"], "diagnostics_batch_size": 2, "seed": seed,
-                "output_dir": str(output_dir), "save_strategy": "no", "report_to": "none", "disable_tqdm": True,
-                **row.training_arguments}  # fmt: skip
+                "eval_strategy": "steps", "eval_steps": max(1, round(settings["max_steps"] / settings["eval_points"])),
+                "eval_on_start": True, "logging_steps": settings["logging_steps"], "diagnostics_batch_size": 2,
+                "seed": seed, "output_dir": str(output_dir), "save_strategy": "no", "report_to": "none",
+                "disable_tqdm": True, **row.training_arguments}  # fmt: skip
     if settings["bf16"]:  # the Trainer refuses bf16 without an accelerator unless told to use the CPU
         training.update(bf16=True, **({} if torch.cuda.is_available() else {"use_cpu": True}))
     argv = [text for key, value in {**model, **data_, **training}.items()
@@ -453,40 +395,49 @@ def counts(config: dict[str, Any]) -> dict[str, float]:
     return result
 
 
-def train_one(
-    row: Row, seed: int, settings: dict[str, Any], data: dict[str, Path], blocks: torch.Tensor, work: Path
-) -> dict[str, Any]:
+def train_one(row: Row, seed: int, settings: dict[str, Any], data: dict[str, Path], work: Path) -> dict[str, Any]:
     """Train one row with one seed; returns its record (curve, final losses, wall time, diagnostics)."""
     steps = settings["max_steps"]
-    points = settings["eval_points"]
-    eval_steps = {max(1, round(steps * i / points)) for i in range(1, points + 1)}
-    recorder = QualityRecorder(blocks, eval_steps, settings["batch_size"], settings["bf16"])
     output_dir = work / f"{row.key}-seed{seed}"
     arguments, argv = train_arguments(row, seed, settings, data, output_dir)
     start = time.perf_counter()
-    trained = train(*arguments, callbacks=[recorder]).trainer.model
+    result = train(*arguments, callbacks=[EvaluateLanguageModelLoss()])
     wall = time.perf_counter() - start
-    recorder.measure_trained(trained)
     shutil.rmtree(output_dir)  # the benchmark keeps the curve, not the weights
     tokens_per_step = settings["batch_size"] * settings["block_size"]
-    for point in recorder.curve:
-        point["tokens"] = point["step"] * tokens_per_step
-    tail = [log for log in recorder.train_logs if log["step"] > steps * 0.9] or recorder.train_logs[-1:]
+    # the last evaluation of a step wins: the final one is of the saved model, its query statistics recomputed
+    losses = {log["step"]: log["eval_loss"] for log in result.log_history if "eval_loss" in log}
+    curve = [
+        {"step": step, "val_loss": loss, "tokens": step * tokens_per_step} for step, loss in sorted(losses.items())
+    ]
+    train_logs = [log for log in result.log_history if "loss" in log]
+    tail = [log for log in train_logs if log["step"] > steps * 0.9] or train_logs[-1:]
     loss_key = "lm_loss" if "lm_loss" in tail[-1] else "loss"
-    diagnostics = {k: v for k, v in recorder.train_logs[-1].items() if k.startswith("memory/")}
     return {
         "config_key": row.key,
         "seed": seed,
         "argv": ["ultramem-train", *argv],
-        "curve": recorder.curve,
+        "curve": curve,
         "train_loss": statistics.fmean(log[loss_key] for log in tail),
         "train_loss_includes_router_loss": loss_key == "loss" and row.config["model_type"] == "mixtral",
-        "val_loss": recorder.curve[-1]["val_loss"],
+        "val_loss": curve[-1]["val_loss"],
         "tokens": steps * tokens_per_step,
         "wall_s": wall,
-        "final_diagnostics": diagnostics,
-        "held_out_health": recorder.health,
+        "final_diagnostics": {k: v for k, v in train_logs[-1].items() if k.startswith("memory/")},
+        "held_out_health": held_out_health(result.trainer, settings["bf16"]),
     }
+
+
+def held_out_health(trainer: Any, bf16: bool) -> dict[str, float]:
+    """`retrieval_diagnostics` of the saved model (its query statistics recomputed with the final weights) on the first
+    validation blocks; {} for a model without memory layers. Measured inside training, before that recomputation,
+    stale statistics made healthy layers look collapsed."""
+    model = trainer.model
+    if not (getattr(model.config, "memory_layers", None) or getattr(model.config, "ngram_layers", None)):
+        return {}
+    blocks = torch.tensor(trainer.eval_dataset[:HEALTH_BLOCKS]["input_ids"], device=next(model.parameters()).device)
+    with torch.autocast(blocks.device.type, dtype=torch.bfloat16, enabled=bf16):
+        return retrieval_diagnostics(model, blocks)
 
 
 # ---- reporting --------------------------------------------------------------------------------------------------
@@ -595,15 +546,7 @@ def markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "of the memory layers.",
         "",
     ]
-    groups = (
-        ("comparison", "Model comparison", "Diff to Dense"),
-        ("ladder", "Ablation ladder (each row adds one change)", "Diff to previous"),
-        ("variants", "The memory-layer family at equal parameters", "Diff to UltraMem (V1)"),
-        ("v2_ladder", "From UltraMem to UltraMemV2 (each row adds one change)", "Diff to previous"),
-        ("query_norm", "The query's across-token normalisation (retrieval collapse)", "Diff to 'none'"),
-        ("ngram", "Product keys and hashed n-grams at one sparse budget", "Diff to 0% (UltraMem)"),
-    )
-    for group, title, diff_title in groups:
+    for group, (title, diff_title) in GROUPS.items():
         entries = [e for e in table if e["group"] == group]
         if not entries:
             continue
@@ -683,20 +626,16 @@ def plot(table: list[dict[str, Any]], runs: list[dict[str, Any]], group: str, pa
     ])  # fmt: skip
 
 
-def write_results(output_dir: Path, rows: list[Row], runs: list[dict[str, Any]], meta: dict[str, Any]) -> None:
-    """Rewrite the JSON, the Markdown table and both plots from all runs so far."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    stem = output_dir / f"quality_{meta['scale']}"
+def write_results(args: argparse.Namespace, rows: list[Row], runs: list[dict[str, Any]], meta: dict[str, Any]) -> Path:
+    """Rewrite the JSON, the Markdown tables and the plots of every group from all runs so far."""
     table = summarize(rows, runs)
     payload = {"meta": meta, "table": table, "pooled_seed_std": pooled_seed_std(table), "runs": runs}
-    Path(f"{stem}.json").write_text(json.dumps(payload, indent=1) + "\n")
-    Path(f"{stem}.md").write_text(markdown(table, meta))
-    plot(table, runs, "comparison", Path(f"{stem}_comparison.png"), f"Dense / PKM / MoE / UltraMem ({meta['scale']})")
-    plot(table, runs, "ladder", Path(f"{stem}_ladder.png"), f"Ablation ladder ({meta['scale']})")
-    plot(table, runs, "variants", Path(f"{stem}_variants.png"), f"UltraMem, UltraMemV2, Memory+ ({meta['scale']})")
-    plot(table, runs, "v2_ladder", Path(f"{stem}_v2_ladder.png"), f"From UltraMem to UltraMemV2 ({meta['scale']})")
-    plot(table, runs, "query_norm", Path(f"{stem}_query_norm.png"), f"Query normalisation ({meta['scale']})")
-    plot(table, runs, "ngram", Path(f"{stem}_ngram.png"), f"Product keys and n-grams ({meta['scale']})")
+    path = report.write_json(args.results_dir / f"{args.name}.json", payload)
+    path.with_suffix(".md").write_text(markdown(table, meta))
+    if not args.no_plot:
+        for group, (title, _) in GROUPS.items():
+            plot(table, runs, group, path.with_name(f"{args.name}_{group}.png"), f"{title} ({meta['scale']})")
+    return path
 
 
 def planned_runs(rows: list[Row], seeds: int, seeded: set[str]) -> list[tuple[Row, int]]:
@@ -713,40 +652,28 @@ def planned_runs(rows: list[Row], seeds: int, seeded: set[str]) -> list[tuple[Ro
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scale", default="tiny", choices=sorted(COMPARISON))
-    parser.add_argument(
-        "--rows", default="all", help=f"all, or comma-separated groups ({', '.join(GROUPS)}) or row names"
-    )
-    parser.add_argument("--seeds", type=int, default=2, help="seeds of the --seeded-rows (others get seed 0 only)")
-    parser.add_argument(
-        "--seeded-rows", default=",".join(SEEDED_ROWS), help="comma-separated row names given --seeds seeds, or all"
-    )
-    parser.add_argument("--max-steps", type=int, default=160)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--block-size", type=int, default=128)
-    parser.add_argument("--learning-rate", type=float, default=1e-3)
-    parser.add_argument(
-        "--eval-points", type=int, default=8, help="validation evaluations along each run (plus step 0)"
-    )
-    parser.add_argument("--eval-blocks", type=int, default=48, help="validation blocks of --block-size tokens")
-    parser.add_argument("--bf16", action="store_true", help="bf16 autocast for training and validation")
-    parser.add_argument("--output-dir", type=Path, default=env.RESULTS_DIR)
-    parser.add_argument(
-        "--corpus-dir",
-        type=Path,
-        nargs="+",
-        default=[Path(embedded_corpus_files()["train"]).parent],
-        help="corpus folder(s) of train.jsonl.xz and valid.jsonl.xz, sampled in equal shares; default: the shipped Gutenberg slice",
-    )
-    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "ultramem" / "bench_quality")
-    parser.add_argument(
-        "--write-configs", action="store_true", help="write the per-row config JSONs and training arguments, and exit"
-    )
-    parser.add_argument(
-        "--report-only", action="store_true", help="rewrite table and plots from the results JSON, train nothing"
-    )
+    parser = cli.make_parser(__doc__, "quality_<scale>", device=False, timed=False)
+    add = parser.add_argument
+    add("--output-dir", dest="results_dir", type=Path, help=argparse.SUPPRESS)  # as the recorded commands spell it
+    add("--scale", default="tiny", choices=sorted(COMPARISON))
+    add("--rows", default="all", help=f"all, or comma-separated groups ({', '.join(GROUPS)}) or row names")
+    add("--seeds", type=int, default=2, help="seeds of the --seeded-rows (others get seed 0 only)")
+    add("--seeded-rows", default=",".join(SEEDED_ROWS), help="comma-separated row names given --seeds seeds, or all")
+    add("--max-steps", type=int, default=160)
+    add("--batch-size", type=int, default=8)
+    add("--block-size", type=int, default=128)
+    add("--learning-rate", type=float, default=1e-3)
+    add("--eval-points", type=int, default=8, help="validation evaluations along each run (plus step 0)")
+    add("--eval-blocks", type=int, default=48, help="validation blocks of --block-size tokens")
+    add("--bf16", action="store_true", help="bf16 autocast for training and validation")
+    add("--corpus-dir", type=Path, nargs="+", default=[Path(embedded_corpus_files()["train"]).parent],
+        help="corpus folder(s) of train.jsonl.xz and valid.jsonl.xz, sampled in equal shares; default: the shipped "
+        "Gutenberg slice")  # fmt: skip
+    add("--cache-dir", type=Path, default=Path.home() / ".cache" / "ultramem" / "bench_quality")
+    add("--write-configs", action="store_true", help="write the per-row config JSONs and training arguments, and exit")
+    add("--report-only", action="store_true", help="rewrite table and plots from the results JSON, train nothing")
     args = parser.parse_args(argv)
+    cli.resolve(args, f"quality_{args.scale}")
     for flag in ("seeds", "max_steps", "batch_size", "block_size", "eval_points", "eval_blocks"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
@@ -769,11 +696,10 @@ def main(argv: list[str] | None = None) -> Path:
             print(path)
         return CONFIG_DIR / args.scale
     rows = load_rows(args.scale, args.rows)
-    json_path = args.output_dir / f"quality_{args.scale}.json"
+    json_path = args.results_dir / f"{args.name}.json"
     if args.report_only:
         recorded = json.loads(json_path.read_text())
-        write_results(args.output_dir, rows, recorded["runs"], recorded["meta"])
-        return json_path
+        return write_results(args, rows, recorded["runs"], recorded["meta"])
     seeded = (
         {row.name for row in rows}
         if args.seeded_rows == "all"
@@ -801,7 +727,6 @@ def main(argv: list[str] | None = None) -> Path:
             args.cache_dir, args.corpus_dir, "valid", int(args.eval_blocks * args.block_size * VALIDATION_POOL)
         ),
     }
-    blocks = validation_blocks(data["valid"], args.block_size, args.eval_blocks)
     meta = {
         "scale": args.scale,
         "command": "python benchmarks/bench_quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -809,7 +734,7 @@ def main(argv: list[str] | None = None) -> Path:
         "settings": settings,
         "tokens_per_run": tokens_per_run,
         "corpus_dirs": [str(folder) for folder in args.corpus_dir],
-        "eval_tokens": blocks.numel(),
+        "eval_tokens": args.eval_blocks * args.block_size,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     runs: list[dict[str, Any]] = []
@@ -818,7 +743,7 @@ def main(argv: list[str] | None = None) -> Path:
         if previous["meta"]["settings"] != settings:
             raise ValueError(
                 f"{json_path} holds runs made with other settings ({previous['meta']['settings']}); "
-                "give another --output-dir, or delete it to start over"
+                "give another --results-dir, or delete it to start over"
             )
         runs = previous["runs"]
         meta["started"] = previous["meta"]["started"]
@@ -827,13 +752,13 @@ def main(argv: list[str] | None = None) -> Path:
         if (row.key, seed) in done:
             continue
         print(f"[bench_quality] {row.group} / {row.name} / seed {seed}", flush=True)
-        runs.append(train_one(row, seed, settings, data, blocks, args.cache_dir / "runs"))
+        runs.append(train_one(row, seed, settings, data, args.cache_dir / "runs"))
         meta["updated"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        write_results(args.output_dir, rows, runs, meta)
+        write_results(args, rows, runs, meta)
         print(f"[bench_quality] val_loss {runs[-1]['val_loss']:.4f} in {runs[-1]['wall_s']:.0f} s", flush=True)
-    write_results(args.output_dir, rows, runs, meta)
-    print(Path(f"{args.output_dir}/quality_{args.scale}.md").read_text())
-    return json_path
+    path = write_results(args, rows, runs, meta)
+    print(path.with_suffix(".md").read_text())
+    return path
 
 
 if __name__ == "__main__":

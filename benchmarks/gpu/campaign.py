@@ -87,7 +87,7 @@ class Step:
 OUT = "--results-dir {results}"
 DECODE = f"--device cuda --mode eager --moe-impl grouped_mm --warmup 3 --iters 10 {OUT}"
 GRAPHS = DECODE.replace("--mode eager", "--mode compile")  # the same step under CUDA graphs
-QUALITY = "--output-dir {results} --cache-dir {results}/quality_cache"
+QUALITY = "--results-dir {results} --cache-dir {results}/quality_cache"
 TRAIN_151M = (
     "bench_train.py --device cuda --sizes 151m --batch 16 --seq-len 2048 --moe-impl grouped_mm --warmup 2 --iters 5"
 )

@@ -1,13 +1,17 @@
 """Smoke test of benchmarks/bench_quality.py: two rows, a few real Trainer steps, and the committed row configs."""
 
 import json
+from contextlib import nullcontext
 from pathlib import Path
 
 import bench_quality
 import pytest
 import torch
+import torch.nn.functional as F
 
 from ultramem import UltraMemConfig, ablation
+from ultramem.presets import get_config
+from ultramem.sizing import build_model
 
 SMOKE = [
     "--rows",
@@ -66,7 +70,7 @@ def test_tiny_ladder_ends_are_the_comparison_models():
 
 def test_two_rows_train_and_report(tmp_path):
     out, cache = tmp_path / "results", tmp_path / "cache"
-    argv = [*SMOKE, "--output-dir", str(out), "--cache-dir", str(cache)]
+    argv = [*SMOKE, "--results-dir", str(out), "--cache-dir", str(cache)]
     result = json.loads(bench_quality.main(argv).read_text())
 
     table = {row["name"]: row for row in result["table"]}
@@ -129,7 +133,7 @@ def test_unknown_row_lists_the_allowed_ones():
 
 
 def test_unknown_seeded_row_is_refused(tmp_path):
-    argv = [*SMOKE, "--seeded-rows", "Dense,Ultramem", "--output-dir", str(tmp_path), "--cache-dir", str(tmp_path)]
+    argv = [*SMOKE, "--seeded-rows", "Dense,Ultramem", "--results-dir", str(tmp_path), "--cache-dir", str(tmp_path)]
     with pytest.raises(ValueError, match=r"--seeded-rows: unknown row\(s\) \['Ultramem'\]; allowed: all or"):
         bench_quality.main(argv)
 
@@ -152,18 +156,39 @@ def test_corpus_is_the_shipped_one_unless_given(tmp_path, capsys):
     assert f"--corpus-dir {tmp_path}: no train.jsonl.xz or valid.jsonl.xz" in capsys.readouterr().err
 
 
-def test_validation_blocks_are_drawn_across_the_split(tmp_path):
-    """The blocks are ultramem-train's draw over a pool spread along the book, not the pool's first blocks (Treasure
-    Island's title page, poem and contents: about uniform guessing), and the same blocks in every run."""
+def test_validation_blocks_are_ultramem_trains_draw_across_the_split(tmp_path):
+    """The runs evaluate on `ultramem-train`'s draw from a pool spread along the book, not on the pool's first blocks
+    (Treasure Island's title page, poem and contents: about uniform guessing), the same blocks in every run."""
     from ultramem.tokenization import load_tokenizer
-    from ultramem.training.data import embedded_corpus_files
+    from ultramem.training.data import embedded_corpus_files, load_raw_datasets, tokenize_and_pack
 
     corpus = [Path(embedded_corpus_files()["train"]).parent]
     pool = bench_quality.prepare_text(tmp_path, corpus, "valid", 32 * 128 * bench_quality.VALIDATION_POOL)
-    blocks = bench_quality.validation_blocks(pool, 128, 32)
-    assert blocks.shape == (32, 128)
-    assert torch.equal(blocks, bench_quality.validation_blocks(pool, 128, 32))
-    text = load_tokenizer().decode(blocks[:4].flatten())
+    row = bench_quality.load_rows("tiny", "Dense")[0]
+    settings = dict(max_steps=4, batch_size=2, block_size=128, learning_rate=1e-3, eval_points=2, eval_blocks=32,
+                    logging_steps=1, bf16=False)  # fmt: skip
+    (_, data, _), _ = bench_quality.train_arguments(row, 0, settings, {"train": pool, "valid": pool}, tmp_path)
+    tokenizer = load_tokenizer()
+    blocks = tokenize_and_pack(load_raw_datasets(data), tokenizer, data, lambda desc: nullcontext())["validation"]
+    assert len(blocks) == 32 and len(blocks[0]["input_ids"]) == 128
+    text = tokenizer.decode(sum(blocks[:4]["input_ids"], []))
     assert "TREASURE ISLAND" not in text and "CONTENTS" not in text
-    with pytest.raises(ValueError, match="fewer than its share 100000"):
-        bench_quality.validation_blocks(pool, 128, 100000)
+
+
+@pytest.mark.parametrize("preset", ["tiny-ultramem", "tiny-moe"])
+def test_evaluation_loss_is_the_language_model_cross_entropy_alone(preset):
+    """`lm_loss_only`: in evaluation the loss without UltraMem's TDQKR aux loss or Mixtral's router loss; in training
+    the model's own loss."""
+    torch.manual_seed(0)
+    model = build_model(get_config(preset)).eval()
+    ids = torch.randint(1, model.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        plain = model(input_ids=ids, labels=ids)
+        model.register_forward_hook(bench_quality.lm_loss_only)
+        hooked = model(input_ids=ids, labels=ids).loss
+        trained = model.train()(input_ids=ids, labels=ids).loss
+    cross_entropy = F.cross_entropy(plain.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).item()
+    assert hooked.item() == pytest.approx(cross_entropy, abs=1e-5)
+    if preset == "tiny-moe":
+        assert (plain.loss - hooked).item() == pytest.approx(0.01 * plain.aux_loss.item(), rel=1e-3)  # the router's
+        assert trained.item() == pytest.approx(plain.loss.item(), abs=1e-5)  # training: the hook leaves it alone
