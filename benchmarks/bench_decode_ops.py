@@ -1,7 +1,7 @@
 """How many aten operators one decode step runs, per memory layer and for the rest of the model (issue 48, item 1).
 
-Eager, batch 1, CPU, float32: after a `--prompt`-token prefill into a DynamicCache, one new token through the model's
-forward (`step`), and one new token of `model.generate` as users call it (`generate`: the difference between
+Eager, batch 1, CPU, float32: after a `--prompt`-token prefill into a DynamicCache and one decode step, the next new
+token through the model's forward (`step`: the first decode step also computes what the inference cache keeps), and one new token of `model.generate` as users call it (`generate`: the difference between
 generating `--new-tokens` + 1 and 1 tokens, over `--new-tokens`, so generate's own per-token work counts too).
 Operators are those that reach PyTorch's dispatcher below autograd (a `TorchDispatchMode`: views and in-place
 ops included, a composite such as `linear` counted as the kernels it runs), attributed to the innermost memory layer
@@ -18,13 +18,10 @@ model and per memory layer, the dense backbone's, and the memory layers' count a
 
 from __future__ import annotations
 
-import argparse
 from collections import Counter
-from pathlib import Path
 
 import torch
-from lib import env, models
-from lib.report import format_table, write_json
+from lib import cli, models, report
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ultramem.modeling_ultramem import UltraMemMemoryLayer
@@ -32,6 +29,9 @@ from ultramem.ngram_memory import NGramMemory
 
 VARIANTS = ("tiny-dense", "tiny-ultramem", "tiny-pkm", "tiny-ultramemv2", "tiny-memoryplus", "tiny-engram")
 REST = "rest"
+COLUMNS = {"preset": "preset", "memory_layers": "memory layers", "step_ops": "step ops", "step_rest_ops": "outside memory",
+           "step_ops_per_memory_layer": "per memory layer", "memory_ops_vs_dense": "per memory layer vs dense",
+           "generate_ops_per_token": "generate ops / token"}  # fmt: skip
 
 
 class OperatorCount(TorchDispatchMode):
@@ -80,7 +80,8 @@ def measure(preset: str, prompt: int, new_tokens: int) -> dict:
     input_ids = torch.randint(3, model.config.vocab_size, (1, prompt))
     out = model(input_ids, use_cache=True)
     cache, token = getattr(out, "cache", None) or out.past_key_values, out.logits[:, -1:].argmax(-1)
-    step = count(model, lambda: model(token, cache=cache))  # the next token after the prompt
+    model(token, cache=cache)  # the first step computes what the inference cache keeps for decode steps
+    step = count(model, lambda: model(token, cache=cache))  # a steady decode step
 
     def generate(tokens: int):
         return lambda: model.generate(input_ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
@@ -100,14 +101,14 @@ def measure(preset: str, prompt: int, new_tokens: int) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = cli.make_parser(__doc__, "decode_ops_cpu", device=False, timed=False, plot=False)
     parser.add_argument("--presets", default=",".join(VARIANTS), help="comma-separated presets (tiny-dense first)")
     parser.add_argument("--prompt", type=int, default=64, help="prefill tokens")
     parser.add_argument("--new-tokens", type=int, default=8, help="tokens over which generate's count is averaged")
     parser.add_argument("--list", action="store_true", help="print the first memory layer's operators in order")
-    parser.add_argument("--results-dir", type=Path, default=env.RESULTS_DIR)
-    args = parser.parse_args()
+    args = cli.resolve(parser.parse_args(argv), "decode_ops_cpu")
+    cli.at_least(args, prompt=1, new_tokens=1)
     rows = [measure(preset, args.prompt, args.new_tokens) for preset in args.presets.split(",")]
     dense = next((row for row in rows if row["memory_layers"] == 0), None)
     for row in rows:
@@ -117,12 +118,7 @@ def main() -> None:
             print(
                 f"{row['preset']}: one memory layer's operators in order:\n  " + " ".join(row["memory_layer_sequence"])
             )
-    path = write_json(args.results_dir / "decode_ops_cpu.json", {"environment": env.environment("cpu"), "rows": rows})
-    print(f"wrote {path}")
-    print(format_table(rows, {"preset": "preset", "memory_layers": "memory layers", "step_ops": "step ops",
-                              "step_rest_ops": "outside memory", "step_ops_per_memory_layer": "per memory layer",
-                              "memory_ops_vs_dense": "per memory layer vs dense",
-                              "generate_ops_per_token": "generate ops / token"}))  # fmt: skip
+    report.finish(args, {"rows": rows}, report.format_table(rows, COLUMNS))
 
 
 if __name__ == "__main__":

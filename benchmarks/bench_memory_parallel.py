@@ -23,9 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from lib import report, timing
-from lib.env import RESULTS_DIR as RESULTS
-from lib.env import environment
+from lib import cli, report, timing
 
 from ultramem.memory_implementations import TORCH_MEMORY_OPS
 from ultramem.parallel import count_bytes
@@ -106,7 +104,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str,
     torch.manual_seed(rank)
     mesh = memory_parallel_mesh(world)
     result = train_large(args, mesh) if large else measure(args, mesh)
-    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    report.write_json(Path(out, f"rank{rank}.json"), result)
     dist.destroy_process_group()
 
 
@@ -140,45 +138,36 @@ def plot(rows: list[dict], args: argparse.Namespace, path: Path) -> None:
     ])  # fmt: skip
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--value-dims", type=int, nargs="+", default=[64, 256])
-    parser.add_argument("--rows", type=int, default=1 << 16)
-    parser.add_argument("--tokens", type=int, default=512, help="tokens per rank and step")
-    parser.add_argument("--slots", type=int, default=32, help="K = memory heads x top-m")
-    parser.add_argument("--cores", type=int, default=2)
-    parser.add_argument("--groups", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--large", action="store_true")
-    parser.add_argument("--large-rows", type=int, default=1_600_000)
-    parser.add_argument("--large-value-dim", type=int, default=256)
-    parser.add_argument("--large-steps", type=int, default=3)
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    parser = cli.make_parser(__doc__, "memory_parallel_cpu", device=False, timed=False)
+    add = parser.add_argument
+    add("--sizes", type=cli.int_list, default=[1, 2, 4], help="shard group sizes P, comma-separated")
+    add("--value-dims", type=cli.int_list, default=[64, 256], help="comma-separated")
+    add("--rows", type=int, default=1 << 16)
+    add("--tokens", type=int, default=512, help="tokens per rank and step")
+    add("--slots", type=int, default=32, help="K = memory heads x top-m")
+    add("--cores", type=int, default=2)
+    add("--groups", type=int, default=4)
+    add("--steps", type=int, default=5)
+    add("--large", action="store_true", help="also train a table too big to replicate on 4 processes")
+    add("--large-rows", type=int, default=1_600_000)
+    add("--large-value-dim", type=int, default=256)
+    add("--large-steps", type=int, default=3)
+    args = cli.resolve(parser.parse_args(argv), "memory_parallel_cpu")
+    cli.at_least(
+        args, rows=1, tokens=1, slots=1, cores=1, groups=1, steps=1, large_rows=1, large_value_dim=1, large_steps=1
+    )
     rows = [row for size in args.sizes for row in launch(size, args)[0]]  # rank 0's view (ranks are symmetric)
-    result = {"environment": environment("cpu"), "arguments": vars(args), "rows": rows}
-    if args.large:
-        result["large"] = launch(4, args, large=True)
-    report.write_json(RESULTS / "memory_parallel_cpu.json", result)
-    plot(rows, args, RESULTS / "memory_parallel_cpu.png")
     for row in rows:
         row["ms_per_step"] = 1000 * row["step_seconds"]
-    print(
-        report.format_table(
-            rows,
-            {
-                "P": "P",
-                "value_dim": "Dv",
-                "partitioning": "partitioning",
-                "forward_bytes": "fwd bytes",
-                "predicted_forward_bytes": "predicted",
-                "step_bytes": "step bytes",
-                "ms_per_step": "ms/step",
-            },
-        )
-    )
-    for rank, entry in enumerate(result.get("large", [])):
-        print(f"large rank {rank}: {entry}")
+    settings = {key: value for key, value in vars(args).items() if key not in ("name", "results_dir", "no_plot")}
+    payload = {"arguments": settings, "rows": rows, **({"large": launch(4, args, large=True)} if args.large else {})}
+    if not args.no_plot:
+        plot(rows, args, args.results_dir / f"{args.name}.png")
+    columns = {"P": "P", "value_dim": "Dv", "partitioning": "partitioning", "forward_bytes": "fwd bytes",
+               "predicted_forward_bytes": "predicted", "step_bytes": "step bytes", "ms_per_step": "ms/step"}  # fmt: skip
+    large = "".join(f"\nlarge rank {rank}: {entry}" for rank, entry in enumerate(payload.get("large", [])))
+    report.finish(args, payload, report.format_table(rows, columns) + large)
 
 
 if __name__ == "__main__":

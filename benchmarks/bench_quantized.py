@@ -2,7 +2,7 @@
 int8 vs int4.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_quantized.py --checkpoint runs/tiny-ultramem \
-        [--int4-group-sizes 64 32] [--blocks 32 --block-size 128] [--output results/quantized.json] \
+        [--int4-group-sizes 64,32] [--blocks 32 --block-size 128] [--name quantized_quality_tiny] \
         [--tasks boolq,winogrande --eval-data /path/to/eval --limit 100]
 
 Every variant is the same checkpoint with its value tables quantized at load (`ultramem.quantized`, the "local"
@@ -17,12 +17,11 @@ With `--tasks` (benchmark keys of `ultramem.eval.benchmarks`, comma-separated), 
 `ultramem_<key>_offline` tasks) or the Hub's datasets. Reported per variant and benchmark: lm-eval's score (the
 metric the paper's table uses), the share of documents that metric scores as it scores fp32's, and the mean absolute
 change of the log-likelihoods lm-eval scored against fp32's (zero for a quantized variant means the format never reached the
-model: the benchmark stops there).
+model: the benchmark stops there). Writes `<results-dir>/<name>.json`, the tables as `.md` and a plot as `.png`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import lzma
 import os
@@ -35,10 +34,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from lib import cli, env, report
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))  # the benchmarks' library, benchmarks/lib
-DEFAULT_DATA = REPO / "ultramem" / "data" / "corpus" / "valid.jsonl.xz"
+DEFAULT_DATA = env.REPO / "ultramem" / "data" / "corpus" / "valid.jsonl.xz"
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 Variant = tuple[str, str | None, int | None]  # name, format (None: float), int4 group size (None: the default)
 # lm-eval's command line (its own entry point, argv unchanged) with the installed package imported first: the Auto
@@ -271,8 +269,6 @@ def task_markdown(rows: list[dict], limit: int) -> str:
 
 def plot(path: Path, rows: list[dict], task_rows: list[dict]) -> None:
     """Loss change and KL per variant; lm-eval scores per benchmark and variant."""
-    from lib import report
-
     names = [r["variant"] for r in rows]
     xs = list(range(len(names)))
 
@@ -292,22 +288,21 @@ def plot(path: Path, rows: list[dict], task_rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", required=True, help="a trained (float) UltraMem checkpoint folder")
-    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="validation jsonl(.xz) with a 'text' field")
-    parser.add_argument("--blocks", type=int, default=32)
-    parser.add_argument("--block-size", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--int4-group-sizes", type=int, nargs="+", default=[64, 32])
-    parser.add_argument("--output", type=Path, help="write the rows as JSON here (the tables as .md, a plot as .png)")
-    parser.add_argument(
-        "--tasks", help="also score lm-eval benchmarks: keys of ultramem.eval.benchmarks, e.g. boolq,arc"
-    )
-    parser.add_argument("--eval-data", type=Path, help="folder of the benchmarks' local copies (docs/evaluation.md)")
-    parser.add_argument("--limit", type=int, default=100, help="lm-eval documents per task")
-    parser.add_argument("--eval-batch-size", type=int, default=8, help="lm-eval's --batch_size")
-    parser.add_argument("--max-gen-toks", type=int, help="cap the generation tasks' budget (lm-eval's max_gen_toks)")
-    args = parser.parse_args(argv)
+    parser = cli.make_parser(__doc__, "quantized_quality", device=False, timed=False)
+    add = parser.add_argument
+    add("--checkpoint", required=True, help="a trained (float) UltraMem checkpoint folder")
+    add("--data", type=Path, default=DEFAULT_DATA, help="validation jsonl(.xz) with a 'text' field")
+    add("--blocks", type=int, default=32)
+    add("--block-size", type=int, default=128)
+    add("--batch-size", type=int, default=8)
+    add("--int4-group-sizes", type=cli.int_list, default=[64, 32], help="comma-separated")
+    add("--tasks", help="also score lm-eval benchmarks: keys of ultramem.eval.benchmarks, e.g. boolq,arc")
+    add("--eval-data", type=Path, help="folder of the benchmarks' local copies (docs/evaluation.md)")
+    add("--limit", type=int, default=100, help="lm-eval documents per task")
+    add("--eval-batch-size", type=int, default=8, help="lm-eval's --batch_size")
+    add("--max-gen-toks", type=int, help="cap the generation tasks' budget (lm-eval's max_gen_toks)")
+    args = cli.resolve(parser.parse_args(argv), "quantized_quality")
+    cli.at_least(args, blocks=1, block_size=2, batch_size=1, limit=1, eval_batch_size=1)
     if args.tasks:
         from ultramem.eval.benchmarks import select
 
@@ -315,11 +310,8 @@ def main(argv: list[str] | None = None) -> None:
             select(args.tasks)
         except ValueError as error:
             parser.error(str(error))
-        if args.limit < 1:
-            parser.error(f"--limit must be >= 1, got {args.limit}")
         if args.eval_data is not None and not args.eval_data.is_dir():
             parser.error(f"--eval-data {args.eval_data} is not a folder")
-    from lib import env
     from transformers import AutoTokenizer
 
     torch.manual_seed(0)
@@ -329,22 +321,17 @@ def main(argv: list[str] | None = None) -> None:
     variants += [(f"int4-g{g}", "int4", g) for g in args.int4_group_sizes]
     rows = measure(args.checkpoint, blocks, variants, args.batch_size)
     table = markdown(rows, blocks[:, 1:].numel(), args.checkpoint)
-    print(table)
     task_rows = []
     if args.tasks:
         run = TaskRun(args.tasks, args.eval_data, args.limit, args.eval_batch_size, args.max_gen_toks)
         task_rows = score_tasks(args.checkpoint, variants, run)
-        tasks_table = task_markdown(task_rows, args.limit)
-        print("\n" + tasks_table)
-        table += "\n\n" + tasks_table
-    if args.output:
-        settings = {k: v for k, v in vars(args).items() if k not in ("output",)}
-        payload = {"environment": env.environment("cpu"), "checkpoint": str(args.checkpoint), "settings": settings}
-        payload.update(rows=rows, task_rows=task_rows)
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-        args.output.with_suffix(".md").write_text(table + "\n")
-        plot(args.output.with_suffix(".png"), rows, task_rows)
+        table += "\n\n" + task_markdown(task_rows, args.limit)
+    settings = {k: v for k, v in vars(args).items() if k not in ("results_dir", "name", "no_plot")}
+    path = report.finish(args, {"checkpoint": str(args.checkpoint), "settings": settings, "rows": rows,
+                                "task_rows": task_rows}, table)  # fmt: skip
+    path.with_suffix(".md").write_text(table + "\n")
+    if not args.no_plot:
+        plot(path.with_suffix(".png"), rows, task_rows)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,9 @@ JSON and a PNG.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
-from lib import env
-from lib.report import Panel, format_table, plot, write_json
+from lib import cli, report
 
 from ultramem.configuration_ultramem import QUERY_NORMS
 from ultramem.presets import get_config
@@ -66,32 +64,29 @@ def measure(mode: str, args: argparse.Namespace) -> dict:
     return row
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = cli.make_parser(__doc__, "query_statistics_cpu", device=False, timed=False)
     parser.add_argument("--preset", default="tiny-ultramem")
-    parser.add_argument("--modes", default="none,batch_whiten,running_whiten", help=f"of {', '.join(QUERY_NORMS)}")
+    parser.add_argument("--modes", type=lambda text: cli.names(text, QUERY_NORMS, "--modes"),
+                        default="none,batch_whiten,running_whiten", help=f"of {', '.join(QUERY_NORMS)}")  # fmt: skip
     parser.add_argument("--steps", type=int, default=10, help="AdamW steps before measuring (running statistics)")
     parser.add_argument("--accumulation-tokens", type=int, default=128)
-    parser.add_argument("--results-dir", type=Path, default=env.RESULTS_DIR)
-    parser.add_argument("--name", default="query_statistics_cpu")
-    args = parser.parse_args()
+    args = cli.resolve(parser.parse_args(argv), "query_statistics_cpu")
+    cli.at_least(args, steps=0, accumulation_tokens=1)
     torch.set_num_threads(1)
     rows = []
-    for mode in args.modes.split(","):
+    for mode in args.modes:
         rows.append(measure(mode, args))
         print(f"[bench_query_statistics] {mode} done", flush=True)
+    settings = {key: getattr(args, key) for key in ("preset", "modes", "steps", "accumulation_tokens")}
+    if not args.no_plot:
+        series = {row["query_norm"]: (list(TOKENS), [row[f"grad_{t}"] for t in TOKENS]) for row in rows}
+        panel = report.Panel("Gradient norm of one batch", "whole-model gradient norm", series, "tokens in the batch",
+                             ylog=True)  # fmt: skip
+        report.plot(args.results_dir / f"{args.name}.png", [panel], f"{args.preset} after {args.steps} steps")
     columns = {"query_norm": "query_norm", **{f"grad_{t}": f"|g| {t} tok" for t in TOKENS},
                "accumulation_query_cosine": "accum. query cos", "accumulation_relative_difference": "accum. rel diff"}  # fmt: skip
-    table = format_table(rows, columns)
-    settings = {key: value for key, value in vars(args).items() if key not in ("results_dir", "name")}
-    path = write_json(
-        args.results_dir / f"{args.name}.json", {"environment": env.environment("cpu", **settings), "rows": rows}
-    )
-    series = {row["query_norm"]: (list(TOKENS), [row[f"grad_{t}"] for t in TOKENS]) for row in rows}
-    plot(path.with_suffix(".png"), [Panel("Gradient norm of one batch", "whole-model gradient norm", series,
-                                          "tokens in the batch", ylog=True)], f"{args.preset} after {args.steps} steps")  # fmt: skip
-    print(f"wrote {path}")
-    print(table)
+    report.finish(args, {"settings": settings, "rows": rows}, report.format_table(rows, columns))
 
 
 if __name__ == "__main__":

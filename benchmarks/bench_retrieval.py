@@ -14,18 +14,19 @@ loss of a small byte-level model trained on the shipped corpus (same seeds, same
 CPU timings depend on the machine's load; compare them within one run.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_retrieval.py
+
+Writes benchmarks/results/retrieval_cpu.json; the table is printed last.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import lzma
 import statistics
 from types import MethodType
 
 import torch
-from lib import timing
+from lib import cli, report, timing
 
 from ultramem import UltraMemForCausalLM
 from ultramem.diagnostics import retrieval_diagnostics
@@ -112,32 +113,32 @@ def train_loss(rule: str, seed: int, train: torch.Tensor, valid: torch.Tensor, s
         return statistics.fmean(model(block, labels=block).lm_loss.item() for block in valid.split(8))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=60)
+def main(argv: list[str] | None = None) -> None:
+    parser = cli.make_parser(__doc__, "retrieval_cpu", device=False, timed=False, plot=False)
+    parser.add_argument("--seeds", type=int, default=2, help="seeds of the byte-level training runs")
+    parser.add_argument("--steps", type=int, default=60, help="AdamW steps of each training run")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=20)
-    args = parser.parse_args()
+    parser.add_argument("--repeats", type=int, default=20, help="timed forwards of the memory layer (median reported)")
+    args = cli.resolve(parser.parse_args(argv), "retrieval_cpu")
+    cli.at_least(args, seeds=1, steps=1, batch_size=1, repeats=1)
     torch.set_num_threads(1)
     config = get_config("tiny-ultramem")
     hidden = torch.randn(8, 128, config.hidden_size, generator=torch.Generator().manual_seed(0))
     input_ids = torch.randint(1, config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
     train, valid = byte_blocks("train", 4096, 128), byte_blocks("validation", 64, 128)
-    print(f"tiny-ultramem (n={config.memory_num_keys}, m={config.memory_topk}, H={config.memory_heads})")
-    print(f"{'rule':<16}{'jump':>7}{'recall':>8}{'recall r1':>10}{'fwd ms':>8}")
-    for rule in RULES:
-        print(
-            f"{rule:<16}{jump(rule, hidden):>7.3f}{recall(rule, input_ids, False):>8.3f}"
-            f"{recall(rule, input_ids, True):>10.3f}{forward_ms(rule, hidden, args.repeats):>8.1f}",
-            flush=True,
-        )
-    print(f"valid loss, byte-level, {args.steps} steps x {args.batch_size} x 128 tokens, seeds 0..{args.seeds - 1}")
+    rows = []
     for rule in RULES:
         losses = [train_loss(rule, seed, train, valid, args.steps, args.batch_size) for seed in range(args.seeds)]
-        print(
-            f"{rule:<16}{' '.join(f'{loss:.4f}' for loss in losses)} (mean {statistics.fmean(losses):.4f})", flush=True
-        )
+        rows.append({"rule": rule, "jump": jump(rule, hidden), "recall": recall(rule, input_ids, False),
+                     "recall_rank1": recall(rule, input_ids, True), "forward_ms": forward_ms(rule, hidden, args.repeats),
+                     "valid_losses": losses, "valid_loss": statistics.fmean(losses)})  # fmt: skip
+        print(f"[bench_retrieval] {rule} done", flush=True)
+    settings = {"preset": "tiny-ultramem", "n": config.memory_num_keys, "m": config.memory_topk,
+                "heads": config.memory_heads, "seeds": args.seeds, "steps": args.steps, "batch_size": args.batch_size,
+                "valid_loss": f"byte-level, {args.steps} steps x {args.batch_size} x 128 tokens"}  # fmt: skip
+    columns = {"rule": "rule", "jump": "jump", "recall": "recall", "recall_rank1": "recall r1", "forward_ms": "fwd ms",
+               "valid_loss": "valid loss (mean over seeds)"}  # fmt: skip
+    report.finish(args, {"settings": settings, "rows": rows}, report.format_table(rows, columns))
 
 
 if __name__ == "__main__":

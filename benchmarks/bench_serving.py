@@ -37,8 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lib import cli, models, report
-from lib.env import environment
+from lib import cli, env, models, report
 
 MODELS = {
     size: (f"{size}-dense", f"{size}-ultramem", f"{size}-ultramemv2", f"{size}-ultramem:int4")
@@ -187,17 +186,13 @@ def main() -> None:
                 del model
                 rows += [dict(model=name, engine="vllm", **row) for row in run_vllm(served, batch, args)]
             print(*rows[-2 * len(args.batch_sizes) :], sep="\n", flush=True)
-    settings = dict(dtype=args.dtype, requests=args.requests, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
+    settings = dict(requests=args.requests, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
                     batch_sizes=args.batch_sizes, iters=args.iters, enforce_eager=args.enforce_eager)  # fmt: skip
-    path = report.write_json(
-        args.results_dir / f"{args.name}.json", {"environment": environment(args.device, **settings), "rows": rows}
-    )
     if not args.no_plot:
-        report.plot(path.with_suffix(".png"), _panels(rows), suptitle=f"serving, {environment(args.device)['device']}")
-    print(f"wrote {path}")
+        report.plot(args.results_dir / f"{args.name}.png", _panels(rows), f"serving, {env.device_name(args.device)}")
     columns = {"model": "model", "engine": "engine", "batch": "batch", "requests_per_s": "requests/s", "tokens_per_s": "tokens/s",
                "ttft_ms": "TTFT ms"}  # fmt: skip
-    print(report.format_table(rows, columns))
+    report.finish(args, {"settings": settings, "rows": rows}, report.format_table(rows, columns))
 
 
 def _panels(rows: list[dict[str, Any]]) -> list[report.Panel]:

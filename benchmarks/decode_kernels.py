@@ -16,18 +16,16 @@ Prints the table and writes `decode_kernels_<device>.json` (every kernel and cal
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 from collections import Counter
-from pathlib import Path
 
 import torch
 
 if __name__ == "__main__" and not torch.cuda.is_available():  # before anything imports triton: the memory kernels'
     os.environ.setdefault("TRITON_INTERPRET", "1")  # custom ops then run in Triton's interpreter
 
-from lib import env, models, report  # noqa: E402
+from lib import cli, models, report  # noqa: E402
 from torch._inductor.utils import run_and_get_code  # noqa: E402
 
 from ultramem.kernels import fused_selection  # noqa: E402
@@ -94,24 +92,17 @@ def count(size: str, device: torch.device, batch: int, implementations: list[str
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.make_parser(__doc__, "decode_kernels", timed=False, plot=False)
     parser.add_argument("--size", default="tiny", choices=list(models.PEERS))
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument(
-        "--implementations", nargs="+", choices=IMPLEMENTATIONS, default=["triton", "triton+fused-selection", "torch"]
+    parser.add_argument("--implementations", type=lambda text: cli.names(text, IMPLEMENTATIONS, "--implementations"),
+                        default="triton,triton+fused-selection,torch", help=f"comma-separated, of {IMPLEMENTATIONS}")  # fmt: skip
+    args = cli.resolve(parser.parse_args(argv), "decode_kernels")
+    cli.at_least(args, batch=1)
+    result = count(args.size, args.device, args.batch, args.implementations)
+    report.finish(
+        args, result, report.format_table(result["rows"], ["model", "launches", "per_memory_layer_over_dense"])
     )
-    parser.add_argument("--results-dir", type=Path, default=env.RESULTS_DIR)
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    result = {"environment": env.environment(device), **count(args.size, device, args.batch, args.implementations)}
-    path = args.results_dir / f"decode_kernels_{env.device_tag(device)}.json"
-    report.write_json(path, result)
-    print(f"{'model':32s} {'launches':>8s} {'per memory layer over dense':>28s}")
-    for row in result["rows"]:
-        extra = "" if row["per_memory_layer_over_dense"] is None else f"{row['per_memory_layer_over_dense']:.2f}"
-        print(f"{row['model']:32s} {row['launches']:8d} {extra:>28s}")
-    print(f"written: {path}")
 
 
 if __name__ == "__main__":

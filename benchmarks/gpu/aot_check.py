@@ -101,22 +101,8 @@ def kernel_launches(config_name: str, dtype: str) -> dict[str, tuple]:
             ),
             warps,
         )
-    block_p, block_d, warps = lookup.segment_tile(2**20, chunk)
-    launches["lookup_reduce.value_grad_segments"] = (
-        lookup._value_grad_segment_kernel,
-        dict(
-            grad_out_ptr=f"*{t}",
-            sorted_rows_ptr="*i32",
-            order_ptr="*i64",
-            segment_end_ptr="*i64",
-            groups_ptr="*i64",
-            scores_ptr=f"*{t}",
-            grad_values_ptr=f"*{t}",
-            num_entries="i32",
-            **sizes,
-        ),
-        dict(NUM_GROUPS=groups, BLOCK_P=block_p, BLOCK_D=block_d),
-        warps,
+    launches["lookup_reduce.value_grad_segments"] = segment_launch(
+        t, chunk, {"groups_ptr": "*i64"}, {"NUM_GROUPS": groups}
     )
     launches.update(lookup_dot_launches(slots, config.memory_value_dim, t))
     quantized_sizes = dict(num_slots="i32", width="i32", group_size="i32", group_bytes="i32", groups_per_core="i32",
@@ -177,6 +163,21 @@ def kernel_launches(config_name: str, dtype: str) -> dict[str, tuple]:
     return launches
 
 
+def segment_launch(t: str, width: int, group_arguments: dict[str, str], group_constants: dict) -> tuple:
+    """The sorted value gradient's launch (`_value_grad_segment_kernel`) at row width `width`, with the group
+    pointer's type in `group_arguments` or, for lookup_dot's single group, as a constexpr None in `group_constants`."""
+    block_p, block_d, warps = lookup.segment_tile(2**20, width)
+    arguments = dict(grad_out_ptr=f"*{t}", sorted_rows_ptr="*i32", order_ptr="*i64", segment_end_ptr="*i64",
+                     scores_ptr=f"*{t}", grad_values_ptr=f"*{t}", num_entries="i32", num_slots="i32", value_dim="i32",
+                     chunk="i32", num_cores="i32", **group_arguments)  # fmt: skip
+    return (
+        lookup._value_grad_segment_kernel,
+        arguments,
+        dict(**group_constants, BLOCK_P=block_p, BLOCK_D=block_d),
+        warps,
+    )
+
+
 def lookup_dot_launches(slots: int, dim: int, t: str) -> dict[str, tuple]:
     """`lookup_dot`'s launches of the lookup-reduce kernels (`_triton_lookup_dot`): E = h = 1, with the pointers it
     passes as None (constexpr); `dim` stands for the pre-value width Dp (the tiles are the same for every Dp >= 128)."""
@@ -220,22 +221,7 @@ def lookup_dot_launches(slots: int, dim: int, t: str) -> dict[str, tuple]:
             dict(**one_group, GROUPS_PAD=1, BLOCK_K=block_k, BLOCK_D=block_d),
             warps,
         )
-    block_p, block_d, warps = lookup.segment_tile(2**20, dim)
-    launches["lookup_dot.table_grad_segments"] = (
-        lookup._value_grad_segment_kernel,
-        dict(
-            grad_out_ptr=f"*{t}",
-            sorted_rows_ptr="*i32",
-            order_ptr="*i64",
-            segment_end_ptr="*i64",
-            scores_ptr=f"*{t}",
-            grad_values_ptr=f"*{t}",
-            num_entries="i32",
-            **sizes,
-        ),
-        dict(**one_group, BLOCK_P=block_p, BLOCK_D=block_d),
-        warps,
-    )
+    launches["lookup_dot.table_grad_segments"] = segment_launch(t, dim, {}, one_group)
     return launches
 
 

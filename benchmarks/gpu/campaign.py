@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: `lib`, and this folder as `gpu`
 
-from lib import env  # noqa: E402
+from lib import env, report  # noqa: E402
 
 from gpu import targets  # noqa: E402
 
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     (results / "logs").mkdir(parents=True, exist_ok=True)
     state_path = results / "campaign.json"
     state = load_state(state_path, device)
-    state_path.write_text(json.dumps(state, indent=1))  # the device and versions, even if no step runs
+    report.write_json(state_path, state)  # the device and versions, even if no step runs
     start = time.monotonic()
     todo = pending(args.steps, state, set(filter(None, args.redo.split(","))))
     print(
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             break
         print(f"=== {step.name} (call {step.call}, limit {min(step.seconds, int(left))} s)", flush=True)
         state["steps"][step.name] = run_step(step, results, min(step.seconds, left))
-        state_path.write_text(json.dumps(state, indent=1))  # after every step: a killed campaign keeps the rest
+        report.write_json(state_path, state)  # after every step: a killed campaign keeps the rest
         targets.write_readme(results, state)
         outcome = state["steps"][step.name]
         print(f"=== {step.name}: exit {outcome['returncode']} in {outcome['seconds']} s", flush=True)

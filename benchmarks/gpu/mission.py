@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for `lib`
 
-from lib import env  # noqa: E402
+from lib import env, report  # noqa: E402
 
 DATA_DIR = env.REPO / "tests" / "eval" / "fixtures" / "eval"  # the shipped offline copies (10 items a task)
 TASKS = ("arc_challenge", "boolq", "winogrande", "hellaswag")
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         elif stage["returncode"] == 0 and name == "memory":
             lines = (results / stage["log"]).read_text().strip().splitlines()
             mission["memory"] = json.loads(lines[-1])
-        path.write_text(json.dumps(mission, indent=1, default=str) + "\n")
+        report.write_json(path, mission)
         print(f"=== mission: {name} exit {stage['returncode']} in {stage['seconds']} s", flush=True)
         if stage["returncode"] != 0:
             return 1

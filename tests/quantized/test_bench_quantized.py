@@ -16,6 +16,7 @@ from ultramem.tokenization import load_tokenizer
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_quantized.py"
 FIXTURES = Path(__file__).resolve().parents[1] / "eval" / "fixtures" / "eval"
+sys.path.insert(0, str(SCRIPT.parent))  # the script imports its library, benchmarks/lib, as `lib`
 spec = importlib.util.spec_from_file_location("bench_quantized", SCRIPT)
 bench_quantized = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = bench_quantized  # dataclasses look their module up there
