@@ -68,16 +68,10 @@ def parse_args(argv: list[str] | None = None):
 
 
 def build_peer(size: str, kind: str, args) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """The eval-mode model of `kind` at `size` and its description; for MoE, its fastest expert path chosen."""
-    preset = models.PEERS[size][kind]
-    model = models.build(preset, args.device, args.dtype, **models.decode_overrides(preset, args)).eval()
-    info: dict[str, Any] = {"size": size, "kind": kind, "preset": preset}
-    if kind == "moe":
-        info["moe_probe_batch"] = probe_batch = args.batch_sizes[len(args.batch_sizes) // 2]
-        with torch.no_grad():
-            info["moe_implementation"], info["moe_probe_ms"] = models.choose_moe_implementation(
-                model, args.moe_impl, lambda m: models.time_decode(m, probe_batch, args))  # fmt: skip
-    return model, info
+    """`models.build_peer`, MoE's expert path probed at the middle batch size."""
+    probe_batch = args.batch_sizes[len(args.batch_sizes) // 2]
+    model, info = models.build_peer(size, kind, args, lambda m: models.time_decode(m, probe_batch, args))
+    return model, {**info, **({"moe_probe_batch": probe_batch} if kind == "moe" else {})}
 
 
 def row_of(info: dict[str, Any], model, batch: int, args, timing_: dict[str, float] | None = None) -> dict[str, Any]:
@@ -148,10 +142,6 @@ def analytic_rows(args) -> list[dict[str, Any]]:
     return rows
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a and b else None
-
-
 def ratio_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (size, batch): the three times, the issue's ratios, and the analytic-access ratios."""
     by_key = {(r["size"], r["batch"], r["kind"]): r for r in rows}
@@ -164,12 +154,12 @@ def ratio_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row.update({f"{kind}_ms": get[kind].get("ms") for kind in KINDS})
         row.update(
             {
-                "ultramem/dense": ratio(row["ultramem_ms"], row["dense_ms"]),
-                "moe/ultramem": ratio(row["moe_ms"], row["ultramem_ms"]),
+                "ultramem/dense": models.ratio(row["ultramem_ms"], row["dense_ms"]),
+                "moe/ultramem": models.ratio(row["moe_ms"], row["ultramem_ms"]),
             }
         )
         row.update({f"{kind}_gb": get[kind].get("access_gb") for kind in KINDS})
-        row["analytic moe/ultramem"] = ratio(row["moe_gb"], row["ultramem_gb"])
+        row["analytic moe/ultramem"] = models.ratio(row["moe_gb"], row["ultramem_gb"])
         row.update({f"{kind}_ops": get[kind].get("aten_ops") for kind in KINDS})
         table.append(row)
     return table

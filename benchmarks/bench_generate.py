@@ -115,23 +115,12 @@ def time_generate(model, batch: int, cache: str, args) -> dict[str, Any]:
     return {**flat, "prefill_ms": statistics.median(prefill), "compiled": compiled, "token_ms": wall}
 
 
-def build_peer(size: str, kind: str, args) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """The eval-mode model of `kind` at `size` (positions for prompt and new tokens), MoE on its chosen path."""
-    preset = models.PEERS[size][kind]
-    overrides = models.decode_overrides(preset, args, positions=args.prompt + args.new_tokens)
-    model = models.build(preset, args.device, args.dtype, **overrides).eval()
-    info: dict[str, Any] = {"size": size, "kind": kind, "preset": preset}
-    if kind == "moe":
-        batch = args.batch_sizes[len(args.batch_sizes) // 2]
-        with torch.no_grad():
-            info["moe_implementation"], info["moe_probe_ms"] = models.choose_moe_implementation(
-                model, args.moe_impl, lambda m: time_generate(m, batch, args.caches[0], args)
-            )
-    return model, info
-
-
 def bench_model(size: str, kind: str, args) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    model, info = build_peer(size, kind, args)
+    """Every cache and batch size of one model (positions for prompt and new tokens), MoE's expert path probed at the
+    middle batch size with the first cache."""
+    batch = args.batch_sizes[len(args.batch_sizes) // 2]
+    probe = lambda m: time_generate(m, batch, args.caches[0], args)
+    model, info = models.build_peer(size, kind, args, probe, positions=args.prompt + args.new_tokens)
     rows = []
     with torch.no_grad():
         for cache in args.caches:
@@ -155,13 +144,9 @@ def ratio_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for size, cache, batch in dict.fromkeys((r["size"], r["cache"], r["batch"]) for r in rows):
         ms = {kind: by_key.get((size, cache, batch, kind)) for kind in KINDS}
         table.append({"size": size, "cache": cache, "batch": batch, **{f"{k}_ms": v for k, v in ms.items()},
-                      "ultramem/dense": ratio(ms["ultramem"], ms["dense"]),
-                      "moe/ultramem": ratio(ms["moe"], ms["ultramem"])})  # fmt: skip
+                      "ultramem/dense": models.ratio(ms["ultramem"], ms["dense"]),
+                      "moe/ultramem": models.ratio(ms["moe"], ms["ultramem"])})  # fmt: skip
     return table
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a and b else None
 
 
 TABLE_COLUMNS = {"size": "size", "cache": "cache", "batch": "batch", "dense_ms": "dense ms/token",

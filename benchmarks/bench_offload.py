@@ -184,8 +184,7 @@ def decode(label: str, folder: Path, batch: int, args) -> dict[str, Any]:
 
         wall, cpu = timing.time_calls(step, args.device, 0, args.new_tokens, before_each=lambda: io.append(io_counters()),
                                       after_each=after)  # fmt: skip
-    times = {"median_ms": statistics.median(wall), "mean_ms": statistics.mean(wall), "cpu_ms": statistics.median(cpu)}
-    ms = times[{"median": "median_ms", "min": "median_ms", "cpu": "cpu_ms"}[args.statistic]]
+    times = timing.summarize(wall, cpu, args.statistic)
     tables = [s for s in stores if hasattr(s, "table")]
     return {
         "run": label,
@@ -196,7 +195,6 @@ def decode(label: str, folder: Path, batch: int, args) -> dict[str, Any]:
         "batch": batch,
         "table_gb": sum(s.table.numel() * s.table.element_size() for s in tables) / 1e9,
         "load_s": load_s,
-        "ms": ms,
         **times,
         "tokens_per_s": batch * 1e3 / times["median_ms"],
         "rows_read_per_step": sum(s.rows_read for s in tables) / (args.new_tokens + 1),

@@ -133,6 +133,29 @@ def account_decode(model: PreTrainedModel, step: Callable[[], None], args: argpa
     return {"account": step_account.account_call(step, args.device, steps, modules)}
 
 
+def build_peer(
+    size: str,
+    kind: str,
+    args: argparse.Namespace,
+    probe: Callable[[PreTrainedModel], dict[str, float]],
+    positions: int | None = None,
+) -> tuple[PreTrainedModel, dict[str, Any]]:
+    """The eval-mode model of `kind` at `size` for decoding (`decode_overrides`) and its description; for MoE, the
+    expert path `choose_moe_implementation` picks under `probe`."""
+    preset = PEERS[size][kind]
+    model = build(preset, args.device, args.dtype, **decode_overrides(preset, args, positions)).eval()
+    info: dict[str, Any] = {"size": size, "kind": kind, "preset": preset}
+    if kind == "moe":
+        with torch.no_grad():
+            info["moe_implementation"], info["moe_probe_ms"] = choose_moe_implementation(model, args.moe_impl, probe)
+    return model, info
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None where either is missing (a model that did not run)."""
+    return a / b if a and b else None
+
+
 def choose_moe_implementation(
     model: PreTrainedModel, requested: str, probe: Callable[[PreTrainedModel], dict[str, float]]
 ) -> tuple[str, dict[str, Any]]:
