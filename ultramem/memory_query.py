@@ -56,14 +56,21 @@ class CausalDepthwiseConv(nn.Module):
 
     def forward(self, x: torch.Tensor, inputs: MemoryInputs = MemoryInputs()) -> torch.Tensor:
         """x (B, T, D) -> (B, T, D)."""
-        if inputs.padding_mask is not None:
-            x = x * inputs.padding_mask.unsqueeze(-1).to(x.dtype)
         if inputs.sequence_ids is not None:
-            return self._within_sequences(x, inputs.sequence_ids)
-        cache = inputs.cache
-        x = x.transpose(1, 2)  # (B, D, T)
+            return self._within_sequences(self._masked(x, inputs), inputs.sequence_ids)
+        window = self.window(x, inputs)  # (B, D, (k-1) * dilation + T)
+        if x.shape[1] == 1:  # a decode step: one dot product per channel, a fraction of conv1d's cost on CPU
+            taps = window if self.dilation == 1 else window[..., :: self.dilation]  # (B, D, k)
+            return ((taps * self.weight[:, 0]).sum(-1) + self.bias).unsqueeze(1)  # (B, 1, D)
+        convolved = F.conv1d(window, self.weight, self.bias, dilation=self.dilation, groups=window.shape[1])
+        return convolved.transpose(1, 2)  # (B, T, D)
+
+    def window(self, x: torch.Tensor, inputs: MemoryInputs) -> torch.Tensor:
+        """The inputs (B, D, (k-1) * dilation + T) the convolution of x (B, T, D) reads: the cached last ones (zeros
+        before the first token), then x; the cache then keeps the last of them."""
+        x = self._masked(x, inputs).transpose(1, 2)  # (B, D, T)
         context = (self.kernel_size - 1) * self.dilation
-        window = None
+        cache = inputs.cache
         if cache is not None and context > 0:
             layers = cache.layers
             if len(layers) <= self.cache_layer_idx or not isinstance(
@@ -82,15 +89,13 @@ class CausalDepthwiseConv(nn.Module):
             if has_past:
                 width = context + x.shape[-1]
                 window = (updated if updated.shape[-1] == width else updated[..., -width:]).to(x.dtype)
-                if window.shape[-1] < width:
-                    window = F.pad(window, (width - window.shape[-1], 0))
-        if window is None:
-            window = F.pad(x, (context, 0))  # (B, D, k-1+T): zeros before the first token
-        if x.shape[-1] == 1:  # a decode step: one dot product per channel, a fraction of conv1d's cost on CPU
-            taps = window if self.dilation == 1 else window[..., :: self.dilation]  # (B, D, k)
-            return ((taps * self.weight[:, 0]).sum(-1) + self.bias).unsqueeze(1)  # (B, 1, D)
-        convolved = F.conv1d(window, self.weight, self.bias, dilation=self.dilation, groups=x.shape[1])
-        return convolved.transpose(1, 2)  # (B, T, D)
+                return F.pad(window, (width - window.shape[-1], 0)) if window.shape[-1] < width else window
+        return F.pad(x, (context, 0))  # zeros before the first token
+
+    @staticmethod
+    def _masked(x: torch.Tensor, inputs: MemoryInputs) -> torch.Tensor:
+        """x with its padded tokens zeroed: left padding never reaches a real token's window."""
+        return x if inputs.padding_mask is None else x * inputs.padding_mask.unsqueeze(-1).to(x.dtype)
 
     def _within_sequences(self, x: torch.Tensor, sequence_ids: torch.Tensor) -> torch.Tensor:
         """The convolution of packed rows x (B, T, D), each tap masked where it would reach into the previous sequence.
@@ -156,8 +161,11 @@ class MemoryQuery(nn.Module):
 
     def cached_entries(self) -> dict[str, CacheEntry]:
         """What `inference_cache` keeps (for `refresh_inference_cache`): the projection with the across-token
-        normalisation folded in, which is linear at inference."""
-        return {"projection": self._projection_entry()} if self._folds() else {}
+        normalisation folded in, which is linear at inference, and for decode steps the conv folded in too."""
+        if not self._folds():
+            return {}
+        entries = {"projection": self._projection_entry()}
+        return {**entries, "window_projection": self._window_projection_entry()} if self._folds_conv() else entries
 
     def _folds(self) -> bool:
         """Whether inference folds the normalisation into the projection: a plain `nn.Linear` whose weight is held
@@ -176,14 +184,36 @@ class MemoryQuery(nn.Module):
         weight, bias = self.across_tokens.folded(self.proj.weight)  # (F, D), (F,)
         return weight.T, bias
 
+    def _folds_conv(self) -> bool:
+        """Whether a decode step's conv folds into the projection too: an undilated conv of more than one tap."""
+        return self.conv is not None and self.conv.kernel_size > 1 and self.conv.dilation == 1
+
+    def _window_projection_entry(self) -> CacheEntry:
+        """(W''^T (D*k, F), b''): a decode step's query is addmm(b'', window, W''^T) on the conv's window (B, D*k),
+        W''[f, (d, i)] = W'[f, d] * w[d, i] and b'' = b' + W' b_conv: the depthwise conv and the projection as one
+        linear map of the last k inputs."""
+        parameters = (self.proj.weight, *self.across_tokens.statistics(), self.conv.weight, self.conv.bias)
+        return parameters, self._folded_window_projection
+
+    def _folded_window_projection(self) -> tuple[torch.Tensor, torch.Tensor]:
+        weight_t, bias = self._folded_projection()  # (D, F), (F,)
+        window_weight_t = self.conv.weight[:, 0, :, None] * weight_t[:, None, :]  # (D, k, F)
+        return window_weight_t.flatten(0, 1), torch.addmv(bias, weight_t.T, self.conv.bias)
+
     def forward(self, x: torch.Tensor, inputs: MemoryInputs = MemoryInputs()) -> tuple[torch.Tensor, torch.Tensor]:
         """The normed residual stream (B, T, D) -> row and column queries (B, T, H, r, Dk/r)."""
-        if self.conv is not None:
-            x = self.conv(x, inputs)
         # running statistics (at inference, and under no_grad as in `generate` after training): a linear map, folded
         # into the projection, unless the statistics of the query are being gathered (`recalibrate_query_statistics`)
         per_token = not (self.training and self.training_step)
-        if per_token and self._folds() and not self.across_tokens.collecting:
+        folds = per_token and self._folds() and not self.across_tokens.collecting
+        if folds and x.shape[1] == 1 and inputs.sequence_ids is None and self._folds_conv():  # a decode step
+            window = self.conv.window(x, inputs)  # (B, D, k)
+            weight_t, bias = self.inference_cache.get("window_projection", *self._window_projection_entry())
+            query = torch.addmm(bias, window.reshape(x.shape[0], -1), weight_t)  # (B, H * (1|2) * Dk)
+            return self._parts(query, x.shape[:-1])
+        if self.conv is not None:
+            x = self.conv(x, inputs)
+        if folds:
             weight_t, bias = self.inference_cache.get("projection", *self._projection_entry())
             query = torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight_t)  # (B*T, H * (1|2) * Dk)
         else:
@@ -191,8 +221,12 @@ class MemoryQuery(nn.Module):
             if self.across_tokens is not None:
                 counted = inputs.padding_mask if self.counted_tokens is None else self.counted_tokens
                 query = self.across_tokens(query, counted, self.training_step)
+        return self._parts(query, x.shape[:-1])
+
+    def _parts(self, query: torch.Tensor, tokens: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+        """The projected queries (B, T, H * (1|2) * Dk) or (B*T, ...) -> row and column queries (B, T, H, r, Dk/r)."""
         if self.num_queries == 1:  # one query for both axes (trick 5)
-            query = self.norm(query.view(*x.shape[:-1], self.num_heads, self.rank, self.part_dim))
-            return query, query  # (B, T, H, r, Dk/r)
-        query = self.norm(query.view(*x.shape[:-1], self.num_heads, self.num_queries, self.rank, self.part_dim))
-        return query[..., 0, :, :], query[..., 1, :, :]  # row and column queries, (B, T, H, r, Dk/r)
+            query = self.norm(query.view(*tokens, self.num_heads, self.rank, self.part_dim))
+            return query, query
+        query = self.norm(query.view(*tokens, self.num_heads, self.num_queries, self.rank, self.part_dim))
+        return query[..., 0, :, :], query[..., 1, :, :]
