@@ -185,8 +185,10 @@ class MemoryQuery(nn.Module):
         return weight.T, bias
 
     def _folds_conv(self) -> bool:
-        """Whether a decode step's conv folds into the projection too: an undilated conv of more than one tap."""
-        return self.conv is not None and self.conv.kernel_size > 1 and self.conv.dilation == 1
+        """Whether a decode step's conv folds into the projection too: an undilated conv of more than one tap whose
+        window is this cache's (vLLM's conv keeps its own state)."""
+        conv = self.conv
+        return type(conv) is CausalDepthwiseConv and conv.kernel_size > 1 and conv.dilation == 1
 
     def _window_projection_entry(self) -> CacheEntry:
         """(W''^T (D*k, F), b''): a decode step's query is addmm(b'', window, W''^T) on the conv's window (B, D*k),
