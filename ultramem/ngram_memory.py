@@ -149,6 +149,7 @@ class NGramMemory(nn.Module):
         moduli = self._moduli()
         self.table_rows = sum(moduli)
         eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+        self.eos = [token for token in eos if token is not None]
         # The hash's constants and the canonical ids: buffers saved with the model (a checkpoint alone reproduces its
         # addresses), filled here too so that every rank of a ZeRO-3 run holds them (as the IVE shuffle)
         on_meta = torch.empty(0).device.type == "meta"
@@ -157,7 +158,7 @@ class NGramMemory(nn.Module):
             ("multipliers", hash_multipliers(config.vocab_size, self.order, ngram_idx, self.seed)),
             ("moduli", moduli),
             ("offsets", [sum(moduli[:i]) for i in range(len(moduli))]),
-            ("eos_ids", [token for token in eos if token is not None]),
+            ("eos_ids", self.eos),
         ):
             buffer = torch.empty(len(values), dtype=torch.int64) if on_meta else torch.tensor(values, dtype=torch.int64)
             self.register_buffer(name, buffer, persistent=name != "eos_ids")
@@ -184,6 +185,7 @@ class NGramMemory(nn.Module):
         moduli = torch.tensor(self._moduli())
         init.copy_(self.moduli, moduli)
         init.copy_(self.offsets, torch.cumsum(moduli, 0) - moduli)
+        init.copy_(self.eos_ids, torch.tensor(self.eos, dtype=torch.int64))  # not saved: a load builds it here
         init.zeros_(self.conv.weight)
         init.zeros_(self.conv.bias)
         init.zeros_(self.values.weight)

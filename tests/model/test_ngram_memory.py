@@ -179,6 +179,19 @@ def test_save_and_load_with_and_without_the_package(tmp_path):
     assert_loads_alike_with_and_without_the_package(ngram_model(seed=4), torch.randint(1, 97, (2, 9)), tmp_path)
 
 
+def test_a_loaded_model_ends_documents_at_its_eos(tmp_path):
+    """The EOS ids are not saved (the config holds them): a load builds them again (it left them uninitialised, and
+    n-grams reached across a loaded model's EOS)."""
+    model = ngram_model(seed=5)
+    model.save_pretrained(tmp_path)
+    loaded = UltraMemForCausalLM.from_pretrained(tmp_path).eval()
+    assert all(ngram.eos_ids.tolist() == [EOS] for ngram in loaded.model.ngram_memories)
+    ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(7))
+    ids[:, 5] = EOS
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     ("overrides", "field", "allowed"),
     [
