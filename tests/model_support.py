@@ -112,6 +112,24 @@ def perturbed_model(config, seed: int = 0) -> UltraMemForCausalLM:
     return model
 
 
+# n-gram memories (Engram) at blocks 1 and 3 of `small_config`: tables of 88 and 152 rows of 4 values
+NGRAM = dict(ngram_layers=[1, 3], ngram_order=3, ngram_heads=2, ngram_head_dim=4, ngram_table_size=60)
+
+
+def perturbed_ngram_tables(model: UltraMemForCausalLM, std: float = 1.0) -> UltraMemForCausalLM:
+    """`model` with its n-gram memories' tables, convs and canonical maps off their init (zero rows, identity conv,
+    identity map), so that every one of them matters to the logits."""
+    with torch.no_grad():
+        for ngram in model.model.ngram_memories:
+            ngram.values.weight.normal_(std=std)
+            ngram.conv.weight.normal_(std=0.5)
+            ngram.conv.bias.normal_(std=0.1)
+            canonical = torch.arange(ngram.vocab_size + 1)
+            canonical[10:20] = 10  # ten ids share one canonical id
+            ngram.set_canonical_ids(canonical)
+    return model
+
+
 def left_padded_batch(vocab_size: int, lengths: list[int], seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     width = max(lengths)

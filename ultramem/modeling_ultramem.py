@@ -495,11 +495,12 @@ class UltraMemPreTrainedModel(ValueStoreMixin, PreTrainedModel):
         return ((name, module) for name, module in self.named_modules() if isinstance(module, UltraMemMemoryLayer))
 
     def get_value_table_names(self) -> list[str]:
-        """Names of the value tables (values, pre-values, a shared pool): the value-LR parameter group, the stores."""
+        """Names of the value tables (values, pre-values, a shared pool, the n-gram memories' tables): the value-LR
+        parameter group, the stores."""
         return [
             f"{name}.{table}.weight"
             for name, module in self.named_modules()
-            if isinstance(module, (UltraMemMemoryLayer, UltraMemModel))
+            if isinstance(module, (UltraMemMemoryLayer, UltraMemModel, NGramMemory))
             for table in (*LAYER_TABLES, *POOL_TABLES)
             if getattr(module, table, None) is not None
         ]
@@ -690,11 +691,14 @@ class UltraMemModel(UltraMemPreTrainedModel):
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         """The decoder blocks on (B, T, D), each memory layer started at its read block and added at its write block,
-        each n-gram memory added to its block's input."""
+        each n-gram memory added to its block's input. The n-gram memories' addresses depend on the token ids alone:
+        all their reads start before the first block (an offloaded table's in the background)."""
         pending: dict[int, Callable[[], torch.Tensor]] = {}  # memory layer -> its output, wanted at its write block
+        ngram_reads = [ngram.start(input_ids, memory_inputs) for ngram in self.ngram_memories]
         for block_idx, decoder_layer in enumerate(self.layers):
-            for ngram in (ngram for ngram in self.ngram_memories if ngram.block == block_idx):
-                hidden_states = hidden_states + ngram(hidden_states, input_ids, memory_inputs)
+            for ngram, read in zip(self.ngram_memories, ngram_reads, strict=True):
+                if ngram.block == block_idx:
+                    hidden_states = hidden_states + ngram(hidden_states, input_ids, memory_inputs, started=read)
             reading = [layer for layer in self.memory_layers if layer.read_block == block_idx]
             parallel_memory = None
             if reading and self.config.memory_site != BLOCK_SITE:  # beside (or instead of) the block's MLP

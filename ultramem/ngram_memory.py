@@ -10,7 +10,10 @@ much of it the token takes, and a short convolution mixes in the neighbours':
     v = alpha * W_v e
     y = v + SiLU(Conv(RMSNorm(v)))       causal depthwise conv of kernel k dilated by N, zero at init (y = v)
 
-and y is added to the stream. The canonical ids (`canonical_token_ids`: NFKC, lower case, spaces stripped) are a
+and y is added to the stream. The table is a value store (`value_stores`): in memory, quantized, offloaded or sharded
+like a product-key table; its rows are read as they are (`read`). The model hashes every n-gram memory's n-grams and
+starts their reads before its first block (`start`): an offloaded table gathers its rows in the background while
+the blocks below the memory compute. The canonical ids (`canonical_token_ids`: NFKC, lower case, spaces stripped) are a
 buffer of the model, saved with it. An n-gram never reaches across a document boundary (the token after an EOS starts
 a new document), into padding or across packed sequences: positions outside the token's document hash as `vocab_size`
 (no token). The last N-1 ids and the conv's inputs live in the generation cache, as the query conv's state does.
@@ -23,6 +26,7 @@ from __future__ import annotations
 import functools
 import math
 import unicodedata
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +35,9 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 
 from .configuration_ultramem import UltraMemConfig
+from .memory_implementations import memory_ops_for
 from .memory_query import CausalDepthwiseConv, MemoryInputs
-from .value_stores import MemoryValueTable
+from .value_stores import DeferredValueTable, MemoryValueTable, tables_deferred
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment
@@ -66,6 +71,18 @@ def head_moduli(rows_per_head: int, count: int, skip: int) -> list[int]:
             primes.append(candidate)
         candidate += 1
     return primes[skip:]
+
+
+def layer_moduli(config: UltraMemConfig, ngram_idx: int) -> list[int]:
+    """Each head's prime of n-gram memory `ngram_idx`, distinct from every other head's of the model: the layer's share
+    of the table, whose rows are their sum (`ngram_table_rows`)."""
+    num_heads = (config.ngram_order - 1) * config.ngram_heads
+    return head_moduli(config.ngram_table_size // num_heads, num_heads, ngram_idx * num_heads)
+
+
+def ngram_table_rows(config: UltraMemConfig) -> list[int]:
+    """The rows of each n-gram memory's table, in `ngram_layers` order."""
+    return [sum(layer_moduli(config, idx)) for idx in range(len(config.ngram_layers or []))]
 
 
 def canonical_token_ids(tokenizer, vocab_size: int) -> torch.Tensor:
@@ -133,7 +150,8 @@ class NGramMemory(nn.Module):
     """One n-gram memory layer (Engram): added to the residual stream entering block `block`.
 
     Its table (`values`, one row of `ngram_head_dim` per hash bucket, the heads' buckets one after the other) is a
-    `MemoryValueTable`, held in memory (the offloaded, quantized and sharded stores serve product-key tables only).
+    value store: a `MemoryValueTable` in memory, or any store of `value_stores` (quantized, offloaded, sharded), left
+    deferred for it when the model is built to have its tables attached (`tables_deferred`).
     """
 
     def __init__(self, config: UltraMemConfig, ngram_idx: int, id_slot: tuple[int, int], conv_slot: tuple[int, int]):
@@ -162,7 +180,8 @@ class NGramMemory(nn.Module):
         ):
             buffer = torch.empty(len(values), dtype=torch.int64) if on_meta else torch.tensor(values, dtype=torch.int64)
             self.register_buffer(name, buffer, persistent=name != "eos_ids")
-        self.values = MemoryValueTable(self.table_rows, config.ngram_head_dim, config.initializer_range)
+        table_cls = DeferredValueTable if tables_deferred(config) else MemoryValueTable
+        self.values = table_cls(self.table_rows, config.ngram_head_dim, 0.0)  # init std 0: zero rows, as init_ultramem
         width = self.num_heads * config.ngram_head_dim
         self.key_proj = nn.Linear(width, config.hidden_size, bias=False)
         self.value_proj = nn.Linear(width, config.hidden_size, bias=False)
@@ -188,12 +207,12 @@ class NGramMemory(nn.Module):
         init.copy_(self.eos_ids, torch.tensor(self.eos, dtype=torch.int64))  # not saved: a load builds it here
         init.zeros_(self.conv.weight)
         init.zeros_(self.conv.bias)
-        init.zeros_(self.values.weight)
+        if isinstance(self.values, MemoryValueTable):  # (a store attached at load reads or draws its own rows)
+            init.zeros_(self.values.weight)
 
     def _moduli(self) -> list[int]:
         """Each head's prime, distinct from every other head's of the model: the layer's share of the table."""
-        rows_per_head = self.config.ngram_table_size // self.num_heads
-        return head_moduli(rows_per_head, self.num_heads, self.ngram_idx * self.num_heads)
+        return layer_moduli(self.config, self.ngram_idx)
 
     @torch.no_grad()
     def set_canonical_ids(self, canonical_ids: torch.Tensor) -> None:
@@ -222,7 +241,36 @@ class NGramMemory(nn.Module):
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows (B, T, (N-1) K) -> the retrieved memory e (B, T, (N-1) K d): the heads' rows side by side."""
-        return F.embedding(rows, self.values.weight).flatten(-2)
+        return self.start_read(rows, ahead=False)()
+
+    def start_read(self, rows: torch.Tensor, ahead: bool = True) -> Callable[[], torch.Tensor]:
+        """Start reading rows (B, T, (N-1) K) of the table; the returned call gives e (B, T, (N-1) K d).
+
+        A table in memory is one embedding, read when called. Any other store serves the rows through its
+        lookup-reduce, each row a token of its own with one slot of weight 1 (the row as it is: no pooling); one that
+        reads ahead (`lookup_reduce_async`: the offloaded stores) starts now, with `ahead`, in the background. The
+        result is in the store's dtype (float32 from a quantized one).
+        """
+        table = self.values
+        if isinstance(table, MemoryValueTable):
+            return lambda: F.embedding(rows, table.weight).flatten(-2)
+        slots = rows.reshape(-1, 1)  # (B T (N-1) K, 1)
+        ops = memory_ops_for(getattr(self.config, "_memory_implementation", None), rows.device)
+        ones = torch.ones(*slots.shape, 1, device=rows.device)
+        lookup = (slots, torch.zeros_like(slots), ones, 1, ops)
+        if ahead and hasattr(table, "lookup_reduce_async"):
+            pending = table.lookup_reduce_async(*lookup)
+            return lambda: pending.result().reshape(*rows.shape[:-1], -1)
+        return lambda: table(*lookup).reshape(*rows.shape[:-1], -1)
+
+    def start(self, input_ids: torch.Tensor, inputs: MemoryInputs = MemoryInputs()) -> Callable[[], torch.Tensor]:
+        """Hash the step's n-grams (the last N-1 ids go to the cache) and start reading their rows (`start_read`).
+
+        The addresses depend only on the token ids, so the model calls it for every n-gram memory before its first
+        block and hands the result to the layer's call (`started`): an offloaded table's rows are gathered while the
+        blocks below the layer compute.
+        """
+        return self.start_read(self.rows(self.ngrams(input_ids, inputs)))
 
     def gate(self, hidden_states: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
         """alpha (B, T, 1) = sigmoid(signed_sqrt(RMSNorm(h) . RMSNorm(W_k e) / sqrt(D)))."""
@@ -248,10 +296,16 @@ class NGramMemory(nn.Module):
         return F.pad(history, (context - history.shape[1], 0), value=self.vocab_size)
 
     def forward(
-        self, hidden_states: torch.Tensor, input_ids: torch.Tensor, inputs: MemoryInputs = MemoryInputs()
+        self,
+        hidden_states: torch.Tensor,
+        input_ids: torch.Tensor,
+        inputs: MemoryInputs = MemoryInputs(),
+        started: Callable[[], torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """The residual stream entering the block (B, T, D) and the token ids (B, T) -> the layer's output (B, T, D)."""
-        rows = self.rows(self.ngrams(input_ids, inputs))
-        memory = self.read(rows).to(hidden_states.dtype)  # e
+        """The residual stream entering the block (B, T, D) and the token ids (B, T) -> the layer's output (B, T, D).
+
+        `started`: this step's read of the ids, from `start` (given by the model); else the ids are hashed and read
+        here."""
+        memory = (started if started is not None else self.start(input_ids, inputs))().to(hidden_states.dtype)  # e
         value = self.gate(hidden_states, memory) * self.value_proj(memory)
         return value + F.silu(self.conv(self.value_norm(value), inputs))

@@ -10,6 +10,7 @@ import torch
 from transformers import MixtralConfig, MixtralForCausalLM, PreTrainedConfig, PreTrainedModel
 
 from .modeling_ultramem import UltraMemForCausalLM
+from .value_stores import is_ngram_table
 
 
 def build_model(config: PreTrainedConfig) -> PreTrainedModel:
@@ -45,7 +46,7 @@ def count_parameters(config: PreTrainedConfig) -> dict[str, float]:
         activated = total - expert_params + expert_params * config.num_experts_per_tok // config.num_local_experts
         sparse = expert_params
     elif config.memory_layers:
-        tables = {name: params[name] for name in model.get_value_table_names()}
+        tables = {name: params[name] for name in model.get_value_table_names() if not is_ngram_table(name)}
         sparse = sum(table.numel() for table in tables.values())
         activated -= sparse
         row_width = config.memory_value_dim + config.pre_value_dim  # a slot reads a value row and its pre-value row

@@ -9,7 +9,9 @@ on other ranks (`"number"`, `"dimension"`, `ultramem.parallel`). Stores register
 functions do in Transformers' `AttentionInterface`; `import ultramem` registers all of the package's.
 
 Every table of a model is a store of the same kind: each memory layer's `values` and `pre_values`, or the
-model's `value_pool` and `pre_value_pool` shared by all memory layers (`get_value_table_names` lists them).
+model's `value_pool` and `pre_value_pool` shared by all memory layers, and each n-gram memory's `values`
+(`get_value_table_names` lists them). An n-gram memory reads its rows as they are, through the same lookup-reduce
+(each row a token of its own with one slot weighted 1), so every store serves it.
 
 Choosing a store:
 - at load: `from_pretrained(path, memory_offload="cpu" | "disk")` (the tables are never loaded whole: they are left
@@ -26,6 +28,7 @@ stores when the `ultramem` package is installed.
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from contextvars import ContextVar
@@ -210,17 +213,27 @@ def _saved_quantization(path, kwargs: dict) -> str | None:
 
 
 # The value tables' module names, the one place they are spelled: a memory layer's own, the pools the model owns for
-# all its memory layers, and which of them are PEER pre-value tables (width Dp)
+# all its memory layers, which of them are PEER pre-value tables (width Dp), and each n-gram memory's table (Engram,
+# `ngram_memory`: rows read as they are, never pooled)
 LAYER_TABLES = ("values", "pre_values")
 POOL_TABLES = ("value_pool", "pre_value_pool")
 PRE_VALUE_TABLES = ("pre_values", "pre_value_pool")
-LAYER_TABLE_PATTERN = rf"memory_layers\.\d+\.(?:{'|'.join(LAYER_TABLES)})"  # regular expressions of their module names
+NGRAM_TABLES = ("values",)
+# regular expressions of their module names (the layer pattern covers the n-gram memories' tables too)
+NGRAM_TABLE_PATTERN = rf"ngram_memories\.\d+\.(?:{'|'.join(NGRAM_TABLES)})"
+LAYER_TABLE_PATTERN = rf"(?:memory_layers\.\d+\.(?:{'|'.join(LAYER_TABLES)})|{NGRAM_TABLE_PATTERN})"
 POOL_TABLE_PATTERN = rf"(?:{'|'.join(POOL_TABLES)})"
 
 
 def shared_by_layers(name: str) -> bool:
     """Whether the table with state-dict key `name` is a value pool that every memory layer reads a window of."""
     return name.removesuffix(".weight").rpartition(".")[2] in POOL_TABLES
+
+
+def is_ngram_table(name: str) -> bool:
+    """Whether the table with state-dict key or module name `name` is an n-gram memory's (rows of `ngram_head_dim`,
+    read as they are: `NGramMemory.read`)."""
+    return re.search(rf"(?:^|\.){NGRAM_TABLE_PATTERN}(?:\.weight)?$", name) is not None
 
 
 def is_pre_value_table(name: str) -> bool:
@@ -259,7 +272,8 @@ class ValueStoreMixin:
     """The `PreTrainedModel` side of value stores: `set_value_store`, and `memory_offload=` in `from_pretrained`."""
 
     def set_value_store(self, store: str, **options: Any) -> None:
-        """Put every value table (values, pre-values, pools: `get_value_table_names`) in the registered store `store`.
+        """Put every value table (values, pre-values, pools, n-gram tables: `get_value_table_names`) in the registered
+        store `store`.
 
         Parameter names do not change (`...values.weight`), so optimizer groups and checkpoints keep their keys. The
         stores take the model's train/eval mode.
