@@ -8,9 +8,12 @@ checkpoint stays sharded, its index rewritten); the tokenizer and other files ar
 format (`memory_quantization`, `memory_quantization_group_size`) so the result loads as what it is. The model code is
 the installed package's, as `save_pretrained` writes it: `trust_remote_code=True` runs that copy, which must know the
 quantized format (a float checkpoint's copy may predate it).
-Refused with one line before any work: a checkpoint already quantized, one without memory layers, one whose tables
-the quantized stores do not serve (UltraMemV2's and Memory+'s shared value pool, PEER pre-values), a group size that
-does not divide the MCS chunk, an output folder that is not empty, not enough free disk.
+The tables are each memory layer's value table and each n-gram memory's (Engram); an n-gram table's rows take the
+group size where it divides them, else the format's default for them (`ultramem.quantized.stores.table_group_size`).
+Refused with one line before any work: a checkpoint already quantized, one with neither memory layers nor n-gram
+memories, one whose tables the quantized stores do not serve (UltraMemV2's and Memory+'s shared value pool, PEER
+pre-values), a group size that does not divide the MCS chunk, an output folder that is not empty, not enough free
+disk.
 """
 
 from __future__ import annotations
@@ -27,8 +30,16 @@ import torch
 
 from .configuration_ultramem import PEER, PEER_GELU, UltraMemConfig, UltraMemConfigError
 from .offload.safetensors_file import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, read_header
-from .quantized.format import FORMATS, QuantizationError, quantize, quantized_width, resolve_group_size
-from .quantized.stores import METADATA_FORMAT, METADATA_GROUP, TABLE_KEY
+from .quantized.format import FORMATS, QuantizationError, quantize, quantized_width
+from .quantized.stores import (
+    METADATA_FORMAT,
+    METADATA_GROUP,
+    TABLE_KEY,
+    model_group_size,
+    table_geometry,
+    table_group_size,
+)
+from .value_stores import is_ngram_table
 
 COPY_BYTES = 64 << 20
 
@@ -41,13 +52,14 @@ def _files(checkpoint: Path) -> list[str]:
     raise QuantizationError(f"{checkpoint} has no {SINGLE_FILE} or {INDEX_FILE} to convert")
 
 
-def _check_convertible(checkpoint: Path, config: dict, format: str) -> None:
+def _check_convertible(checkpoint: Path, config: dict, format: str) -> UltraMemConfig:
     """One line when the model has nothing the format applies to, or tables that no quantized store serves (the
-    loader would refuse the result: the config allows neither with `memory_quantization`)."""
-    if not config.get("memory_layers"):
+    loader would refuse the result: the config allows neither with `memory_quantization`); else the model's config."""
+    if not config.get("memory_layers") and not config.get("ngram_layers"):
         raise QuantizationError(
             f"{checkpoint} has no memory layers (memory_layers={config.get('memory_layers')!r}): there are no value "
-            "tables to quantize; use the checkpoint as it is"
+            f"tables to quantize, nor n-gram tables (ngram_layers={config.get('ngram_layers')!r}); use the checkpoint "
+            "as it is"
         )
     unserved = []
     if config.get("value_gate") in (PEER, PEER_GELU):
@@ -61,7 +73,7 @@ def _check_convertible(checkpoint: Path, config: dict, format: str) -> None:
             "from_pretrained(path, memory_offload='cpu' | 'disk') if they do not fit in memory"
         )
     try:  # anything else the loader's config would refuse with this format
-        UltraMemConfig.from_dict({**config, "memory_quantization": format})
+        return UltraMemConfig.from_dict({**config, "memory_quantization": format})
     except UltraMemConfigError as error:
         raise QuantizationError(f"{checkpoint} cannot hold {format} tables: {error}") from None
 
@@ -90,9 +102,8 @@ def _plan(checkpoint: Path, format: str, group_size: int | None) -> tuple[dict, 
             f"{checkpoint} is already quantized ({config['memory_quantization']}): convert the float checkpoint it "
             "came from instead (quantizing twice adds both errors)"
         )
-    _check_convertible(checkpoint, config, format)
-    value_dim, num_cores = config.get("memory_value_dim", 512), config.get("mcs_cores", 2)
-    group_size = resolve_group_size(format, value_dim, num_cores, group_size)
+    model_config = _check_convertible(checkpoint, config, format)
+    group_size = model_group_size(format, model_config, group_size)
     files = []
     for file in _files(checkpoint):
         header, data_start = read_header(checkpoint / file)
@@ -106,11 +117,15 @@ def _plan(checkpoint: Path, format: str, group_size: int | None) -> tuple[dict, 
             if is_table and entry["dtype"] == "U8":
                 raise QuantizationError(f"{checkpoint} is already quantized ({name} is uint8)")
             if is_table:
+                (value_dim, num_cores), group = table_geometry(model_config, name), None
                 if source[0] is None or len(shape) != 2 or shape[1] != value_dim:
+                    field = "ngram_head_dim" if is_ngram_table(name) else "memory_value_dim"
                     raise QuantizationError(
-                        f"{name} is {entry['dtype']} {shape}: a float table of memory_value_dim {value_dim} is expected"
+                        f"{name} is {entry['dtype']} {shape}: a float table of {field} {value_dim} is expected"
                     )
-                dtype, shape = "U8", [shape[0], quantized_width(format, value_dim, group_size)]
+                group = table_group_size(format, model_config, name, group_size)
+                source = (*source, num_cores, group)  # how its row blocks are quantized
+                dtype, shape = "U8", [shape[0], quantized_width(format, value_dim, group)]
                 nbytes = shape[0] * shape[1]
             else:
                 dtype, nbytes = entry["dtype"], end - begin
@@ -125,7 +140,10 @@ def _plan(checkpoint: Path, format: str, group_size: int | None) -> tuple[dict, 
         encoded += b" " * (-len(encoded) % 8)
         files.append((file, encoded, entries, 8 + len(encoded) + offset))
     if not any(table is not None for *_, entries, _ in files for _, table, *_ in entries):
-        raise QuantizationError(f"{checkpoint} has memory layers but no value table (memory_layers.N.values.weight)")
+        raise QuantizationError(
+            f"{checkpoint} has memory layers but no value table (memory_layers.N.values.weight, "
+            "ngram_memories.N.values.weight)"
+        )
     return config, group_size, files
 
 
@@ -151,7 +169,6 @@ def convert(checkpoint: str | Path, output: str | Path, format: str, group_size:
             f"{free / 1e9:.2f} GB free"
         )
     output.mkdir(parents=True, exist_ok=True)
-    num_cores = config.get("mcs_cores", 2)
     for file, encoded, entries, _ in files:
         partial = output / (file + ".partial")
         with open(partial, "wb") as handle, open(checkpoint / file, "rb") as reader:
@@ -159,12 +176,12 @@ def convert(checkpoint: str | Path, output: str | Path, format: str, group_size:
             for _, table, begin, _, _, nbytes, _ in entries:
                 reader.seek(begin)
                 if table is not None:  # row block by row block, read sequentially (one block in memory)
-                    dtype, (rows, cols) = table
+                    dtype, (rows, cols), num_cores, group = table
                     block_rows = max(1, COPY_BYTES // (cols * dtype.itemsize))
                     for start in range(0, rows, block_rows):
                         block = torch.empty(min(block_rows, rows - start), cols, dtype=dtype)
                         reader.readinto(block.view(-1).view(torch.uint8).numpy())
-                        handle.write(quantize(block, format, num_cores, group_size).numpy())
+                        handle.write(quantize(block, format, num_cores, group).numpy())
                     continue
                 while nbytes > 0:
                     chunk = reader.read(min(COPY_BYTES, nbytes))

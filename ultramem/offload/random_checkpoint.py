@@ -27,7 +27,15 @@ import torch
 from ..configuration_ultramem import UltraMemConfig
 from ..modeling_ultramem import UltraMemForCausalLM
 from ..quantized.format import FORMATS, QuantizationError, quantize, quantized_width, resolve_group_size
-from ..quantized.stores import METADATA_FORMAT, METADATA_GROUP, TABLE_KEY, check_quantizable
+from ..quantized.stores import (
+    METADATA_FORMAT,
+    METADATA_GROUP,
+    TABLE_KEY,
+    check_quantizable,
+    model_group_size,
+    table_geometry,
+    table_group_size,
+)
 from ..tokenization import load_tokenizer
 from .safetensors_file import INDEX_FILE
 
@@ -72,10 +80,10 @@ def write_random_checkpoint(
     shard's metadata, as `python -m ultramem.quantize` does; `dtype` is then the rest of the model's.
     """
     if memory_quantization is not None:  # checked (one line) before any model is built
-        if not config.memory_layers:
+        if not config.memory_layers and not config.ngram_layers:
             raise QuantizationError(f"memory_quantization={memory_quantization!r}: this config has no value tables")
         check_quantizable(config, memory_quantization)
-        group_size = resolve_group_size(memory_quantization, config.memory_value_dim, config.mcs_cores, group_size)
+        group_size = model_group_size(memory_quantization, config, group_size)
     torch.manual_seed(seed)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -84,7 +92,8 @@ def write_random_checkpoint(
     tables = {name: model.get_submodule(name.removesuffix(".weight")) for name in model.get_value_table_names()}
     # the tables `memory_quantization` applies to are quantized (as the converter does); any other stays in `dtype`
     formats = {name: memory_quantization if TABLE_KEY.search(name) else None for name in tables}
-    writers = {name: _TableWriter(table, dtype, config.mcs_cores, formats[name], group_size)
+    writers = {name: _TableWriter(table, dtype, table_geometry(config, name)[1], formats[name],
+                                  formats[name] and table_group_size(formats[name], config, name, group_size))
                for name, table in tables.items()}  # fmt: skip
     table_metadata = {}
     if memory_quantization is not None:
@@ -126,7 +135,8 @@ class _TableWriter:
 
     Float tables take each chunk at an element-aligned random offset of a pool of N(0, init_std) numbers; quantized
     tables at a row-aligned offset of a pool of quantized random rows (a quantized row is only valid whole). The
-    table's shape comes from the model's `DeferredValueTable` (value and pre-value tables differ in width)."""
+    table's shape comes from the model's `DeferredValueTable` (value, pre-value and n-gram tables differ in width; an
+    n-gram table's rows, zero at init, are zero here too)."""
 
     def __init__(self, table: torch.nn.Module, dtype: torch.dtype, num_cores: int, format: str | None, group: int):
         self.rows, self.value_dim, self.std = table.num_embeddings, table.embedding_dim, table.init_std
@@ -138,7 +148,7 @@ class _TableWriter:
             self.group_size = resolve_group_size(format, self.value_dim, num_cores, group)
             self.dtype, self.unit = torch.uint8, quantized_width(format, self.value_dim, self.group_size)
             self.shape = [self.rows, self.unit]
-        self.pool_key = (self.dtype, self.value_dim, self.std, format)
+        self.pool_key = (self.dtype, self.value_dim, self.std, format, num_cores, getattr(self, "group_size", None))
 
     def _pool(self) -> torch.Tensor:
         """Random bytes to copy from: CHUNK_BYTES plus the slack of random offsets, in whole units."""

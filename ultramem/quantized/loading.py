@@ -10,8 +10,15 @@ from typing import Any
 
 from .. import value_stores
 from ..value_stores import ValueStoreMixin
-from .format import QuantizationError, check_format, resolve_group_size
-from .stores import QUANTIZED_STORES, QuantizedCheckpoint, check_quantizable, saved_quantization, store_name
+from .format import QuantizationError, check_format
+from .stores import (
+    QUANTIZED_STORES,
+    QuantizedCheckpoint,
+    check_quantizable,
+    model_group_size,
+    saved_quantization,
+    store_name,
+)
 
 
 def from_pretrained_quantized(
@@ -61,10 +68,10 @@ def from_pretrained_quantized(
             f"the checkpoint's {format} tables have group size {saved_group}, not {group_size}: leave "
             "memory_quantization_group_size unset"
         )
-    group_size = resolve_group_size(format, config.memory_value_dim, config.mcs_cores, group_size)
+    group_size = model_group_size(format, config, group_size)
     name = store_name(memory_offload, format)
     checkpoint = QUANTIZED_STORES[name].find_checkpoint(pretrained_model_name_or_path, **kwargs)
-    checkpoint.check_tables(format, group_size, config.memory_value_dim, memory_offload)
+    checkpoint.check_tables(format, group_size, config, memory_offload)
     # the mixin model_class derives from: a checkpoint's remote-code copy (trust_remote_code=True) has its own
     mixin = next(base for base in model_class.__mro__ if base.__name__ == ValueStoreMixin.__name__)
     modules = _value_store_modules(mixin)

@@ -11,6 +11,10 @@ goes through `from_pretrained_quantized` (the format comes from the checkpoint's
 checkpoint's uint8 table as it is, or quantizes a float one row block by row block ("disk" excepted: a mapping
 cannot be quantized in place, convert the checkpoint with `python -m ultramem.quantize`).
 
+The format applies to every memory layer's value table and every n-gram memory's (`TABLE_KEY`). An n-gram table's
+rows (`ngram_head_dim`) are one chunk; they take the model's group size where it divides them, else the format's
+default for them (`table_group_size`), and are read as they are through the same lookup.
+
 The tables are frozen: training through these stores updates every other weight (scores and queries get their
 gradients through `ultramem::quantized_bag_sum`'s autograd) and says so once.
 """
@@ -34,18 +38,49 @@ from ..offload.safetensors_file import (
     read_header,
 )
 from ..offload.stores import DiskValueStore, HostValueStore
-from ..value_stores import is_pre_value_table, shared_by_layers
+from ..value_stores import is_ngram_table, is_pre_value_table, shared_by_layers
 from .format import FORMATS, QuantizationError, check_format, quantize, quantized_width, resolve_group_size
 from .ops import lookup_reduce_quantized
 
 logger = logging.get_logger(__name__)
 
-TABLE_KEY = re.compile(r"(^|\.)memory_layers\.\d+\.values\.weight$")
+# the tables a format applies to: each memory layer's value table and each n-gram memory's
+TABLE_KEY = re.compile(r"(^|\.)(?:memory_layers|ngram_memories)\.\d+\.values\.weight$")
 METADATA_FORMAT, METADATA_GROUP = "ultramem_quantization", "ultramem_quantization_group_size"
 FROZEN_WARNING = (
     "Quantized value tables are frozen: training updates every other weight (scores and queries get their "
     "gradients) but not the tables. Load without memory_quantization to train them."
 )
+
+
+def _field(config: Any, name: str) -> Any:
+    """A config field, from an `UltraMemConfig` or a config.json dict (the converter's)."""
+    return config.get(name) if isinstance(config, dict) else getattr(config, name)
+
+
+def table_geometry(config: Any, name: str) -> tuple[int, int]:
+    """(value dim, MCS chunks) of the table `name`: a memory layer's rows are pooled chunk by chunk with its cores'
+    scores; an n-gram memory's rows (`ngram_head_dim`) are read as they are, one chunk."""
+    if is_ngram_table(name):
+        return _field(config, "ngram_head_dim"), 1
+    return _field(config, "memory_value_dim"), _field(config, "mcs_cores")
+
+
+def model_group_size(format: str, config: Any, group_size: int | None = None) -> int:
+    """The group size a quantized model's config records (`memory_quantization_group_size`): `group_size` checked, or
+    the format's default, for its memory layers' tables, or for its n-gram tables when it has no memory layers."""
+    table = "memory_layers.0.values" if _field(config, "memory_layers") else "ngram_memories.0.values"
+    return resolve_group_size(format, *table_geometry(config, table), group_size)
+
+
+def table_group_size(format: str, config: Any, name: str, group_size: int | None = None) -> int:
+    """The group size of table `name` in a model whose group size is `group_size`: that one, except for an n-gram
+    table whose rows it does not divide, which takes the format's default for its rows (int8: the row; int4: 64
+    columns where they divide the row, else the row)."""
+    value_dim, num_cores = table_geometry(config, name)
+    if group_size is not None and is_ngram_table(name) and value_dim % group_size:
+        group_size = None
+    return resolve_group_size(format, value_dim, num_cores, group_size)
 
 
 def check_quantizable(config: Any, format: str | None, name: str = "") -> None:
@@ -81,8 +116,8 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
     def table_names(self) -> list[str]:
         return sorted(name for name in self.locations if TABLE_KEY.search(name))
 
-    def check_tables(self, format: str | None, group_size: int | None, value_dim: int, offload: str | None) -> None:
-        """One line before any loading when the tables do not hold what `format` says."""
+    def check_tables(self, format: str | None, group_size: int | None, config: Any, offload: str | None) -> None:
+        """One line before any loading when the tables do not hold what `format` says (`group_size`: the model's)."""
         for name in self.table_names():
             location = self.locations[name]
             quantized = location.dtype == torch.uint8
@@ -103,11 +138,12 @@ class QuantizedCheckpoint(SafetensorsCheckpoint):
                 raise QuantizationError(
                     f"{name} holds {saved} tables, not {format}: load with memory_quantization={saved!r}"
                 )
-            width = quantized_width(format, value_dim, group_size)
+            value_dim, group = table_geometry(config, name)[0], table_group_size(format, config, name, group_size)
+            width = quantized_width(format, value_dim, group)
             if quantized and location.shape[1] != width:
                 raise QuantizationError(
                     f"{name} is {location.shape}, a {format} table of value dim {value_dim} with group size "
-                    f"{group_size} has {width} bytes a row: the checkpoint's format or group size differs from the "
+                    f"{group} has {width} bytes a row: the checkpoint's format or group size differs from the "
                     "config's"
                 )
 
@@ -177,12 +213,15 @@ class QuantizedStoreMixin:
                 "a quantized value store needs the MCS core count for its groups: pass config=model.config "
                 "(or num_cores=...) to set_value_store"
             )
-        num_cores = num_cores or config.mcs_cores
-        if group_size is None and config is not None and getattr(config, "memory_quantization", None) == format:
+        if config is None:
+            return format, num_cores, resolve_group_size(format, table.embedding_dim, num_cores, group_size)
+        num_cores = 1 if is_ngram_table(name) else num_cores or config.mcs_cores  # n-gram rows: one chunk
+        if group_size is None and getattr(config, "memory_quantization", None) == format:
             group_size = getattr(config, "memory_quantization_group_size", None)
-        group_size = resolve_group_size(format, table.embedding_dim, num_cores, group_size)
-        if config is not None:  # the model now holds quantized tables: its config (and so save_pretrained) says so
-            config.memory_quantization, config.memory_quantization_group_size = format, group_size
+        model_group = model_group_size(format, config, group_size)
+        group_size = table_group_size(format, config, name, model_group)
+        # the model now holds quantized tables: its config (and so save_pretrained) says so
+        config.memory_quantization, config.memory_quantization_group_size = format, model_group
         return format, num_cores, group_size
 
     @staticmethod
