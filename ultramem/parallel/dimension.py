@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from ultramem.memory_implementations import MemoryOps
 from ultramem.parallel.comm import all_gather, all_to_all
 from ultramem.parallel.sharded import ShardedValueStore
-from ultramem.value_stores import is_pre_value_table
+from ultramem.value_stores import is_ngram_table, is_pre_value_table
 
 
 def check_dimension_split(value_dim: int, num_cores: int, size: int, field: str = "memory_value_dim") -> None:
@@ -50,6 +50,9 @@ class DimensionShardedValues(ShardedValueStore):
     def check_fits(
         cls, shape: torch.Size, size: int, num_cores: int | None = None, name: str = "", **options: Any
     ) -> None:
+        if is_ngram_table(name):  # an n-gram table's rows are read as they are: one chunk
+            check_dimension_split(shape[1], 1, size, "ngram_head_dim")
+            return
         field = "pre_value_dim" if is_pre_value_table(name) else "memory_value_dim"
         check_dimension_split(shape[1], num_cores or 1, size, field)
 

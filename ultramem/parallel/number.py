@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from ultramem.memory_implementations import MemoryOps
 from ultramem.parallel.comm import all_to_all, exchange_counts
 from ultramem.parallel.sharded import ShardedValueStore
-from ultramem.value_stores import DeferredValueTable, MemoryValueTable, shared_by_layers
+from ultramem.value_stores import DeferredValueTable, MemoryValueTable, is_ngram_table, shared_by_layers
 
 POOL_AT = ("source", "owner")
 
@@ -53,10 +53,11 @@ class NumberShardedValues(ShardedValueStore):
         return super().from_table(table, name, mesh, **options)
 
     @classmethod
-    def check_fits(cls, shape: torch.Size, size: int, **options: Any) -> None:
+    def check_fits(cls, shape: torch.Size, size: int, name: str = "", **options: Any) -> None:
         if shape[0] % size:
+            rows = f"the {shape[0]} rows of {name}" if is_ngram_table(name) else f"the {shape[0]} value rows"
             raise ValueError(
-                f"memory_parallel='number' splits the {shape[0]} value rows over {size} ranks, which does not "
+                f"memory_parallel='number' splits {rows} over {size} ranks, which does not "
                 f"divide them; use a memory_parallel_size dividing {shape[0]}, or memory_parallel='dimension'"
             )
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ultramem.configuration_ultramem import TUCKER
+from ultramem.ngram_memory import ngram_table_rows
 from ultramem.parallel.dimension import check_dimension_split
 from ultramem.parallel.number import NumberShardedValues
 from ultramem.parallel.volume import VOLUMES, LookupShape
@@ -37,14 +38,17 @@ def memory_parallel_mesh(size: int | None = None) -> DeviceMesh:
     return init_device_mesh(device, (world // size, size), mesh_dim_names=("replicate", "shard"))
 
 
-def check_quantization_groups(format: str, value_dim: int, group_size: int, size: int) -> None:
+def check_quantization_groups(
+    format: str, value_dim: int, group_size: int, size: int, field: str = "memory_value_dim"
+) -> None:
     """Quantized tables split dimension-wise only along whole quantization groups (their scale and bias stay with
-    their columns): the size must divide each row's group count."""
+    their columns): the size must divide each row's group count (`field`: the row width's config field)."""
     num_groups = value_dim // group_size
+    group = "memory_quantization_group_size" if field == "memory_value_dim" else "its group size"
     if num_groups % size:
         raise ValueError(
             f"memory_parallel='dimension' splits each {format} row's {num_groups} quantization groups "
-            f"(memory_value_dim={value_dim} / memory_quantization_group_size={group_size}) over {size} ranks: the "
+            f"({field}={value_dim} / {group}={group_size}) over {size} ranks: the "
             f"size must divide {num_groups}; choose another memory_parallel_size, or memory_parallel='number'"
         )
 
@@ -69,25 +73,35 @@ def lookup_shape(config, tokens: int) -> LookupShape:
 
 
 def fitting_partitionings(config, size: int) -> dict[str, str]:
-    """Partitioning -> why it does not fit ('' when it fits), for a shard group of `size` ranks."""
+    """Partitioning -> why it does not fit ('' when it fits), for a shard group of `size` ranks: the memory layers'
+    tables and the n-gram memories' (whose rows are sums of primes, and whose row width is `ngram_head_dim`)."""
     reasons = {}
     shape = lookup_shape(config, 1)
     num_rows = getattr(config, "value_pool_size", None) or config.memory_num_values  # a pool's rows, else a layer's
     pre_value_dim = getattr(config, "pre_value_dim", 0)
+    has_memory_layers = bool(getattr(config, "memory_layers", None))
+    ngram_rows = ngram_table_rows(config) if getattr(config, "ngram_layers", None) else []
+    ngram_name = "model.ngram_memories.{}.values.weight".format
+
+    def check_number() -> None:
+        if has_memory_layers:
+            NumberShardedValues.check_fits(torch.Size([num_rows, 0]), size)
+        for idx, rows in enumerate(ngram_rows):
+            NumberShardedValues.check_fits(torch.Size([rows, 0]), size, name=ngram_name(idx))
 
     def check_dimension() -> None:
-        check_dimension_split(shape.value_dim, shape.num_cores, size)
-        if config.memory_quantization and config.memory_quantization_group_size:  # recorded when the tables load
-            check_quantization_groups(
-                config.memory_quantization, shape.value_dim, config.memory_quantization_group_size, size
-            )
+        if has_memory_layers:
+            check_dimension_split(shape.value_dim, shape.num_cores, size)
+            if config.memory_quantization and config.memory_quantization_group_size:  # recorded when the tables load
+                check_quantization_groups(
+                    config.memory_quantization, shape.value_dim, config.memory_quantization_group_size, size
+                )
         if pre_value_dim:
             check_dimension_split(pre_value_dim, shape.num_cores, size, "pre_value_dim")
+        if ngram_rows:  # (quantized: the store checks the groups of the n-gram rows when it shards them)
+            check_dimension_split(config.ngram_head_dim, 1, size, "ngram_head_dim")
 
-    for name, check in (
-        ("number", lambda: NumberShardedValues.check_fits(torch.Size([num_rows, 0]), size)),
-        ("dimension", check_dimension),
-    ):
+    for name, check in (("number", check_number), ("dimension", check_dimension)):
         try:
             check()
             reasons[name] = ""

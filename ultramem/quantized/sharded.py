@@ -30,7 +30,7 @@ from ..offload.safetensors_file import OffloadCheckpointError, SafetensorsCheckp
 from ..parallel.dimension import DimensionShardedValues
 from ..parallel.number import NumberShardedValues
 from ..parallel.setup import check_quantization_groups, sharded_store_name
-from ..value_stores import DeferredValueTable
+from ..value_stores import DeferredValueTable, is_ngram_table
 from .format import FORMATS, QuantizationError, quantize, quantized_width, resolve_group_size
 from .stores import QuantizedStoreMixin
 
@@ -79,7 +79,8 @@ class _QuantizedShards(QuantizedStoreMixin):
         value_dim, size = table.embedding_dim, mesh.size(1)
         cls.check_fits(torch.Size((table.num_embeddings, value_dim)), size, name=name, **options)
         if cls.shard_dim == 1:
-            check_quantization_groups(format, value_dim, group_size, size)
+            field = "ngram_head_dim" if is_ngram_table(name) else "memory_value_dim"
+            check_quantization_groups(format, value_dim, group_size, size, field)
         shard = mesh.get_local_rank("shard")
         if isinstance(table, DeferredValueTable) and checkpoint is not None:
             source = _checkpoint_table(checkpoint, name, table.num_embeddings, value_dim, format, group_size)
