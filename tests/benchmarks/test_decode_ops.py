@@ -8,7 +8,7 @@ import pytest
 # Operators per memory layer beyond the dense model of the same backbone (torch 2.13, batch 1, float32), as measured
 # when the bound was last lowered; issue 48's target is 60
 MAX_OPS_OVER_DENSE = {
-    "tiny-ultramem": 89,
+    "tiny-ultramem": 84,
     "tiny-pkm": 50,
     "tiny-ultramemv2": 103,
     "tiny-memoryplus": 51,
