@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -75,6 +76,33 @@ def base_args(config: Path, corpus: Path, output_dir: Path, **flags) -> list[str
         **flags,
     }
     return [item for key, value in values.items() for item in (f"--{key}", str(value))]
+
+
+def one_process_run(
+    folder: Path, config: Path, steps: int, global_batch: int, check_model=None
+) -> Callable[..., list[str]]:
+    """The start checkpoint (seed 7) of `config` and its one-process run in `folder/single`; returns `argv(name,
+    batch, **flags)`, the flags of a run from the same start (without `--config_file`) writing to `folder/name`.
+    `check_model(model)` checks the start model before anything runs."""
+    from transformers import AutoConfig
+
+    from ultramem import UltraMemForCausalLM
+
+    corpus = write_corpus(folder)
+    torch.manual_seed(7)
+    model = UltraMemForCausalLM(AutoConfig.for_model(**json.loads(config.read_text())))
+    if check_model is not None:
+        check_model(model)
+    model.save_pretrained(folder / "start")
+
+    def argv(name: str, batch: int, **flags) -> list[str]:
+        args = base_args(config, corpus, folder / name, max_steps=steps, per_device_train_batch_size=batch,
+                         diagnostics_batch_size=0, model_name_or_path=folder / "start", **flags)  # fmt: skip
+        at = args.index("--config_file")
+        return args[:at] + args[at + 2 :]
+
+    run_command(python_module("ultramem.training", *argv("single", global_batch)))
+    return argv
 
 
 def child_env(**extra: str) -> dict[str, str]:

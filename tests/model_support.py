@@ -130,6 +130,21 @@ def perturbed_ngram_tables(model: UltraMemForCausalLM, std: float = 1.0) -> Ultr
     return model
 
 
+@torch.no_grad()
+def greedy_static_cache(model, prompt: dict[str, torch.Tensor], steps: int) -> torch.Tensor:
+    """Greedy decoding of `prompt` (input_ids, attention_mask), one token at a time through a StaticCache built
+    here (the conv states and n-gram ids in it)."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    mask, tokens = prompt["attention_mask"], [prompt["input_ids"]]
+    for _ in range(steps):
+        logits = model(input_ids=tokens[-1], attention_mask=mask, cache=cache, use_cache=True).logits
+        tokens.append(logits[:, -1:].argmax(-1))
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    return torch.cat(tokens, dim=1)
+
+
 def left_padded_batch(vocab_size: int, lengths: list[int], seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     width = max(lengths)

@@ -14,19 +14,16 @@ import torch
 from launch_support import (
     LAUNCHERS,
     REPO,
-    base_args,
     child_env,
+    one_process_run,
     python_module,
     run_command,
     steps_before_divergence,
     training_logs,
     write_config,
-    write_corpus,
 )
 from selection_support import compare_selections
-from transformers import AutoConfig, AutoModelForCausalLM
-
-from ultramem import UltraMemForCausalLM
+from transformers import AutoModelForCausalLM
 
 STEPS, GLOBAL_BATCH = 10, 4
 LOSS_TOLERANCE = 1e-5  # absolute, per step: fp32 reduction order differs between 1 and 2 processes
@@ -41,18 +38,7 @@ def setup(tmp_path_factory):
     # that a near-tie parts the runs. Its own distributed computation (statistics summed over ranks in float64) is
     # checked exactly in tests/model/test_query_normalization.py
     config = write_config(folder, aux_loss_alpha=10.0, query_norm="none")
-    corpus = write_corpus(folder)
-    torch.manual_seed(7)
-    UltraMemForCausalLM(AutoConfig.for_model(**json.loads(config.read_text()))).save_pretrained(folder / "start")
-
-    def argv(name: str, batch: int, **flags) -> list[str]:
-        args = base_args(config, corpus, folder / name, max_steps=STEPS, per_device_train_batch_size=batch,
-                         diagnostics_batch_size=0, model_name_or_path=folder / "start", **flags)  # fmt: skip
-        at = args.index("--config_file")
-        return args[:at] + args[at + 2 :]
-
-    run_command(python_module("ultramem.training", *argv("single", GLOBAL_BATCH)))
-    return folder, argv
+    return folder, one_process_run(folder, config, STEPS, GLOBAL_BATCH)
 
 
 def _model(folder) -> torch.nn.Module:

@@ -16,16 +16,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from launch_support import (
     LAUNCHERS,
-    base_args,
-    python_module,
+    one_process_run,
     run_command,
     steps_before_divergence,
     training_logs,
     write_config,
-    write_corpus,
 )
 from model_support import NGRAM, perturbed_ngram_tables, small_config
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from ultramem import UltraMemForCausalLM
 from ultramem.ngram_memory import ngram_table_rows
@@ -168,12 +166,10 @@ LOSS_TOLERANCE = 5e-5
 # (launcher, memory_parallel, grad norm tolerance, relative): twice test_memory_parallel_training.py's, as AdamW lifts
 # the float32 noise of the n-gram rows' small gradients (read by few tokens, at 10x the LR) into the weights; measured
 # under torchrun at step 6, DDP alone 1.8e-5 and the number-wise sharded table 7.2e-5 from one process, losses 1e-6.
-# memory_parallel "none": FSDP2 shards the n-gram table as any other parameter, ZeRO-3 partitions it. One launcher per
-# way the rest is sharded also runs under the second CPU dispatch level (the numerics marker)
-NUMERICS = pytest.mark.numerics
-LAUNCH = [pytest.param("torchrun", "number", 2e-4, marks=NUMERICS),
-          pytest.param("accelerate fsdp2", "dimension", 1.2e-3, marks=NUMERICS),
-          pytest.param("deepspeed zero2", "number", 2e-3, marks=NUMERICS),
+# memory_parallel "none": FSDP2 shards the n-gram table as any other parameter, ZeRO-3 partitions it. The launchers
+# stay out of the second CPU dispatch level (the numerics marker): test_memory_parallel_training.py's run there for each
+# way the rest is sharded, and the n-gram stores' own sharded sums are checked there by the two-process tests above
+LAUNCH = [("torchrun", "number", 2e-4), ("accelerate fsdp2", "dimension", 1.2e-3), ("deepspeed zero2", "number", 2e-3),
           ("accelerate fsdp2", "none", 1.2e-3), ("accelerate zero3", "none", 2e-3)]  # fmt: skip
 
 
@@ -182,20 +178,11 @@ def launch_setup(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ngram_training")
     config = write_config(folder, query_norm="none", ngram_layers=[1], ngram_order=3, ngram_heads=2,
                           ngram_head_dim=8, ngram_table_size=2048)  # fmt: skip
-    corpus = write_corpus(folder)
-    torch.manual_seed(7)
-    model = UltraMemForCausalLM(AutoConfig.for_model(**json.loads(config.read_text())))
-    assert ngram_table_rows(model.config)[0] % 2 == 0
-    model.save_pretrained(folder / "start")
 
-    def argv(name: str, batch: int, **flags) -> list[str]:
-        args = base_args(config, corpus, folder / name, max_steps=STEPS, per_device_train_batch_size=batch,
-                         diagnostics_batch_size=0, model_name_or_path=folder / "start", **flags)  # fmt: skip
-        at = args.index("--config_file")
-        return args[:at] + args[at + 2 :]
+    def rows_split_in_two(model) -> None:
+        assert ngram_table_rows(model.config)[0] % 2 == 0
 
-    run_command(python_module("ultramem.training", *argv("single", GLOBAL_BATCH)))
-    return folder, argv
+    return folder, one_process_run(folder, config, STEPS, GLOBAL_BATCH, rows_split_in_two)
 
 
 @pytest.mark.parametrize(("launcher", "partitioning", "grad_norm_rel"), LAUNCH)

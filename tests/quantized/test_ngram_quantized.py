@@ -194,7 +194,6 @@ def validation_loss(model) -> float:
     return model(blocks, labels=blocks).lm_loss.item()
 
 
-@pytest.mark.numerics
 def test_int8_tables_keep_the_validation_loss_of_a_trained_ngram_model(trained):
     """Within +0.5% in int8 (the issue's target); the n-gram tables carry enough of the loss that losing them moves
     it by more than that, so the comparison can fail."""

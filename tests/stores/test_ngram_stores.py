@@ -5,8 +5,7 @@ background. Offloaded models give the in-memory model's logits and tokens, bit f
 
 import pytest
 import torch
-from model_support import NGRAM, perturbed_ngram_tables, small_config
-from transformers import StaticCache
+from model_support import NGRAM, greedy_static_cache, perturbed_ngram_tables, small_config
 
 from ultramem import UltraMemForCausalLM
 from ultramem.diagnostics import retrieval_diagnostics
@@ -40,18 +39,6 @@ def greedy(model, **kwargs) -> torch.Tensor:
     return model.generate(**PROMPT, max_new_tokens=8, do_sample=False, **kwargs)
 
 
-@torch.no_grad()
-def greedy_static_cache(model, steps: int = 8) -> torch.Tensor:
-    """Greedy decoding one token at a time through a StaticCache built here (the n-gram ids and conv states in it)."""
-    cache = StaticCache(config=model.config, max_cache_len=32)
-    mask, tokens = PROMPT["attention_mask"], [PROMPT["input_ids"]]
-    for _ in range(steps):
-        logits = model(input_ids=tokens[-1], attention_mask=mask, cache=cache, use_cache=True).logits
-        tokens.append(logits[:, -1:].argmax(-1))
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-    return torch.cat(tokens, dim=1)
-
-
 def test_ngram_tables_are_value_tables_of_the_stores_and_the_value_lr_group(tmp_path):
     from ultramem.training.arguments import UltraMemTrainingArguments
     from ultramem.training.schedule import VALUE_GROUP
@@ -82,7 +69,7 @@ def test_offloaded_ngram_tables_give_the_in_memory_models_logits_and_tokens(save
     with torch.no_grad():
         torch.testing.assert_close(model(**PROMPT).logits, reference(**PROMPT).logits, rtol=0, atol=0)
     assert torch.equal(greedy(model), greedy(reference))  # dynamic cache: the n-gram states in it
-    assert torch.equal(greedy_static_cache(model), greedy_static_cache(reference))
+    assert torch.equal(greedy_static_cache(model, PROMPT, 8), greedy_static_cache(reference, PROMPT, 8))
     for ngram in model.model.ngram_memories:  # the blocking path gives the same tokens
         ngram.values.asynchronous = False
     assert torch.equal(greedy(model), greedy(reference))

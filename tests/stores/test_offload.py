@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_support import small_config
-from transformers import AutoModelForCausalLM, AutoTokenizer, StaticCache
+from model_support import greedy_static_cache, small_config
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.testing_utils import CaptureLogger
 
 from ultramem import UltraMemConfig, UltraMemConfigError, UltraMemForCausalLM
@@ -62,19 +62,7 @@ def test_generation_equals_in_memory_model_dynamic_cache(saved, offload):
 def test_generation_equals_in_memory_model_static_cache(saved, offload):
     folder, reference = saved
     model = UltraMemForCausalLM.from_pretrained(folder, memory_offload=offload).eval()
-    assert torch.equal(greedy_static_cache(model), greedy_static_cache(reference))
-
-
-@torch.no_grad()
-def greedy_static_cache(model, steps: int = 10) -> torch.Tensor:
-    """Greedy decoding of the left-padded prompt, one token at a time through a StaticCache built here."""
-    cache = StaticCache(config=model.config, max_cache_len=32)
-    mask, tokens = PROMPT["attention_mask"], [PROMPT["input_ids"]]
-    for _ in range(steps):
-        logits = model(input_ids=tokens[-1], attention_mask=mask, cache=cache, use_cache=True).logits
-        tokens.append(logits[:, -1:].argmax(-1))
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-    return torch.cat(tokens, dim=1)
+    assert torch.equal(greedy_static_cache(model, PROMPT, 10), greedy_static_cache(reference, PROMPT, 10))
 
 
 @pytest.mark.numerics
