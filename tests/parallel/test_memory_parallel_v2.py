@@ -13,17 +13,14 @@ import torch
 import torch.multiprocessing as mp
 from launch_support import (
     LAUNCHERS,
-    base_args,
-    python_module,
+    one_process_run,
     run_command,
     steps_before_divergence,
     training_logs,
     write_config,
-    write_corpus,
 )
 from memory_parallel_v2_worker import MODEL_STORES, MODELS, STORES, run, v2_config
 from selection_support import compare_selections
-from transformers import AutoConfig
 
 from ultramem import UltraMemForCausalLM
 from ultramem.parallel import plan_memory_parallel
@@ -84,18 +81,7 @@ PROBE = torch.arange(64).reshape(2, 32) * 97 % 50000
 @pytest.fixture(scope="module")
 def training(tmp_path_factory):
     folder = tmp_path_factory.mktemp("mp-v2-training")
-    config, corpus = write_config(folder, **V2_TRAINING), write_corpus(folder)
-    torch.manual_seed(7)
-    UltraMemForCausalLM(AutoConfig.for_model(**json.loads(config.read_text()))).save_pretrained(folder / "start")
-
-    def argv(name: str, batch: int, **flags) -> list[str]:
-        args = base_args(config, corpus, folder / name, max_steps=STEPS, per_device_train_batch_size=batch,
-                         diagnostics_batch_size=0, model_name_or_path=folder / "start", **flags)  # fmt: skip
-        at = args.index("--config_file")
-        return args[:at] + args[at + 2 :]
-
-    run_command(python_module("ultramem.training", *argv("single", GLOBAL_BATCH)))
-    return folder, argv
+    return folder, one_process_run(folder, write_config(folder, **V2_TRAINING), STEPS, GLOBAL_BATCH)
 
 
 def test_sharded_v2_training_matches_one_process(training):
