@@ -36,8 +36,10 @@ echo "environment ready in $(( $(date +%s) - start )) s: $("$venv/bin/pip" list 
 tests_start=$(date +%s)
 # tests/serving, and the documented commands that need vLLM (docs/serving.md's blocks marked `<!-- tested: vllm -->`;
 # the other marked blocks run in the main environment's suite)
-# Two engines at a time (each test starts its own, one thread each); the documented blocks in order on one worker
-default_tests=(-n auto --dist loadgroup tests/serving tests/test_readme_commands.py
+# Two engines at a time (each test starts its own, one thread each). serving.md's two blocks may run on both workers,
+# each then running the main job's 2 steps once: pytest-xdist 3.8's --dist loadgroup no longer groups under pytest 9.2
+# (pytest-xdist#1386), and --dist loadscope would put every test of a module on one worker
+default_tests=(-n auto --dist load tests/serving tests/test_readme_commands.py
     -k "serving or not test_readme_commands")
 "$venv/bin/python" -m pytest -q -p no:cacheprovider "${@:-${default_tests[@]}}"
 echo "vLLM tests finished in $(( $(date +%s) - tests_start )) s ($(( $(date +%s) - start )) s with the environment)"

@@ -53,10 +53,16 @@ def launches(code: str) -> Counter:
 
 
 @torch.no_grad()
-def decode_step_launches(model, batch: int) -> Counter:
-    """The launches of one compiled decode step of `model` (eval, a static cache holding a 2-token prompt)."""
+def decode_step_launches(model, batch: int, implementation: str | None = None) -> Counter:
+    """The launches of one compiled decode step of `model` (eval, a static cache holding a 2-token prompt), its memory
+    computed by `implementation`. The prompt is read through the PyTorch path: only its cache is needed, and Triton's
+    interpreter (CPU) took most of this script's time running the prefill's kernels."""
     model.eval()
+    if implementation is not None:
+        models.use_memory_implementation(model, "torch")
     cache = models.filled_static_cache(model, batch, context=2, max_len=8)
+    if implementation is not None:
+        models.use_memory_implementation(model, implementation)
     tokens = torch.randint(1, model.config.vocab_size, (batch, 1), device=model.device)
     position = torch.tensor([2], device=model.device)
     if hasattr(model, "refresh_inference_cache"):
@@ -77,9 +83,8 @@ def count(size: str, device: torch.device, batch: int, implementations: list[str
     for implementation in implementations:
         model = models.build(presets["ultramem"], device, torch.float32, max_position_embeddings=8)
         name, _, option = implementation.partition("+")
-        models.use_memory_implementation(model, name)
         with fused_selection(option == "fused-selection"):
-            rows[f"ultramem/{implementation}"] = decode_step_launches(model, batch)
+            rows[f"ultramem/{implementation}"] = decode_step_launches(model, batch, name)
         memory_layers = len(model.config.memory_layers)
         del model
     base = sum(rows["dense"].values())

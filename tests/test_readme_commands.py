@@ -200,10 +200,9 @@ def run_as_written(block: Block, workdir: Path) -> None:
 
 
 def page_tests(page: str, blocks: list[Block]) -> type:
-    """One test class per page, its blocks in file order: a class is one unit of pytest-xdist's `--dist loadscope`
-    (and the group of `--dist loadgroup`), so a page runs on one worker while the pages spread over the workers."""
+    """One test class per page, its blocks in file order: a class is one unit of pytest-xdist's `--dist loadscope`,
+    so a page runs on one worker while the pages spread over the workers."""
 
-    @pytest.mark.xdist_group(page)
     @pytest.mark.parametrize("block", blocks, ids=str)
     def test_runs_as_written(self, block: Block, workdir: Path) -> None:
         run_as_written(block, workdir)
