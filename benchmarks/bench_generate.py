@@ -25,8 +25,15 @@ CPU (tiny presets, float32, a few seconds):
 
     OMP_NUM_THREADS=1 python benchmarks/bench_generate.py --device cpu --sizes tiny
 
-Writes benchmarks/results/generate_<device>.json and .png; the table (per-token ms, UltraMem/dense and
-MoE/UltraMem for every size, batch and cache) is printed last.
+On a machine whose speed drifts, `--interleave` holds the models at once and alternates their generate calls;
+`--kinds` adds Engram's n-gram memory (`engram`, lib.models.ENGRAM_PEERS) or leaves models out. The eager CPU
+ratios of issues 45 and 48 (UltraMem / dense and Engram / dense <= 1.10 and 1.05, batch 1 and 8):
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_generate.py --device cpu --sizes tiny --kinds dense,ultramem,engram \
+        --caches eager --batch-sizes 1,8 --prompt 64 --new-tokens 32 --iters 20 --interleave --name generate_cpu_eager
+
+Writes benchmarks/results/generate_<device>.json and .png; the table (per-token ms and the ratios UltraMem/dense,
+MoE/UltraMem, Engram/dense for every size, batch and cache) is printed last.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from lib import cli, models, report, timing
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 DEFAULT_NAME = "generate"
-KINDS = ("dense", "ultramem", "moe")
+KINDS = ("dense", "ultramem", "moe", "engram")  # engram on request: Engram's n-gram memory (lib.models.ENGRAM_PEERS)
 CACHES = ("eager", "static")
 
 
@@ -53,7 +60,14 @@ def parse_args(argv: list[str] | None = None):
     add("--batch-sizes", type=cli.int_list, default=None, help="1,16 on CUDA; 1,4 on CPU")
     add("--prompt", type=int, default=None, help="prompt tokens (2048 on CUDA, 32 on CPU)")
     add("--new-tokens", type=int, default=None, help="tokens generated per call (64 on CUDA, 8 on CPU)")
+    add("--kinds", default="dense,ultramem,moe", help=f"comma-separated, of {KINDS}")
     add("--caches", default=",".join(CACHES), help="eager (DynamicCache) and/or static (cache_implementation)")
+    add(
+        "--interleave",
+        action="store_true",
+        help="hold the models of a size at once and time their generate calls in "
+        "turn (one call of each per round), so machine drift does not enter their ratios",
+    )
     add("--no-auto-compile", action="store_true", help="generate(disable_compile=True): a static cache stays eager")
     cli.add_moe_argument(parser, "at the middle batch size, with the first cache")
     args = cli.resolve(parser.parse_args(argv), DEFAULT_NAME)
@@ -63,6 +77,13 @@ def parse_args(argv: list[str] | None = None):
     args.prompt = args.prompt if args.prompt is not None else (2048 if cuda else 32)
     args.new_tokens = args.new_tokens if args.new_tokens is not None else (64 if cuda else 8)
     args.caches = cli.names(args.caches, CACHES, "--caches")
+    args.kinds = cli.names(args.kinds, KINDS, "--kinds")
+    if "dense" not in args.kinds:
+        raise SystemExit("--kinds: the ratios are against dense: include it")
+    if "engram" in args.kinds and (missing := [s for s in args.sizes if s not in models.ENGRAM_PEERS]):
+        raise SystemExit(
+            f"--kinds engram: no Engram preset at size {missing[0]}; sizes: {', '.join(models.ENGRAM_PEERS)}"
+        )
     cli.at_least(args, prompt=1, new_tokens=2)  # two timestamps make one per-token time
     return args
 
@@ -102,56 +123,85 @@ def generate_once(model, prompt: torch.Tensor, cache: str, args) -> tuple[float,
 
 def time_generate(model, batch: int, cache: str, args) -> dict[str, Any]:
     """Per-token time of `args.iters` generate calls after `args.warmup` (`timing.summarize` of every token's)."""
-    prompt = torch.randint(1, model.config.vocab_size, (batch, args.prompt), device=args.device)
+    return time_generate_interleaved({"model": model}, batch, cache, args)["model"]
+
+
+def time_generate_interleaved(peers: dict[str, Any], batch: int, cache: str, args) -> dict[str, dict[str, Any]]:
+    """`time_generate` of several models, their generate calls in turn (one call of each per round), so that a
+    machine whose speed drifts (shared cores) does not enter their ratios."""
+    prompts = {
+        name: torch.randint(1, model.config.vocab_size, (batch, args.prompt), device=args.device)
+        for name, model in peers.items()
+    }
     for _ in range(args.warmup):
-        generate_once(model, prompt, cache, args)
-    prefill, wall, cpu, compiled = [], [], [], False
+        for name, model in peers.items():
+            generate_once(model, prompts[name], cache, args)
+    calls = {name: [] for name in peers}
     for _ in range(args.iters):
-        prefill_ms, wall_ms, cpu_ms, compiled = generate_once(model, prompt, cache, args)
-        prefill.append(prefill_ms)
-        wall.append(wall_ms)
-        cpu.append(cpu_ms)
-    flat = timing.summarize([t for run in wall for t in run], [t for run in cpu for t in run], args.statistic)
-    return {**flat, "prefill_ms": statistics.median(prefill), "compiled": compiled, "token_ms": wall}
+        for name, model in peers.items():
+            calls[name].append(generate_once(model, prompts[name], cache, args))
+    timed = {}
+    for name, runs in calls.items():
+        prefill, wall, cpu, compiled = zip(*runs, strict=True)
+        flat = timing.summarize([t for run in wall for t in run], [t for run in cpu for t in run], args.statistic)
+        timed[name] = {
+            **flat,
+            "prefill_ms": statistics.median(prefill),
+            "compiled": compiled[-1],
+            "token_ms": list(wall),
+        }
+    return timed
 
 
-def bench_model(size: str, kind: str, args) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Every cache and batch size of one model (positions for prompt and new tokens), MoE's expert path probed at the
-    middle batch size with the first cache."""
+def build(size: str, kind: str, args) -> tuple[Any, dict[str, Any]]:
+    """The model of `kind` at `size` (positions for prompt and new tokens), MoE's expert path probed at the middle
+    batch size with the first cache."""
     batch = args.batch_sizes[len(args.batch_sizes) // 2]
     probe = lambda m: time_generate(m, batch, args.caches[0], args)
-    model, info = models.build_peer(size, kind, args, probe, positions=args.prompt + args.new_tokens)
+    return models.build_peer(size, kind, args, probe, positions=args.prompt + args.new_tokens)
+
+
+def bench_models(size: str, kinds: list[str], args) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every cache and batch size of the models of `kinds` held at once, their calls interleaved."""
+    built = {kind: build(size, kind, args) for kind in kinds}
     rows = []
     with torch.no_grad():
         for cache in args.caches:
             for batch in args.batch_sizes:
-                timed = time_generate(model, batch, cache, args)
-                rows.append({"size": size, "kind": kind, "batch": batch, "cache": cache, **timed})
-                print(f"{info['preset']:<20} {cache:>6} batch {batch:>4}: {timed['ms']:8.3f} ms/token "
-                      f"(prefill {timed['prefill_ms']:.1f} ms, compiled {timed['compiled']})")  # fmt: skip
+                timed = time_generate_interleaved(
+                    {kind: model for kind, (model, _) in built.items()}, batch, cache, args
+                )
+                for kind, (_, info) in built.items():
+                    rows.append({"size": size, "kind": kind, "batch": batch, "cache": cache, **timed[kind]})
+                    print(f"{info['preset']:<20} {cache:>6} batch {batch:>4}: {timed[kind]['ms']:8.3f} ms/token "
+                          f"(prefill {timed[kind]['prefill_ms']:.1f} ms, compiled {timed[kind]['compiled']})")  # fmt: skip
                 # as in a fresh process: a compiled forward (and the cache its CUDA graphs hold) is dropped, so the
                 # next batch size is compiled for its own static shapes, not recompiled with a dynamic batch
                 timing.release(args.device)
-    del model
+    infos = [info for _, info in built.values()]
+    del built
     timing.release(args.device)
-    return rows, info
+    return rows, infos
 
 
-def ratio_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (size, cache, batch): the three per-token times and UltraMem/dense, MoE/UltraMem."""
+RATIOS = {"ultramem/dense": ("ultramem", "dense"), "moe/ultramem": ("moe", "ultramem"),
+          "engram/dense": ("engram", "dense")}  # fmt: skip
+
+
+def ratio_rows(rows: list[dict[str, Any]], kinds: list[str]) -> list[dict[str, Any]]:
+    """One row per (size, cache, batch): each kind's per-token time and the ratios between the kinds timed."""
     by_key = {(r["size"], r["cache"], r["batch"], r["kind"]): r["ms"] for r in rows}
     table = []
     for size, cache, batch in dict.fromkeys((r["size"], r["cache"], r["batch"]) for r in rows):
-        ms = {kind: by_key.get((size, cache, batch, kind)) for kind in KINDS}
-        table.append({"size": size, "cache": cache, "batch": batch, **{f"{k}_ms": v for k, v in ms.items()},
-                      "ultramem/dense": models.ratio(ms["ultramem"], ms["dense"]),
-                      "moe/ultramem": models.ratio(ms["moe"], ms["ultramem"])})  # fmt: skip
+        ms = {kind: by_key.get((size, cache, batch, kind)) for kind in kinds}
+        ratios = {name: models.ratio(ms[a], ms[b]) for name, (a, b) in RATIOS.items() if {a, b} <= set(kinds)}
+        table.append({"size": size, "cache": cache, "batch": batch, **{f"{k}_ms": v for k, v in ms.items()}, **ratios})
     return table
 
 
-TABLE_COLUMNS = {"size": "size", "cache": "cache", "batch": "batch", "dense_ms": "dense ms/token",
-                 "ultramem_ms": "ultramem ms/token", "moe_ms": "moe ms/token", "ultramem/dense": "U/D",
-                 "moe/ultramem": "M/U"}  # fmt: skip
+def table_columns(kinds: list[str]) -> dict[str, str]:
+    ratios = {name: name for name, pair in RATIOS.items() if set(pair) <= set(kinds)}
+    return {"size": "size", "cache": "cache", "batch": "batch", **{f"{k}_ms": f"{k} ms/token" for k in kinds}, **ratios}
 
 
 def plot(args, rows: list[dict[str, Any]], ratios: list[dict[str, Any]]) -> None:
@@ -162,7 +212,7 @@ def plot(args, rows: list[dict[str, Any]], ratios: list[dict[str, Any]]) -> None
                 [r["batch"] for r in rows if (r["size"], r["kind"], r["cache"]) == (size, kind, cache)],
                 [r["ms"] for r in rows if (r["size"], r["kind"], r["cache"]) == (size, kind, cache)],
             )
-            for kind in KINDS
+            for kind in args.kinds
             for cache in args.caches
         }
         panels.append(report.Panel(f"{size}: generate, per token", "ms / token", series, xlabel="batch size"))
@@ -172,7 +222,8 @@ def plot(args, rows: list[dict[str, Any]], ratios: list[dict[str, Any]]) -> None
                 [r["batch"] for r in of_size if r["cache"] == cache],
                 [r[name] for r in of_size if r["cache"] == cache],
             )  # fmt: skip
-            for name in ("ultramem/dense", "moe/ultramem")
+            for name in RATIOS
+            if name in of_size[0]
             for cache in args.caches
         }
         panels.append(report.Panel(f"{size}: ratios (target U/D <= 1.10)", "ratio", series, xlabel="batch size",
@@ -186,19 +237,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
     rows, infos = [], []
     for size in args.sizes:
-        for kind in KINDS:
-            model_rows, info = bench_model(size, kind, args)
-            rows, infos = rows + model_rows, infos + [info]
+        for kinds in [args.kinds] if args.interleave else [[kind] for kind in args.kinds]:
+            model_rows, model_infos = bench_models(size, kinds, args)
+            rows, infos = rows + model_rows, infos + model_infos
             report.save(args, {"complete": False, "rows": rows})  # kept should the run be cut short
-    settings = {"sizes": args.sizes, "batch_sizes": args.batch_sizes, "prompt": args.prompt,
+    settings = {"sizes": args.sizes, "kinds": args.kinds, "interleaved": args.interleave, "batch_sizes": args.batch_sizes, "prompt": args.prompt,
                 "new_tokens": args.new_tokens, "caches": args.caches, "auto_compile": not args.no_auto_compile,
                 "decoding": "greedy, min_new_tokens = max_new_tokens", "warmup": args.warmup, "iters": args.iters,
                 "per_token": "differences of timestamps taken after a synchronize at every new token; the first "
                 "(prefill, prefill_ms) excluded"}  # fmt: skip
-    payload = {"settings": settings, "models": infos, "rows": rows, "ratios": ratio_rows(rows), "complete": True}
+    payload = {
+        "settings": settings,
+        "models": infos,
+        "rows": rows,
+        "ratios": ratio_rows(rows, args.kinds),
+        "complete": True,
+    }
     if not args.no_plot:
         plot(args, rows, payload["ratios"])
-    report.finish(args, payload, report.format_table(payload["ratios"], TABLE_COLUMNS))
+    report.finish(args, payload, report.format_table(payload["ratios"], table_columns(args.kinds)))
     return payload
 
 

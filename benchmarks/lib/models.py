@@ -24,6 +24,10 @@ PEERS: dict[str, dict[str, str]] = {
     "680m": {"dense": "dense-680m", "ultramem": "ultramem-680m-x12", "moe": "moe-680m-2in33"},
     "1.6b": {"dense": "dense-1.6b", "ultramem": "ultramem-1.6b-x12", "moe": "moe-1.6b-2in34"},
 }
+# Engram's n-gram memory holding the UltraMem preset's sparse parameters, at the sizes it has presets for: a peer
+# the decode benchmarks time on request (`--kinds ...,engram`), kept apart from PEERS, whose three kinds every
+# script builds
+ENGRAM_PEERS: dict[str, str] = {"tiny": "tiny-engram", "151m": "engram-151m", "680m": "engram-680m"}
 # Transformers' expert paths for Mixtral (integrations/moe.py), tried in this order; the fastest is kept.
 MOE_IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")
 
@@ -142,7 +146,7 @@ def build_peer(
 ) -> tuple[PreTrainedModel, dict[str, Any]]:
     """The eval-mode model of `kind` at `size` for decoding (`decode_overrides`) and its description; for MoE, the
     expert path `choose_moe_implementation` picks under `probe`."""
-    preset = PEERS[size][kind]
+    preset = ENGRAM_PEERS[size] if kind == "engram" else PEERS[size][kind]
     model = build(preset, args.device, args.dtype, **decode_overrides(preset, args, positions)).eval()
     info: dict[str, Any] = {"size": size, "kind": kind, "preset": preset}
     if kind == "moe":

@@ -12,14 +12,15 @@ def test_bench_generate_times_every_new_token_after_the_prefill(tmp_path, capsys
     new_tokens = 4
     argv = ["--device", "cpu", "--sizes", "tiny", "--batch-sizes", "1,2", "--prompt", "8", "--new-tokens",
             str(new_tokens), "--warmup", "1", "--iters", "2", "--statistic", "median", "--moe-impl", "eager",
-            "--results-dir", str(tmp_path), "--name", "generate"]  # fmt: skip
+            "--kinds", "dense,ultramem,moe,engram", "--interleave", "--results-dir", str(tmp_path), "--name", "generate"]  # fmt: skip
     bench_generate.main(argv)
     payload = json.loads((tmp_path / "generate.json").read_text())
     assert payload["complete"] and payload["environment"]["device"].startswith("CPU")
+    assert payload["settings"]["interleaved"]
     rows = payload["rows"]
     assert {(r["kind"], r["cache"], r["batch"]) for r in rows} == {
         (kind, cache, batch)
-        for kind in ("dense", "ultramem", "moe")
+        for kind in ("dense", "ultramem", "moe", "engram")
         for cache in ("eager", "static")
         for batch in (1, 2)
     }
@@ -34,6 +35,8 @@ def test_bench_generate_times_every_new_token_after_the_prefill(tmp_path, capsys
         key = (ratio["cache"], ratio["batch"])
         assert ratio["ultramem/dense"] == pytest.approx(by_key[(*key, "ultramem")] / by_key[(*key, "dense")])
         assert ratio["moe/ultramem"] == pytest.approx(by_key[(*key, "moe")] / by_key[(*key, "ultramem")])
+        assert ratio["engram/dense"] == pytest.approx(by_key[(*key, "engram")] / by_key[(*key, "dense")])
+    assert {m["kind"]: m["preset"] for m in payload["models"]}["engram"] == "tiny-engram"
     assert (tmp_path / "generate.png").stat().st_size > 0
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("tiny")  # the table is printed last
 
@@ -43,3 +46,7 @@ def test_bench_generate_needs_two_new_tokens():
         bench_generate.parse_args(["--device", "cpu", "--new-tokens", "1"])
     with pytest.raises(SystemExit, match="--caches"):
         bench_generate.parse_args(["--device", "cpu", "--caches", "paged"])
+    with pytest.raises(SystemExit, match="--kinds: the ratios are against dense"):
+        bench_generate.parse_args(["--device", "cpu", "--kinds", "ultramem,engram"])
+    with pytest.raises(SystemExit, match="no Engram preset at size 1.6b"):
+        bench_generate.parse_args(["--device", "cpu", "--sizes", "1.6b", "--kinds", "dense,engram"])
