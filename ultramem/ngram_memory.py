@@ -23,7 +23,6 @@ This file is copied beside `modeling_ultramem.py` into checkpoints (remote code)
 
 from __future__ import annotations
 
-import functools
 import math
 import unicodedata
 from collections.abc import Callable
@@ -114,19 +113,15 @@ def ngram_tokens(
 ) -> torch.Tensor:
     """(B, N, T): [:, j, t] the token j positions back (j = 0..N-1) from each of the last T of `tokens` (B, N-1+T), or
     `no_token` where that is not of t's document: padding, before the first token, before an EOS that ended the
-    document (the token after an EOS starts the next) or, with `sequences` (B, N-1+T), another packed sequence."""
+    document (the token after an EOS starts the next) or, with `sequences` (B, N-1+T), another packed sequence.
+
+    All N positions at once, as windows of `tokens` (a decode step runs a dozen operators, not one set per order)."""
     is_eos = torch.isin(tokens, eos_ids).long()
-    keys = [torch.cumsum(is_eos, dim=1) - is_eos] + ([sequences] if sequences is not None else [])  # (B, N-1+T)
-    length = tokens.shape[1] - order + 1
-
-    def back(x: torch.Tensor, j: int) -> torch.Tensor:
-        return x[:, order - 1 - j : order - 1 - j + length]
-
-    columns = []
-    for j in range(order):
-        same = functools.reduce(torch.logical_and, [back(key, j) == back(key, 0) for key in keys])
-        columns.append(torch.where(same, back(tokens, j), no_token))
-    return torch.stack(columns, dim=1)
+    document = torch.cumsum(is_eos, dim=1) - is_eos  # (B, N-1+T): the token after an EOS starts the next
+    same = document.unfold(1, order, 1) == document[:, order - 1 :, None]  # (B, T, N), oldest first
+    if sequences is not None:
+        same &= sequences.unfold(1, order, 1) == sequences[:, order - 1 :, None]
+    return torch.where(same, tokens.unfold(1, order, 1), no_token).flip(-1).transpose(1, 2)  # (B, N, T), j back
 
 
 def ngram_rows(
@@ -138,12 +133,13 @@ def ngram_rows(
     row. multipliers: (N,) int64 c_j. moduli, offsets: ((N-1) K,) int64, order-major (the K bigram heads first).
     Returns (B, T, (N-1) K) int64 rows, order-major.
     """
-    mixed, orders = ngrams[:, 0] * multipliers[0], []
+    products = ngrams * multipliers[:, None]  # (B, N, T): id_j c_j
+    mixed, orders = products[:, 0], []
     for back in range(1, multipliers.shape[0]):  # XOR in the token `back` positions back: the hash of order back + 1
-        mixed = torch.bitwise_xor(mixed, ngrams[:, back] * multipliers[back])
+        mixed = torch.bitwise_xor(mixed, products[:, back])
         orders.append(mixed)
-    hashed = torch.stack(orders, dim=-1).repeat_interleave(moduli.shape[0] // len(orders), dim=-1)  # (B, T, (N-1)K)
-    return torch.remainder(hashed, moduli) + offsets
+    hashed = torch.stack(orders, dim=-1)[..., None]  # (B, T, N-1, 1): each order's hash, for each of its K heads
+    return torch.remainder(hashed, moduli.view(len(orders), -1)).flatten(-2) + offsets
 
 
 class NGramMemory(nn.Module):
@@ -282,18 +278,22 @@ class NGramMemory(nn.Module):
         """(B, N-1) ids before `ids` (the no-token id where there are none), from the cache, which then keeps the last
         N-1 of both."""
         context = self.order - 1
-        none = ids.new_full((ids.shape[0], context), self.vocab_size)
-        if cache is None:
-            return none
         layer, slot = self.id_slot
-        if not cache.layers[layer].has_previous_state[slot]:
-            cache.update_conv_state(torch.cat([none, ids], dim=1).unsqueeze(1), layer, slot, conv_kernel_size=context)
+        if cache is None or not cache.layers[layer].has_previous_state[slot]:
+            none = ids.new_full((ids.shape[0], context), self.vocab_size)
+            if cache is not None:
+                cache.update_conv_state(torch.cat([none, ids], dim=1)[:, None], layer, slot, conv_kernel_size=context)
             return none
         # the cache returns its state, then the new ids; while `generate` records the past (assisted decoding) the
         # state is longer than N-1
-        updated = cache.update_conv_state(ids.unsqueeze(1), layer, slot, conv_kernel_size=context)[:, 0]
-        history = updated[:, : updated.shape[1] - ids.shape[1]][:, -context:]
-        return F.pad(history, (context - history.shape[1], 0), value=self.vocab_size)
+        updated = cache.update_conv_state(ids[:, None], layer, slot, conv_kernel_size=context)
+        start = updated.shape[-1] - ids.shape[1]
+        history = updated[:, 0, max(start - context, 0) : start]
+        return (
+            history
+            if history.shape[1] == context
+            else F.pad(history, (context - history.shape[1], 0), value=self.vocab_size)
+        )
 
     def forward(
         self,
