@@ -12,7 +12,7 @@ MAX_OPS_OVER_DENSE = {
     "tiny-pkm": 50,
     "tiny-ultramemv2": 103,
     "tiny-memoryplus": 51,
-    "tiny-engram": 103,
+    "tiny-engram": 85,
 }
 
 
