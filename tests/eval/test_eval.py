@@ -245,6 +245,23 @@ def test_lm_eval_cli_refuses_a_generation_budget_the_context_cannot_hold(
     assert "arc_challenge" not in done.stdout and not (tmp_path / "out").exists()  # nothing was scored
 
 
+def test_lm_eval_cli_names_a_missing_data_folder_in_one_line(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """A `data_dir` that is not there ends the plain `lm_eval` run with one line naming it and the option (it was
+    lm-eval's 60-line traceback through its task building), and nothing is scored."""
+    command = [
+        sys.executable, "-m", "lm_eval", "--model", "hf",
+        "--model_args", f"pretrained={tiny_checkpoint},trust_remote_code=True,dtype=float32",
+        "--include_path", tasks_path(), "--tasks", "ultramem_boolq_offline",
+        "--metadata", json.dumps({"data_dir": str(tmp_path / "eval")}), "--limit", "1", "--device", "cpu",
+        "--output_path", str(tmp_path / "out"),
+    ]  # fmt: skip
+    done = subprocess.run(command, env={**os.environ, **OFFLINE_ENV}, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"lm_eval: error: data_dir {tmp_path / 'eval'} is not a directory (--metadata"), last
+    assert not (tmp_path / "out").exists()
+
+
 # --- ultramem-eval ----------------------------------------------------------------------------------------------
 
 

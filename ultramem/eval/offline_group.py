@@ -15,7 +15,8 @@ offline YAMLs take `load_local` from this module too, so they get the same.
 It also checks, when lm-eval starts evaluating, that the model's context leaves room for every generation
 task's token budget (after any `--gen_kwargs`): lm-eval asserts it only at the first generation request, after the
 log-likelihood tasks ran for minutes, and the whole run is lost (BBH CoT allows 1024 new tokens). A budget that does
-not fit is one line, before any request runs, naming the task and the `--gen_kwargs max_gen_toks=N` that fits.
+not fit is one line, before any request runs, naming the task and the `--gen_kwargs max_gen_toks=N` that fits; so
+is a missing local copy (a data folder or file that is not there).
 """
 
 from __future__ import annotations
@@ -136,5 +137,25 @@ def _evaluate_if_generation_fits(lm: Any, task_dict: Any, *args: Any, **kwargs: 
 
 
 lm_eval.evaluator.evaluate = _evaluate_if_generation_fits
+
+
+def _one_line_when_data_is_missing(hook: Any) -> Any:
+    """`sys.excepthook` of the lm_eval command line: a local copy that is not there ends the run with one line naming
+    the path and the option, not lm-eval's traceback through its task building (the data is missing, not the code)."""
+
+    def excepthook(kind: type[BaseException], error: BaseException, traceback: Any) -> None:
+        if not issubclass(kind, LocalDataMissing):
+            return hook(kind, error, traceback)
+        print(
+            f"lm_eval: error: {error} (--metadata '{{\"data_dir\": DIR}}' names the folder of the benchmarks' local "
+            "copies, laid out as ultramem/eval/local_data.py says; tests/eval/fixtures/eval in a clone)",
+            file=sys.stderr,
+        )
+
+    return excepthook
+
+
+if _launched_by_lm_eval_cli():
+    sys.excepthook = _one_line_when_data_is_missing(sys.excepthook)
 
 __all__ = ["load_local"]
