@@ -1,18 +1,16 @@
 """vLLM's OpenAI-compatible server serving UltraMem: started on 127.0.0.1 by the test, queried over HTTP with
-concurrent and streaming completions, stopped by its PID; the token ids equal Transformers' greedy ones.
+concurrent and streaming completions, then held under a small load (benchmarks/serve_load.py's), stopped by its PID;
+the token ids equal Transformers' greedy ones.
 
 Prefix caching is off here (the offline test has it on), so this engine covers the other cache mode.
 """
 
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -24,53 +22,23 @@ pytest.importorskip(
 
 from serving_support import ENGINE_ENV, V2, build_checkpoint, prompts, reference_ids  # noqa: E402
 
+# The server and its load come from benchmarks/serve_load.py (the script of docs/serving.md#under-load)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import serve_load  # noqa: E402
+
 MAX_TOKENS = 16
-STARTUP_S = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """(base URL, model path, the Transformers model) of UltraMemV2; the server process is stopped by its PID
+    """(base URL, model path, the Transformers model, the server's PID) of UltraMemV2; the server is stopped
     afterwards. (docs/serving.md's server block, run by the vLLM job, serves the main job's UltraMem.)"""
     path = tmp_path_factory.mktemp("vllm") / "checkpoint"
     model = build_checkpoint(path, **V2)
-    port = _free_port()
-    log = (path.parent / "server.log").open("w")
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--enforce-eager"]
-    command += ["--max-num-seqs", "4", "--no-enable-prefix-caching", "--seed", "0"]
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **ENGINE_ENV})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        while not _healthy(url):
-            if process.poll() is not None or time.monotonic() > deadline:
-                tail = (path.parent / "server.log").read_text()[-3000:]
-                pytest.fail(f"the server did not become healthy (exit code {process.poll()}):\n{tail}")
-            time.sleep(2)
-        yield url, path, model
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
-            return response.status == 200
-    except OSError:
-        return False
+    flags = ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager"]
+    flags += ["--max-num-seqs", "4", "--no-enable-prefix-caching", "--seed", "0"]
+    with serve_load.start_server(path, flags, path.parent / "server.log", {**os.environ, **ENGINE_ENV}) as (url, pid):
+        yield url, path, model, pid
 
 
 def _post(url: str, body: dict):
@@ -102,7 +70,7 @@ def _streamed_completion(url: str, model: str, prompt: list[int]) -> tuple[list[
 
 
 def test_concurrent_and_streaming_completions_match_transformers(server):
-    url, path, model = server
+    url, path, model, _ = server
     batch = prompts([1, 3, 17, 40, 75, 110, 160, 200], seed=5)
     expected = reference_ids(model, batch, MAX_TOKENS)
     with ThreadPoolExecutor(len(batch)) as pool:  # 8 requests in flight, 4 sequence slots: continuous batching
@@ -112,3 +80,30 @@ def test_concurrent_and_streaming_completions_match_transformers(server):
         assert ids == want, f"prompt of {len(prompt)} tokens: server {ids} != Transformers {want}"
     for (ids, chunks), want in zip(streamed, expected, strict=False):
         assert ids == want and chunks > 1, (ids, chunks, want)
+
+
+def test_under_load_every_request_is_answered_and_the_server_stays_sound(server):
+    """benchmarks/serve_load.py's load, small: 16 clients, 80 requests through 4 sequence slots (whole and streamed,
+    prompts up to the 512-token limit, stop strings, 5 streams hung up after their first tokens, one of each of the
+    10 malformed requests). No error, a 4xx for each malformed request, the engine idle afterwards (the hung-up streams
+    aborted and their KV blocks freed), still answering, the server's RSS after the load within
+    64 MiB of after the warm-up, and the greedy sample equal to Transformers'."""
+    url, path, _, pid = server
+    load = serve_load.Load(
+        clients=16,
+        requests=80,
+        warmup=1,
+        max_tokens=8,
+        sample=4,
+        malformed_every=8,
+        time_limit=150,
+        request_timeout=60,
+    )
+    figures, _ = serve_load.measure(url, pid, path, load)
+    assert figures["errors"] == []
+    assert figures["refused_4xx"] == figures["malformed"] == len(serve_load.malformed_requests("m", 512, 1))
+    assert figures["served"] == 80 - figures["malformed"] and figures["hang_ups"] >= 3, figures
+    assert figures["idle_after"] == dict(num_requests_running=0, num_requests_waiting=0, kv_cache_usage_perc=0)
+    assert figures["still_serving"]
+    assert figures["rss_growth_mib"] < 64, figures["rss_mib"]
+    assert figures["greedy_compared"] == 4 and figures["greedy_differ"] == []
