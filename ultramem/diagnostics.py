@@ -231,7 +231,9 @@ def retrieval_diagnostics(
     handles = []
     for idx, layer in enumerate(memory_layers):
         handles.append(layer.retrieval.register_forward_hook(capture(idx, "retrieval")))
-        handles.append(layer.register_forward_hook(capture(idx, "layer")))
+        # the output leaves through the layer's dropout, also where an offloaded store's background read skips the
+        # layer's own call (`start`)
+        handles.append(layer.dropout.register_forward_hook(capture(idx, "output")))
         handles.append(layer.norm.register_forward_hook(capture(idx, "input")))  # the normed input, inside the call
     for idx, ngram in enumerate(ngram_memories):
         handles.append(ngram.register_forward_pre_hook(lambda module, args, idx=idx: ngram_calls.update({idx: args})))
@@ -253,7 +255,7 @@ def retrieval_diagnostics(
     for idx, layer in enumerate(memory_layers):
         (row_query, col_query, _), retrieved = captured[idx]["retrieval"]
         stats, rows = _layer_statistics(layer, (row_query, col_query), retrieved, keep, chunk, rows_per_step)
-        layer_output = captured[idx]["layer"][1]
+        layer_output = captured[idx]["output"][1]
         stats["input_cosine"] = mean_cosine(captured[idx]["input"][1][keep].float())
         stats["memory_output_std"] = layer_output[keep].float().std().item()
         per_layer.append(stats)

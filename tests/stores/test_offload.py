@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.testing_utils import CaptureLogger
 
 from ultramem import UltraMemConfig, UltraMemConfigError, UltraMemForCausalLM
+from ultramem.diagnostics import retrieval_diagnostics
 from ultramem.offload import DiskValueStore, HostValueStore, OffloadCheckpointError, SafetensorsCheckpoint
 from ultramem.offload.random_checkpoint import write_random_checkpoint
 from ultramem.offload.stores import logger as stores_logger
@@ -63,6 +64,16 @@ def test_generation_equals_in_memory_model_static_cache(saved, offload):
     folder, reference = saved
     model = UltraMemForCausalLM.from_pretrained(folder, memory_offload=offload).eval()
     assert torch.equal(greedy_static_cache(model, PROMPT, 10), greedy_static_cache(reference, PROMPT, 10))
+
+
+@pytest.mark.parametrize("offload", OFFLOADS)
+def test_retrieval_diagnostics_of_an_offloaded_model_are_the_in_memory_models(saved, offload):
+    """The diagnostics read each layer's output where it leaves the layer: an offloaded store's background read
+    skips the layer's own call, which the diagnostics used to hook (KeyError 'layer')."""
+    folder, reference = saved
+    model = UltraMemForCausalLM.from_pretrained(folder, memory_offload=offload).eval()
+    batch = {"input_ids": PROMPT["input_ids"], "attention_mask": PROMPT["attention_mask"]}
+    assert retrieval_diagnostics(model, **batch) == pytest.approx(retrieval_diagnostics(reference, **batch))
 
 
 @pytest.mark.numerics
