@@ -73,7 +73,6 @@ class Outcome:
 
     kind: str
     prompt_len: int
-    status: int = 0
     error: str | None = None
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -144,7 +143,6 @@ async def send(session: aiohttp.ClientSession, url: str, request: Request) -> Ou
     start = time.perf_counter()
     try:
         async with session.post(f"{url}/v1/completions", data=data, headers={"Content-Type": "application/json"}) as r:
-            outcome.status = r.status
             if request.kind == "malformed":
                 await r.read()
                 if not 400 <= r.status < 500:
