@@ -201,7 +201,8 @@ def decode_memory_access(model: PreTrainedModel, batch: int, context: int, bytes
 
     MoE layer: min(k*B, N_moe) x (one expert's weights); the paper's experts are 2-matrix GeLU (2 x D x 2D),
     Mixtral's are SwiGLU (3 x D x 2/3*2D), the same bytes. UltraMem memory layer: min(B*H*m, N) x Dv for the
-    values; keys, query and projectors are read whole. Input embeddings count B rows; everything else once.
+    values; keys, query and projectors are read whole. n-gram memory: B*(N-1)*K rows of its table. Input embeddings
+    count B rows; everything else once.
     `model` may live on the meta device: only parameter shapes are read.
     """
     config = model.config
@@ -212,7 +213,10 @@ def decode_memory_access(model: PreTrainedModel, batch: int, context: int, bytes
         if param is embedding and not config.tie_word_embeddings:
             dense += min(batch, param.shape[0]) * param.shape[1]
         elif name in value_tables:
-            slots = config.memory_heads * config.memory_topk * batch
+            if ".ngram_memories." in name:  # one row per hash head and n-gram order, per token
+                slots = (config.ngram_order - 1) * config.ngram_heads * batch
+            else:
+                slots = config.memory_heads * config.memory_topk * batch
             sparse += min(slots, param.shape[0]) * param.shape[1]
         elif ".experts." in name:
             experts = param.shape[0]

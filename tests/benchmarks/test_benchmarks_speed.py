@@ -144,6 +144,15 @@ def test_analytic_access_is_the_papers_formula(bench, batch):
     dense = models.decode_memory_access(models.build("tiny-dense", torch.device("meta"), torch.bfloat16), batch, 10, 2)
     assert dense.sparse_weights == 0 and dense.kv_cache == access.kv_cache
 
+    both = models.build("tiny-ultramem-engram", torch.device("meta"), torch.bfloat16)  # an n-gram memory reads
+    c = both.config  # one row per hash head and order for each token, not H m slots
+    rows = min(batch * c.memory_heads * c.memory_topk, c.memory_num_values)
+    ngram_rows = batch * (c.ngram_order - 1) * c.ngram_heads
+    access = models.decode_memory_access(both, batch, context=10, bytes_per_value=2)
+    assert access.sparse_weights == 2 * (
+        len(c.memory_layers) * rows * c.memory_value_dim + ngram_rows * c.ngram_head_dim
+    )
+
 
 def test_bad_arguments_name_the_flag(bench):
     with pytest.raises(SystemExit, match="--context must be >= 1"):
