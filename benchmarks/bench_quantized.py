@@ -63,10 +63,11 @@ def table_error(model, reference) -> tuple[int, float]:
     from ultramem.quantized import dequantize
 
     nbytes, error, norm = 0, 0.0, 0.0
-    for (_, layer), (_, ref) in zip(model.named_memory_layers(), reference.named_memory_layers(), strict=True):
-        table, exact = layer.values.weight, ref.values.weight.detach().float()
+    for name in reference.get_value_table_names():  # product-key and n-gram tables alike
+        store = model.get_submodule(name.removesuffix(".weight"))
+        table, exact = store.weight, reference.get_parameter(name).detach().float()
         nbytes += table.numel() * table.element_size()
-        dense = dequantize(table, layer.values.format, layer.values.group_size) if table.dtype == torch.uint8 else table
+        dense = dequantize(table, store.format, store.group_size) if table.dtype == torch.uint8 else table
         error += (dense.float() - exact).pow(2).sum().item()
         norm += exact.pow(2).sum().item()
     return nbytes, (error / norm) ** 0.5

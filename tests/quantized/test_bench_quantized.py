@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_support import small_config
+from model_support import NGRAM, small_config
 
 from ultramem import UltraMemForCausalLM
 from ultramem.tokenization import load_tokenizer
@@ -25,10 +25,11 @@ spec.loader.exec_module(bench_quantized)
 
 def test_measure_orders_the_formats_by_their_error(tmp_path):
     torch.manual_seed(0)
-    model = UltraMemForCausalLM(small_config(memory_value_dim=16, memory_num_keys=16)).eval()
+    config = small_config(memory_value_dim=16, memory_num_keys=16, **{**NGRAM, "ngram_head_dim": 16})
+    model = UltraMemForCausalLM(config).eval()
     with torch.no_grad():
-        for _, layer in model.named_memory_layers():
-            layer.values.weight.normal_(0, 1.0)
+        for name in model.get_value_table_names():  # the product-key and the n-gram tables
+            model.get_parameter(name).normal_(0, 1.0)
     model.save_pretrained(tmp_path)
     blocks = torch.randint(1, 97, (4, 16), generator=torch.Generator().manual_seed(0))
     variants = [("fp32", None, None), ("int8", "int8", None), ("int4-g8", "int4", 8), ("int4-g4", "int4", 4)]
@@ -36,7 +37,8 @@ def test_measure_orders_the_formats_by_their_error(tmp_path):
     assert rows["fp32"]["kl_per_token"] == 0 and rows["fp32"]["table_rms_error"] == 0
     assert 0 < rows["int8"]["kl_per_token"] < rows["int4-g4"]["kl_per_token"] < rows["int4-g8"]["kl_per_token"]
     assert 0 < rows["int8"]["table_rms_error"] < 0.01 < rows["int4-g4"]["table_rms_error"]
-    num_values = model.config.memory_num_values * 3  # three memory layers
+    num_values = sum(model.get_parameter(name).shape[0] for name in model.get_value_table_names())
+    assert num_values > model.config.memory_num_values * 3  # three memory layers and the n-gram tables
     assert rows["fp32"]["table_bytes"] == num_values * 16 * 4
     assert rows["int8"]["table_bytes"] == num_values * 2 * (8 + 8)
     assert rows["int4-g4"]["table_bytes"] == num_values * 4 * (2 + 4)
