@@ -57,6 +57,7 @@ SLOW_TEST_BUDGETS_S = {
     "tests/model/test_variants.py::test_save_and_load_in_a_fresh_process": 50,
     "tests/serving/test_vllm_offline.py::test_compiled_mode": 200,  # Inductor's compile of a model
     "tests/serving/test_vllm_offline.py::test_tensor_parallel": 80,  # two worker processes
+    "tests/serving/test_vllm_offline.py": 60,  # an engine each
     "tests/serving/test_vllm_server.py": 60,
 }
 
