@@ -168,7 +168,33 @@ def convert(checkpoint: str | Path, output: str | Path, format: str, group_size:
             f"not enough disk space in {existing}: the quantized checkpoint needs {needed / 1e9:.2f} GB, "
             f"{free / 1e9:.2f} GB free"
         )
+    created = not output.exists()
     output.mkdir(parents=True, exist_ok=True)
+    try:
+        _write(checkpoint, output, files, others, code, config, format, group_size)
+    except OSError as error:  # a disk that fills during the write (ENOSPC): no partial checkpoint is left to load
+        if created:
+            shutil.rmtree(output)
+        else:  # the folder was empty
+            for path in output.iterdir():
+                path.unlink()
+        raise QuantizationError(
+            f"could not write {output} ({error.strerror or error}): removed what was written"
+        ) from None
+    return output
+
+
+def _write(
+    checkpoint: Path,
+    output: Path,
+    files: list[tuple],
+    others: list[Path],
+    code: list[Path],
+    config: dict,
+    format: str,
+    group_size: int | None,
+) -> None:
+    """Write the quantized files into `output`, config.json last (a folder without it is not a checkpoint)."""
     for file, encoded, entries, _ in files:
         partial = output / (file + ".partial")
         with open(partial, "wb") as handle, open(checkpoint / file, "rb") as reader:
@@ -197,7 +223,6 @@ def convert(checkpoint: str | Path, output: str | Path, format: str, group_size:
             shutil.copy2(path, output / path.name)
     config.update(memory_quantization=format, memory_quantization_group_size=group_size)
     (output / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return output
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,5 +1,7 @@
 """Resume is exact, and a run killed while writing a checkpoint resumes from the last complete one; each checkpoint holds
-the query statistics recomputed at its step."""
+the query statistics recomputed at its step. A run killed at a seeded random point and then meeting a full disk in a
+save still ends equal to the uninterrupted one, and a full disk under the int8 converter and the disk value store is
+one error line with nothing partial left (benchmarks/reliability_training.py, which draws many more kills)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,12 @@ from launch_support import (
     write_corpus,
 )
 from safetensors.torch import load_file
+
+from ultramem.training.checkpointing import STAGING_PREFIX
+
+sys.path.insert(0, str(REPO / "benchmarks"))  # the script imports its library, benchmarks/lib, as `lib`
+import reliability_training  # noqa: E402
+from lib.faults import small_disks_available  # noqa: E402
 
 STEPS, SAVE_EVERY, KILL_AT = 8, 3, 6
 
@@ -102,3 +110,44 @@ def test_checkpoints_hold_the_query_statistics_of_a_model_saved_at_their_step(ru
     early = load_file(str(straight / f"checkpoint-{SAVE_EVERY}" / "model.safetensors"))
     tracked = [name for name in statistics if name.endswith("batches_tracked")]
     assert all(int(early[name]) == int(final[name]) > SAVE_EVERY for name in tracked)  # recomputed over its batches
+
+
+def test_a_random_kill_then_a_full_disk_resume_to_the_uninterrupted_run(runs):
+    """One SIGKILL at a point drawn with a fixed seed (within a step or a checkpoint write), then a launch whose next
+    save meets a full disk, then a launch to the end: weights and losses equal the uninterrupted run's."""
+    straight, *_ = runs
+    reason = small_disks_available()
+    chain = reliability_training.kill_chain(
+        straight, straight.parent / "tiny_ultramem.json", straight.parent / "corpus.txt", kills=1,
+        full_disk=reason is None, seed=1, steps=STEPS, save_every=SAVE_EVERY, processes=1, timeout=240,
+    )  # fmt: skip
+    assert chain["logged_steps_match"] and chain["same_weight_names"]
+    assert chain["max_loss_difference"] <= 1e-6 and chain["max_weight_difference"] <= 1e-6
+    if reason is not None:
+        pytest.skip(f"the kill resumed exactly; the full-disk launch did not run: {reason}")
+    full_disk = chain["events"][1]
+    assert full_disk["exit_status"] == 1 and full_disk["last_checkpoint_intact"]
+    assert len(full_disk["error_lines"]) == 1, full_disk["error_lines"]
+    assert full_disk["error_lines"][0].startswith("ultramem-train: error: could not write ")
+    assert (
+        "0.0 MiB free there" in full_disk["error_lines"][0]
+        and "last complete checkpoint is" in full_disk["error_lines"][0]
+    )
+    assert not [name for name in full_disk["left"] if name.startswith(STAGING_PREFIX)]
+
+
+@pytest.mark.skipif(small_disks_available() is not None, reason="no size-limited tmpfs (unshare -rm mount) here")
+def test_a_full_disk_under_the_converter_and_the_disk_store_is_one_line_and_leaves_nothing_to_load(runs, tmp_path):
+    straight, *_ = runs
+    quantize = reliability_training.disk_quantize(straight, tmp_path)
+    assert quantize["exit_status"] == 1 and quantize["left"] == [] and not quantize["loads"]
+    assert quantize["error_lines"] == [
+        f"error: could not write {tmp_path / 'full-disk-quantize' / 'int8'} (No space left on device): removed what "
+        "was written"
+    ]
+    offload = reliability_training.disk_offload(tmp_path, straight.parent / "tiny_ultramem.json")
+    table = tmp_path / "full-disk-offload" / "model.memory_layers.1.values.weight.safetensors"
+    assert offload["exit_status"] == 1 and offload["error_lines"] == [
+        f"error: could not write {table} (No space left on device)"
+    ]
+    assert offload["left"] == ["model.memory_layers.0.values.weight.safetensors"]  # the complete one; no partial

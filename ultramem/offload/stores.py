@@ -232,7 +232,11 @@ def write_table(table: nn.Module, name: str, directory: Path) -> SafetensorsChec
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.safetensors"
     partial = path.with_name(f".{path.name}.partial")
-    write_tensor(partial, name, weight)
+    try:
+        write_tensor(partial, name, weight)
+    except OSError as error:  # a full disk (ENOSPC): the partial file goes, an earlier complete one stays
+        partial.unlink(missing_ok=True)
+        raise OffloadCheckpointError(f"could not write {path} ({error.strerror or error})") from None
     os.replace(partial, path)
     return SafetensorsCheckpoint([path])
 

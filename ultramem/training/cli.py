@@ -18,7 +18,7 @@ import torch
 from transformers import HfArgumentParser, TrainerCallback
 
 from ultramem.training.arguments import DataArguments, ModelArguments, UltraMemTrainingArguments
-from ultramem.training.errors import UsageError
+from ultramem.training.errors import StorageError, UsageError
 from ultramem.training.pipeline import train
 
 SHIPPED_DEEPSPEED_CONFIGS = ("zero2", "zero3")
@@ -122,12 +122,16 @@ def exit_distributed_rank() -> NoReturn:
 
 
 def main(argv: list[str] | None = None, callbacks: list[TrainerCallback] | None = None) -> None:
-    """Console entry point: a usage error prints one line and exits with status 2; a distributed rank ends with
+    """Console entry point: a usage error prints one line and exits with status 2, a checkpoint that could not be
+    written one line with status 1; a distributed rank ends with
     `exit_distributed_rank`. Scripts that add `callbacks` under a launcher call this too, not `run`."""
     try:
         run(sys.argv[1:] if argv is None else argv, callbacks=callbacks)
     except UsageError as error:
         print(f"ultramem-train: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except StorageError as error:
+        print(f"ultramem-train: error: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         exit_distributed_rank()

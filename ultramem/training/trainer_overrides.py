@@ -14,12 +14,13 @@ import shutil
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from transformers import Trainer
 from transformers.trainer import TRAINING_ARGS_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 
-from ultramem.training.errors import UsageError
+from ultramem.training.errors import StorageError, UsageError
 
 STAGING_PREFIX = ".incomplete-"
 
@@ -38,6 +39,7 @@ PINNED_BY: dict[tuple[str, str], tuple[str, ...]] = {
     ("AtomicCheckpointTrainer", "_save_checkpoint"): (
         f"{_RESUME}::test_killed_save_leaves_only_complete_checkpoints",
         f"{_RESUME}::test_resumed_run_matches_the_uninterrupted_one",
+        f"{_RESUME}::test_a_random_kill_then_a_full_disk_resume_to_the_uninterrupted_run",
     ),
     ("CPUFSDPOverrides", "create_accelerator_and_postprocess"): (
         f"{_DISTRIBUTED}::test_torchrun_fsdp_flag_shards_for_real_or_refuses_fsdp1",
@@ -83,12 +85,28 @@ class AtomicCheckpointTrainer(Trainer):
         self._staging_dir = staging
         try:
             super()._save_checkpoint(model, trial)
+        except (OSError, RuntimeError, SafetensorError) as error:  # what torch, safetensors and json raise on ENOSPC
+            raise self._failed_write(staging, run_dir, name, error) from error
         finally:
             self._staging_dir = None
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             self._publish(staging, run_dir, name)
         self.accelerator.wait_for_everyone()
+
+    @staticmethod
+    def _failed_write(staging: str, run_dir: str, name: str, error: Exception) -> StorageError:
+        """Remove the partial checkpoint (its space is what a full disk needs back) and say, in one line, where the
+        write failed, how much room is left there and which checkpoint a resume would use."""
+        free = shutil.disk_usage(run_dir).free / 2**20
+        shutil.rmtree(staging, ignore_errors=True)
+        while error.__context__ is not None:  # torch's first error ("iostream error"), not its cleanup's
+            error = error.__context__
+        cause = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        return StorageError(
+            f"could not write {os.path.join(run_dir, name)} ({cause}; {free:.1f} MiB free there): removed its partial "
+            f"copy; the last complete checkpoint is {get_last_checkpoint(run_dir) or 'none (a resume starts afresh)'}"
+        )
 
     def _publish(self, staging: str, run_dir: str, name: str) -> None:
         """Rename the complete checkpoint into place, then apply `save_total_limit` as the Trainer would have."""
