@@ -194,9 +194,23 @@ def run_as_written(block: Block, workdir: Path) -> None:
         runs = [(f"python {script.name}", [sys.executable, str(script)])]
     else:
         runs = [(ran, ["bash", "-c", ran]) for ran in (prepare(command, block, workdir) for command in block.commands)]
+    before = written_into(workdir)
     for ran, argv in runs:
         done = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, f"{block}: `{ran}` exited {done.returncode}:\n{done.stderr[-3000:]}"
+    shown = [name for name in sorted(written_into(workdir) - before) if not ignored_in_the_clone(workdir / name)]
+    assert not shown, f"{block}: writes {shown} where a reader runs it, the clone: git would show them (.gitignore)"
+
+
+def written_into(workdir: Path) -> set[str]:
+    """What is in the reader's working directory, the clone, except `tmp` (the blocks' /tmp)."""
+    return {path.name for path in workdir.iterdir()} - {"tmp"}
+
+
+def ignored_in_the_clone(path: Path) -> bool:
+    """Whether the clone's .gitignore covers a file or folder of this name at its top."""
+    name = path.name + ("/" if path.is_dir() else "")
+    return subprocess.run(["git", "-C", str(REPO), "check-ignore", "-q", name]).returncode == 0
 
 
 def page_tests(page: str, blocks: list[Block]) -> type:
