@@ -49,11 +49,13 @@ SLOW_TEST_BUDGETS_S = {
     "tests/benchmarks/test_gpu_campaign.py": 500,  # the whole GPU campaign at smoke size (.ci/gpu_kit_check.sh)
     "tests/eval/test_eval.py::test_lm_eval_cli": 75,
     "tests/eval/test_eval.py::test_ultramem_eval_reports_missing_benchmarks": 45,
+    "tests/eval/test_eval.py::test_results_are_written_after_each_checkpoint": 50,
     "tests/quantized/test_quantized_remote_code.py::test_plain_lm_eval_cli": 45,
     "tests/quantized/test_bench_quantized.py::test_lm_eval_scores_every_variant": 45,
     "tests/training/test_retrieval_health.py": 70,  # the main job's recipe, 20 steps per preset
     "tests/training/test_training_distributed.py": 90,  # DeepSpeed and FSDP2 launchers, 2 processes
     "tests/parallel/test_memory_parallel_resume.py": 70,
+    "tests/training/test_training_resume.py": 60,  # the training CLI launched, killed, resumed
     "tests/model/test_variants.py::test_save_and_load_in_a_fresh_process": 50,
     "tests/serving/test_vllm_offline.py::test_compiled_mode": 200,  # Inductor's compile of a model
     "tests/serving/test_vllm_offline.py::test_tensor_parallel": 80,  # two worker processes
