@@ -44,6 +44,7 @@ SLOW_TEST_BUDGETS_S = {
     "tests/test_readme_commands.py::TestBlocksOfDocsEvaluationMd": 130,  # lm_eval / ultramem-eval on ten benchmarks
     "tests/test_readme_commands.py::TestBlocksOfDocsTrainingMd": 70,
     "tests/test_readme_commands.py::TestBlocksOfDocsServingMd": 90,  # vLLM's environment: a server, an engine
+    "tests/test_readme_commands.py::TestBlocksOf": 60,  # a page's first block on a worker runs the main job's 2 steps
     "tests/benchmarks/test_decode_kernels.py::test_the_triton_memory_layer": 130,  # four models through Inductor
     "tests/benchmarks/test_bench_generate.py::test_bench_generate_times": 60,
     "tests/benchmarks/test_gpu_campaign.py": 500,  # the whole GPU campaign at smoke size (.ci/gpu_kit_check.sh)
