@@ -16,6 +16,7 @@ from ultramem.training.cli import parse_args
 from ultramem.training.data import load_raw_datasets, pack_blocks
 from ultramem.training.errors import UsageError
 from ultramem.training.schedule import VALUE_GROUP, ValueLearningRate, value_lr_multiplier, with_value_multiplier
+from ultramem.training.trainer_overrides import _failed_to_write
 
 
 def test_value_lr_multiplier_falls_linearly_from_start_to_one():
@@ -333,3 +334,17 @@ def test_private_trainer_overrides_are_listed():
             path, name = test.split("::")
             assert f"def {name}(" in (repo / path).read_text(), test
     assert inspect.getsourcefile(UltraMemTrainer.log) != inspect.getsourcefile(trainer_overrides)
+
+
+def test_only_a_failed_write_becomes_a_storage_error():
+    """A checkpoint save that fails on the disk is one line (StorageError); any other RuntimeError raised during the
+    save (a device or a distributed error) stays what it was instead of being reported as a full disk."""
+    try:
+        try:
+            raise RuntimeError("basic_ios::clear: iostream error")  # torch's zip writer on ENOSPC, then its cleanup
+        except RuntimeError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 9344 vs 9236") from None
+    except RuntimeError as error:
+        assert _failed_to_write(error)
+    assert _failed_to_write(OSError(28, "No space left on device"))
+    assert not _failed_to_write(RuntimeError("Expected all tensors to be on the same device"))

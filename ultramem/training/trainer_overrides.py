@@ -62,6 +62,21 @@ PINNED_BY: dict[tuple[str, str], tuple[str, ...]] = {
 }
 
 
+# torch's zip writer reports a failed write as a RuntimeError with one of these (its C++ stream's error, then the
+# position check of its cleanup)
+TORCH_WRITE_ERRORS = ("iostream error", "inline_container", "file write failed")
+
+
+def _failed_to_write(error: BaseException) -> bool:
+    """Whether `error`, or an error it was raised while handling, is a failed write (not any RuntimeError)."""
+    chain: BaseException | None = error
+    while chain is not None:
+        if isinstance(chain, (OSError, SafetensorError)) or any(text in str(chain) for text in TORCH_WRITE_ERRORS):
+            return True
+        chain = chain.__context__
+    return False
+
+
 class AtomicCheckpointTrainer(Trainer):
     """A `Trainer` whose checkpoints appear whole or not at all: a killed save never leaves a `checkpoint-N` that
     `--resume_from_checkpoint` would trust.
@@ -86,6 +101,8 @@ class AtomicCheckpointTrainer(Trainer):
         try:
             super()._save_checkpoint(model, trial)
         except (OSError, RuntimeError, SafetensorError) as error:  # what torch, safetensors and json raise on ENOSPC
+            if not _failed_to_write(error):
+                raise  # a RuntimeError of anything else stays what it is
             raise self._failed_write(staging, run_dir, name, error) from error
         finally:
             self._staging_dir = None
