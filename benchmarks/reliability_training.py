@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
+from transformers.trainer_utils import get_last_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the training tests' tiny config, corpus, flags and launchers
@@ -69,7 +70,9 @@ def launch(script: list[str], flags: list[str], processes: int, timeout: int, ch
 
 
 def last_checkpoint(output: Path) -> Path | None:
-    return max(output.glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]), default=None)
+    """The checkpoint a resume continues from: the Trainer's own choice (`get_last_checkpoint`)."""
+    found = get_last_checkpoint(output) if output.is_dir() else None
+    return Path(found) if found else None
 
 
 def step_of(checkpoint: Path | None) -> int:
