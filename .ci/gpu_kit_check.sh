@@ -11,6 +11,9 @@ cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off PIP_NO_CACHE_DIR=1
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
 work=.gpu-kit-check
+# DeepSpeed JIT-builds its CPU ops into TORCH_EXTENSIONS_DIR: this job's own, so that it never rebuilds (for another
+# Python's headers) an op that the test suite running beside it is loading
+export TORCH_EXTENSIONS_DIR="$PWD/$work/torch_extensions"
 trap 'rm -rf "$work"' EXIT
 rm -rf "$work"
 image="torch==2.13.0 transformers==5.17.0 accelerate==1.15.0 huggingface_hub==1.33.0 tokenizers==0.23.2 \

@@ -456,23 +456,3 @@ def test_shipped_one_benchmark_tasks_are_current(tmp_path: Path) -> None:
 
     for path in write_task_yamls(tmp_path):
         assert (Path(tasks_path()) / path.name).read_text(encoding="utf-8") == path.read_text(encoding="utf-8"), path
-
-
-def test_lm_eval_cli_runs_one_benchmark_from_local_copies(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    command = [
-        sys.executable, "-m", "lm_eval", "--model", "hf",
-        "--model_args", f"pretrained={tiny_checkpoint},trust_remote_code=True,dtype=float32",
-        "--include_path", tasks_path(), "--tasks", "ultramem_arc_challenge_offline",
-        "--metadata", json.dumps({"data_dir": str(FIXTURES)}), "--limit", "2", "--device", "cpu",
-        "--output_path", str(tmp_path),
-    ]  # fmt: skip
-    done = subprocess.run(command, env={**os.environ, **OFFLINE_ENV}, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert METADATA_HINT not in done.stderr  # lm-eval's hint for custom_dataset tasks; ours names --metadata itself
-    (results_file,) = tmp_path.rglob("results_*.json")
-    output = json.loads(results_file.read_text(encoding="utf-8"))
-    assert 0.0 <= output["results"]["arc_challenge"]["acc_norm,none"] <= 1.0
-    assert output["n-shot"]["arc_challenge"] == 25 and set(output["results"]) == {
-        "arc_challenge",
-        "ultramem_arc_challenge_offline",
-    }
