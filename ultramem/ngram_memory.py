@@ -229,6 +229,12 @@ class NGramMemory(nn.Module):
         sequences = None
         if inputs.sequence_ids is not None:  # packed rows (no cache): the history is no token, of no sequence
             sequences = F.pad(inputs.sequence_ids, (self.order - 1, 0), value=-1)
+        return self.canonical_ngrams(tokens, sequences)
+
+    def canonical_ngrams(self, tokens: torch.Tensor, sequences: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (B, N-1+T), the N-1 before the first of T included (the no-token id where there are none) -> the
+        canonical n-grams (B, N, T) the hash reads (`ngram_tokens`). The vLLM model, which keeps each request's last
+        ids itself, gives every token's window of N ids as a row of its own (T, N)."""
         return ngram_tokens(self.canonical_ids[tokens], self.vocab_size, self.eos_ids, self.order, sequences)
 
     def rows(self, ngrams: torch.Tensor) -> torch.Tensor:

@@ -28,9 +28,11 @@ def build_checkpoint(path: Path, **overrides) -> torch.nn.Module:
 
     The conv weights, the value and pre-value tables and the query normalisation's statistics are redrawn at random:
     the init makes the conv the identity on the current token (a lost conv state would not change a single token),
-    the values small and the statistics neutral (a statistic left unloaded would not change one either).
+    the values small and the statistics neutral (a statistic left unloaded would not change one either). N-gram
+    memories (`ngram_layers`) get random conv weights too (zero at init) and the tokenizer's canonical ids.
     """
     from ultramem import UltraMemConfig, UltraMemForCausalLM
+    from ultramem.ngram_memory import use_canonical_ids
     from ultramem.tokenization import load_tokenizer
 
     kwargs = dict(
@@ -64,10 +66,15 @@ def build_checkpoint(path: Path, **overrides) -> torch.nn.Module:
                     buffer.normal_(0.0, 0.5)
                 elif name.endswith("whitening"):
                     buffer.add_(torch.randn_like(buffer), alpha=0.2)
+        for ngram in model.model.ngram_memories:
+            ngram.conv.weight.normal_(0.0, 0.5)
+            ngram.conv.bias.normal_(0.0, 0.1)
         for name in model.get_value_table_names():
             model.get_parameter(name).normal_(0.0, 1.0)
+    tokenizer = load_tokenizer()
+    use_canonical_ids(model, tokenizer)
     model.save_pretrained(path)
-    load_tokenizer().save_pretrained(path)
+    tokenizer.save_pretrained(path)
     return model
 
 

@@ -213,12 +213,6 @@ def test_offloaded_tables_are_refused():
         check_supported(_engine_config(config))
 
 
-def test_ngram_memories_are_refused_until_served():
-    config = UltraMemConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=2, ngram_layers=[1])
-    with pytest.raises(UnsupportedByVllm, match=r"UltraMemConfig\.ngram_layers=\[1\] .* is not served by ultramem"):
-        check_supported(_engine_config(config))
-
-
 @pytest.mark.parametrize(
     "setting, match",
     [

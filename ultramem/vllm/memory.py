@@ -18,7 +18,8 @@ from vllm.distributed import get_tensor_model_parallel_world_size
 from ultramem.memory_query import MemoryInputs
 from ultramem.modeling_ultramem import MemoryInitScales, UltraMemMemoryLayer, build_value_tables
 from ultramem.quantized import QuantizedValueTable
-from ultramem.quantized.format import quantized_width, resolve_group_size
+from ultramem.quantized.format import quantized_width
+from ultramem.quantized.stores import table_geometry, table_group_size
 from ultramem.value_stores import DeferredValueTable, MemoryValueTable, deferred_value_tables
 
 from .query_conv import QueryConv
@@ -39,7 +40,7 @@ def build_memory_layer(
         )
     if layer.values is not None:
         layer.values, layer.pre_values = served_tables(
-            config, layer.values, layer.pre_values, config.memory_quantization
+            config, f"memory_layers.{memory_idx}.values", layer.values, layer.pre_values, config.memory_quantization
         )
     return layer
 
@@ -50,20 +51,21 @@ def build_value_pool(config) -> tuple[nn.Module | None, nn.Module | None]:
         return None, None
     with deferred_value_tables():
         values, pre_values = build_value_tables(config, config.value_pool_size, MemoryInitScales.from_config(config))
-    return served_tables(config, values, pre_values, None)
+    return served_tables(config, "value_pool", values, pre_values, None)
 
 
 def served_tables(
-    config, values: DeferredValueTable, pre_values: DeferredValueTable | None, quantization: str | None
+    config, name: str, values: DeferredValueTable, pre_values: DeferredValueTable | None, quantization: str | None
 ) -> tuple[nn.Module, nn.Module | None]:
-    """The value (and pre-value) table in place of their placeholders: float, or the values in `quantization`'s format;
-    across a tensor-parallel group of P ranks, this rank's N/P rows behind `TensorParallelRows`."""
+    """The value (and pre-value) table in place of their placeholders: float, or the values (module `name`) in
+    `quantization`'s format; across a tensor-parallel group of P ranks, this rank's N/P rows behind
+    `TensorParallelRows`."""
     size = get_tensor_model_parallel_world_size()
 
     def table(deferred: DeferredValueTable, quantized: bool) -> nn.Module:
         rows = deferred.num_embeddings // size
         if quantized:
-            local = quantized_table(config, rows)
+            local = quantized_table(config, name, rows)
         else:
             local = MemoryValueTable(rows, deferred.embedding_dim, deferred.init_std)
         return local if size == 1 else TensorParallelRows(local, deferred.num_embeddings)
@@ -71,16 +73,14 @@ def served_tables(
     return table(values, bool(quantization)), None if pre_values is None else table(pre_values, False)
 
 
-def quantized_table(config, num_rows: int) -> QuantizedValueTable:
-    """An empty uint8 table of the config's format and group size; the loader fills it with the checkpoint's."""
+def quantized_table(config, name: str, num_rows: int) -> QuantizedValueTable:
+    """An empty uint8 table `name` of the config's format, with the group size the checkpoint's has (an n-gram
+    table's rows may take another than the memory layers'); the loader fills it with the checkpoint's."""
     format = config.memory_quantization
-    group_size = resolve_group_size(
-        format, config.memory_value_dim, config.mcs_cores, config.memory_quantization_group_size
-    )
-    width = quantized_width(format, config.memory_value_dim, group_size)
-    return QuantizedValueTable(
-        torch.empty(num_rows, width, dtype=torch.uint8), format, group_size, config.memory_value_dim
-    )
+    value_dim = table_geometry(config, name)[0]
+    group_size = table_group_size(format, config, name, config.memory_quantization_group_size)
+    width = quantized_width(format, value_dim, group_size)
+    return QuantizedValueTable(torch.empty(num_rows, width, dtype=torch.uint8), format, group_size, value_dim)
 
 
 def run_memory_layers(

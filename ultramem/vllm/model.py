@@ -1,9 +1,11 @@
 """UltraMem for vLLM: the GPT-NeoX-shaped backbone on vLLM's layers (paged attention with rotary embeddings,
-parallel linear layers, vocab-parallel embedding and head) and the memory layers of `ultramem.vllm.memory`.
+parallel linear layers, vocab-parallel embedding and head), the memory layers of `ultramem.vllm.memory` and the
+n-gram memories of `ultramem.vllm.ngram`.
 
-vLLM hands the model every scheduled request's tokens as one flat batch (T,) with their positions; attention and the
-query convolutions find each request's past in vLLM's caches (KV pages, conv states), the rest is per token. The
-memory layer [a, b] reads the stream entering block a and its output is added to the stream leaving block b, as in
+vLLM hands the model every scheduled request's tokens as one flat batch (T,) with their positions; attention, the
+query convolutions and the n-gram memories' token windows and convolutions find each request's past in vLLM's caches
+(KV pages, conv states), the rest is per token. The memory layer [a, b] reads the stream entering block a and its
+output is added to the stream leaving block b; an n-gram memory adds to the stream entering its block; as in
 `modeling_ultramem.UltraMemModel`.
 """
 
@@ -34,8 +36,10 @@ from vllm.sequence import IntermediateTensors
 
 from ultramem.configuration_ultramem import BLOCK_SITE
 from ultramem.quantized import quantize
+from ultramem.quantized.stores import table_geometry
 
 from .memory import build_memory_layer, build_value_pool, run_memory_layers
+from .ngram import TokenWindow, build_ngram_memory, ngram_state_sizes, start_ngram_reads
 from .support import check_supported
 
 
@@ -128,8 +132,9 @@ class UltraMemModel(nn.Module):
     """Embedding, the blocks with their memory layers, final LayerNorm: token ids (T,) -> hidden states (T, D).
 
     Block-site memory layer [a, b] reads the stream entering block a, its output is added to the stream leaving block
-    b; MLP-site ones (UltraMemV2, Memory+) read the stream after block a's attention, beside its MLP; as in
-    `modeling_ultramem.UltraMemModel.forward`. A value pool shared by the memory layers is held here, as there.
+    b; MLP-site ones (UltraMemV2, Memory+) read the stream after block a's attention, beside its MLP; an n-gram memory
+    adds to the stream entering its block, its rows read from before the first block; as in
+    `modeling_ultramem.UltraMemModel`. A value pool shared by the memory layers is held here, as there.
     """
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
@@ -150,13 +155,33 @@ class UltraMemModel(nn.Module):
             ]
         )
         self.value_pool, self.pre_value_pool = build_value_pool(config)
+        self.ngram_memories = nn.ModuleList(
+            [
+                build_ngram_memory(config, j, vllm_config.model_config, cache_config, f"{prefix}.ngram_memories.{j}")
+                for j in range(len(config.ngram_layers))
+            ]
+        )
+        self.token_window = None  # each token's last ngram_order ids, read by every n-gram memory
+        if config.ngram_layers:
+            # its state's name: vLLM orders the state layers by the one integer in their names (read before block 0)
+            self.token_window = TokenWindow(
+                config.ngram_order,
+                config.vocab_size,
+                vllm_config.model_config,
+                cache_config,
+                f"{prefix}.token_window.0",
+            )
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds: torch.Tensor | None):
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         stores = (self.value_pool, self.pre_value_pool) if self.value_pool is not None else None
+        ngram_reads = start_ngram_reads(self.ngram_memories, self.token_window, input_ids)  # before the first block
         outputs: dict[int, torch.Tensor] = {}  # block-site memory layer -> its output, until its write block
         for block_idx, block in enumerate(self.layers):
+            for ngram, read in zip(self.ngram_memories, ngram_reads, strict=True):
+                if ngram.block == block_idx:
+                    hidden_states = hidden_states + ngram(hidden_states[None], input_ids, started=read)[0]
             reading = [layer for layer in self.memory_layers if layer.read_block == block_idx]
             parallel_memory = None
             if reading and self.mlp_site:
@@ -175,7 +200,8 @@ class UltraMemModel(nn.Module):
 
 
 class UltraMemForCausalLM(nn.Module, HasInnerState, IsHybrid):
-    """vLLM's UltraMem causal LM. Hybrid: each memory layer's query convolution keeps a (D, k-1) state per request.
+    """vLLM's UltraMem causal LM. Hybrid: each memory layer's query convolution keeps a (D, k-1) state per request,
+    each n-gram memory's convolution a (D, (k-1) N) one, and the n-gram memories' token window the last N-1 ids.
 
     Under tensor parallelism the attention heads, the MLP and the value tables' rows are split across the group (the
     memory layers' other parts are replicated). Pipeline parallelism, speculative decoding and offloaded tables are
@@ -201,12 +227,22 @@ class UltraMemForCausalLM(nn.Module, HasInnerState, IsHybrid):
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
-    # The conv state of one memory layer: (D, k-1) in the model's dtype, copied by vLLM as a short conv's is
+    # The largest conv state of the model, in the model's dtype: vLLM sizes every state page by it (the smaller states'
+    # pages are padded); all are copied as a short conv's is
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> tuple[tuple[int, ...]]:
         config = vllm_config.model_config.hf_config
-        kernel_size = config.query_conv_kernel_size if config.use_query_conv and config.memory_layers else 1
-        return MambaStateShapeCalculator.short_conv_state_shape(1, config.hidden_size, kernel_size)
+        queries = (
+            [(config.hidden_size, config.query_conv_kernel_size)]
+            if config.use_query_conv and config.memory_layers
+            else []
+        )
+        channels, kernel_size = max(
+            [*queries, *ngram_state_sizes(config)],
+            key=lambda size: size[0] * (size[1] - 1),
+            default=(config.hidden_size, 1),
+        )
+        return MambaStateShapeCalculator.short_conv_state_shape(1, channels, kernel_size)
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, ...]:
@@ -256,8 +292,8 @@ class UltraMemForCausalLM(nn.Module, HasInnerState, IsHybrid):
                     raise ValueError(f"checkpoint weight {name!r} has no place in ultramem.vllm's UltraMemForCausalLM")
                 target = targets[name]
                 if target.dtype == torch.uint8 and weight.dtype != torch.uint8:  # a float table, served quantized
-                    config = self.config
-                    weight = quantize(weight, config.memory_quantization, config.mcs_cores, self._group_size(name))
+                    num_cores = table_geometry(self.config, name)[1]  # an n-gram table's rows: one chunk
+                    weight = quantize(weight, self.config.memory_quantization, num_cores, self._group_size(name))
                 getattr(target, "weight_loader", default_weight_loader)(target, weight)
             loaded.add(name)
         return loaded

@@ -5,6 +5,7 @@ mode) keep each request's history.
 The layer is a `MambaBase` of type SHORT_CONV: vLLM allocates one (D, k-1) state per request and block, and builds the
 short-conv metadata (decode tokens first, then the prefills with their start offsets, state slots and whether each
 prefill continues a cached state). The convolution itself is vLLM's: the CPU kernels on CPU, the Triton ones on CUDA.
+A dilated conv (an n-gram memory's, `ultramem.vllm.ngram`) is the same layer with its taps spread out.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import (
     MambaStateShapeCalculator,
     is_conv_state_dim_first,
 )
+from vllm.model_executor.utils import set_weight_attrs
 from vllm.platforms import CpuArchEnum, current_platform
 from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
@@ -27,7 +29,10 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 class QueryConv(MambaBase, nn.Module):
     """Depthwise causal Conv1d over each request's tokens, in place of `memory_query.CausalDepthwiseConv`: its
-    parameter names (`weight` (D, 1, k), `bias` (D,)) and call, on the flat batch as one sequence (1, T, D)."""
+    parameter names (`weight`, `bias` (D,)) and call, on the flat batch as one sequence (1, T, D).
+
+    With `dilation` d, the k taps of the checkpoint's weight (D, 1, k) are spread over the undilated weight
+    (D, 1, (k-1) d + 1), zero between them: the same convolution, whose state is the last (k-1) d inputs."""
 
     def __init__(
         self,
@@ -36,10 +41,13 @@ class QueryConv(MambaBase, nn.Module):
         model_config: ModelConfig | None,
         cache_config: CacheConfig | None,
         prefix: str,
+        dilation: int = 1,
     ):
         super().__init__()
-        self.channels, self.kernel_size = channels, kernel_size
-        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
+        self.channels, self.dilation = channels, dilation
+        self.kernel_size = (kernel_size - 1) * dilation + 1  # the undilated span
+        self.weight = nn.Parameter(torch.empty(channels, 1, self.kernel_size))
+        set_weight_attrs(self.weight, {"weight_loader": self._load_taps})
         self.bias = nn.Parameter(torch.empty(channels))
         self.model_config, self.cache_config, self.prefix = model_config, cache_config, prefix
         # vLLM binds this layer's state pages by its name, as it does an attention layer's KV cache
@@ -48,6 +56,11 @@ class QueryConv(MambaBase, nn.Module):
             raise ValueError(f"Duplicate layer name: {prefix}")
         context[prefix] = self
         self.kv_cache = (torch.tensor([]),)
+
+    def _load_taps(self, target: torch.Tensor, taps: torch.Tensor) -> None:
+        """The checkpoint's taps (D, 1, k) at every `dilation`-th position of the weight, zeros between them."""
+        target.data.zero_()
+        target.data[..., :: self.dilation] = taps
 
     @property
     def mamba_type(self) -> MambaAttentionBackendEnum:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ultramem.ngram_memory import ngram_table_rows
+
 # config field -> (its value when the feature is off, what it is, what to do instead)
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, str, str]] = {
     "memory_offload": (
@@ -18,11 +20,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, str, str]] = {
         "value tables offloaded to host memory or disk",
         "serve the tables in memory (on vLLM's CPU backend they are in host memory already), shrink them with "
         "`python -m ultramem.quantize CKPT OUT --format int4`, or use Transformers' generate with memory_offload",
-    ),
-    "ngram_layers": (
-        [],
-        "hashed n-gram memories (Engram)",
-        "serve the checkpoint with Transformers' generate; the vLLM model class does not hold n-gram memories yet",
     ),
 }
 
@@ -52,6 +49,11 @@ def check_supported(vllm_config: Any) -> None:
             "layer's output may be added blocks after it reads, across a stage boundary): use tensor_parallel_size."
         )
     _check_tensor_parallel(config, parallel.tensor_parallel_size)
+    if config.ngram_layers and getattr(vllm_config.model_config, "enable_prompt_embeds", False):
+        raise UnsupportedByVllm(
+            f"enable_prompt_embeds=True is not supported by ultramem.vllm with UltraMemConfig.ngram_layers="
+            f"{config.ngram_layers} (the n-gram memories hash the token ids): prompt with token ids or text."
+        )
     if getattr(vllm_config, "speculative_config", None) is not None:
         raise UnsupportedByVllm(
             "speculative decoding is not supported by ultramem.vllm (the query-conv states are not rolled back for "
@@ -60,7 +62,8 @@ def check_supported(vllm_config: Any) -> None:
 
 
 def _check_tensor_parallel(config: Any, size: int) -> None:
-    """Each rank holds an equal block of every value table's rows and an equal share of the attention heads."""
+    """Each rank holds an equal block of every value table's rows (n-gram tables included) and an equal share of the
+    attention heads."""
     if size == 1:
         return
     # a shared pool holds every table; otherwise each memory layer holds its own
@@ -71,6 +74,14 @@ def _check_tensor_parallel(config: Any, size: int) -> None:
             f"tensor_parallel_size={size} does not divide UltraMemConfig.{field}={rows} (each rank holds an equal "
             f"block of the value rows): use a tensor_parallel_size dividing {rows}."
         )
+    for idx, rows in enumerate(ngram_table_rows(config)):
+        if rows % size:
+            raise UnsupportedByVllm(
+                f"tensor_parallel_size={size} does not divide the {rows} rows of n-gram memory {idx}'s table (the sum "
+                f"of its hash heads' primes near UltraMemConfig.ngram_table_size={config.ngram_table_size} / "
+                f"{(config.ngram_order - 1) * config.ngram_heads}; each rank holds an equal block of the rows): use a "
+                f"tensor_parallel_size dividing {rows}."
+            )
     if config.num_attention_heads % size:
         raise UnsupportedByVllm(
             f"tensor_parallel_size={size} does not divide num_attention_heads={config.num_attention_heads}: use a "
