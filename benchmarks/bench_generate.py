@@ -32,14 +32,23 @@ ratios of issues 45 and 48 (UltraMem / dense and Engram / dense <= 1.10 and 1.05
     OMP_NUM_THREADS=1 python benchmarks/bench_generate.py --device cpu --sizes tiny --kinds dense,ultramem,engram \
         --caches eager --batch-sizes 1,8 --prompt 64 --new-tokens 32 --iters 20 --interleave --name generate_cpu_eager
 
+A kind with `-disk` (`engram-disk`, `ultramem-disk`) is the same model with its value tables written to files once
+and memory-mapped (`set_value_store("disk")`; the page cache warm, as for a table that fits in memory), timed against
+the in-memory one (issue 45: n-gram tables from disk <= 1.05x in memory):
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_generate.py --device cpu --sizes tiny --kinds dense,engram,engram-disk \
+        --caches eager --batch-sizes 1,8 --prompt 64 --new-tokens 32 --iters 20 --interleave --name generate_cpu_disk
+
 Writes benchmarks/results/generate_<device>.json and .png; the table (per-token ms and the ratios UltraMem/dense,
-MoE/UltraMem, Engram/dense for every size, batch and cache) is printed last.
+MoE/UltraMem, Engram/dense and disk/in memory for every size, batch and cache) is printed last.
 """
 
 from __future__ import annotations
 
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,7 +56,8 @@ from lib import cli, models, report, timing
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 DEFAULT_NAME = "generate"
-KINDS = ("dense", "ultramem", "moe", "engram")  # engram on request: Engram's n-gram memory (lib.models.ENGRAM_PEERS)
+# engram on request: Engram's n-gram memory (lib.models.ENGRAM_PEERS); a kind + "-disk": its tables memory-mapped
+KINDS = ("dense", "ultramem", "moe", "engram", "ultramem" + models.ON_DISK, "engram" + models.ON_DISK)
 CACHES = ("eager", "static")
 
 
@@ -80,7 +90,8 @@ def parse_args(argv: list[str] | None = None):
     args.kinds = cli.names(args.kinds, KINDS, "--kinds")
     if "dense" not in args.kinds:
         raise SystemExit("--kinds: the ratios are against dense: include it")
-    if "engram" in args.kinds and (missing := [s for s in args.sizes if s not in models.ENGRAM_PEERS]):
+    engram = any(kind.startswith("engram") for kind in args.kinds)
+    if engram and (missing := [s for s in args.sizes if s not in models.ENGRAM_PEERS]):
         raise SystemExit(
             f"--kinds engram: no Engram preset at size {missing[0]}; sizes: {', '.join(models.ENGRAM_PEERS)}"
         )
@@ -158,7 +169,8 @@ def build(size: str, kind: str, args) -> tuple[Any, dict[str, Any]]:
     batch size with the first cache."""
     batch = args.batch_sizes[len(args.batch_sizes) // 2]
     probe = lambda m: time_generate(m, batch, args.caches[0], args)
-    return models.build_peer(size, kind, args, probe, positions=args.prompt + args.new_tokens)
+    positions = args.prompt + args.new_tokens
+    return models.build_peer(size, kind, args, probe, positions=positions, tables_dir=args.tables_dir)
 
 
 def bench_models(size: str, kinds: list[str], args) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -185,7 +197,8 @@ def bench_models(size: str, kinds: list[str], args) -> tuple[list[dict[str, Any]
 
 
 RATIOS = {"ultramem/dense": ("ultramem", "dense"), "moe/ultramem": ("moe", "ultramem"),
-          "engram/dense": ("engram", "dense")}  # fmt: skip
+          "engram/dense": ("engram", "dense"), "ultramem-disk/ultramem": ("ultramem-disk", "ultramem"),
+          "engram-disk/engram": ("engram-disk", "engram")}  # fmt: skip
 
 
 def ratio_rows(rows: list[dict[str, Any]], kinds: list[str]) -> list[dict[str, Any]]:
@@ -236,11 +249,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.manual_seed(0)
     rows, infos = [], []
-    for size in args.sizes:
-        for kinds in [args.kinds] if args.interleave else [[kind] for kind in args.kinds]:
-            model_rows, model_infos = bench_models(size, kinds, args)
-            rows, infos = rows + model_rows, infos + model_infos
-            report.save(args, {"complete": False, "rows": rows})  # kept should the run be cut short
+    # the "-disk" kinds' table files: beside the results (on disk, where /tmp may be RAM), removed after the run
+    with tempfile.TemporaryDirectory(prefix=".tables-", dir=args.results_dir) as tables_dir:
+        args.tables_dir = Path(tables_dir)
+        for size in args.sizes:
+            for kinds in [args.kinds] if args.interleave else [[kind] for kind in args.kinds]:
+                model_rows, model_infos = bench_models(size, kinds, args)
+                rows, infos = rows + model_rows, infos + model_infos
+                report.save(args, {"complete": False, "rows": rows})  # kept should the run be cut short
     settings = {"sizes": args.sizes, "kinds": args.kinds, "interleaved": args.interleave, "batch_sizes": args.batch_sizes, "prompt": args.prompt,
                 "new_tokens": args.new_tokens, "caches": args.caches, "auto_compile": not args.no_auto_compile,
                 "decoding": "greedy, min_new_tokens = max_new_tokens", "warmup": args.warmup, "iters": args.iters,

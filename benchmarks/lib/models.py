@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +29,9 @@ PEERS: dict[str, dict[str, str]] = {
 # the decode benchmarks time on request (`--kinds ...,engram`), kept apart from PEERS, whose three kinds every
 # script builds
 ENGRAM_PEERS: dict[str, str] = {"tiny": "tiny-engram", "151m": "engram-151m", "680m": "engram-680m"}
+# A kind's suffix for the same model with its value tables memory-mapped from files (`set_value_store("disk")`, each
+# table written once to the folder the script gives) instead of held in memory: `engram-disk`, `ultramem-disk`
+ON_DISK = "-disk"
 # Transformers' expert paths for Mixtral (integrations/moe.py), tried in this order; the fastest is kept.
 MOE_IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")
 
@@ -143,12 +147,18 @@ def build_peer(
     args: argparse.Namespace,
     probe: Callable[[PreTrainedModel], dict[str, float]],
     positions: int | None = None,
+    tables_dir: Path | None = None,
 ) -> tuple[PreTrainedModel, dict[str, Any]]:
     """The eval-mode model of `kind` at `size` for decoding (`decode_overrides`) and its description; for MoE, the
-    expert path `choose_moe_implementation` picks under `probe`."""
-    preset = ENGRAM_PEERS[size] if kind == "engram" else PEERS[size][kind]
+    expert path `choose_moe_implementation` picks under `probe`. A kind ending in `ON_DISK` has its tables written to
+    `tables_dir/<kind>` and memory-mapped from there."""
+    base = kind.removesuffix(ON_DISK)
+    preset = ENGRAM_PEERS[size] if base == "engram" else PEERS[size][base]
     model = build(preset, args.device, args.dtype, **decode_overrides(preset, args, positions)).eval()
     info: dict[str, Any] = {"size": size, "kind": kind, "preset": preset}
+    if kind.endswith(ON_DISK):
+        model.set_value_store("disk", directory=tables_dir / kind)
+        info["value_store"] = "disk"
     if kind == "moe":
         with torch.no_grad():
             info["moe_implementation"], info["moe_probe_ms"] = choose_moe_implementation(model, args.moe_impl, probe)

@@ -12,7 +12,7 @@ def test_bench_generate_times_every_new_token_after_the_prefill(tmp_path, capsys
     new_tokens = 4
     argv = ["--device", "cpu", "--sizes", "tiny", "--batch-sizes", "1,2", "--prompt", "8", "--new-tokens",
             str(new_tokens), "--warmup", "1", "--iters", "2", "--statistic", "median", "--moe-impl", "eager",
-            "--kinds", "dense,ultramem,moe,engram", "--interleave", "--results-dir", str(tmp_path), "--name", "generate"]  # fmt: skip
+            "--kinds", "dense,ultramem,moe,engram,engram-disk", "--interleave", "--results-dir", str(tmp_path), "--name", "generate"]  # fmt: skip
     bench_generate.main(argv)
     payload = json.loads((tmp_path / "generate.json").read_text())
     assert payload["complete"] and payload["environment"]["device"].startswith("CPU")
@@ -20,7 +20,7 @@ def test_bench_generate_times_every_new_token_after_the_prefill(tmp_path, capsys
     rows = payload["rows"]
     assert {(r["kind"], r["cache"], r["batch"]) for r in rows} == {
         (kind, cache, batch)
-        for kind in ("dense", "ultramem", "moe", "engram")
+        for kind in ("dense", "ultramem", "moe", "engram", "engram-disk")
         for cache in ("eager", "static")
         for batch in (1, 2)
     }
@@ -36,7 +36,10 @@ def test_bench_generate_times_every_new_token_after_the_prefill(tmp_path, capsys
         assert ratio["ultramem/dense"] == pytest.approx(by_key[(*key, "ultramem")] / by_key[(*key, "dense")])
         assert ratio["moe/ultramem"] == pytest.approx(by_key[(*key, "moe")] / by_key[(*key, "ultramem")])
         assert ratio["engram/dense"] == pytest.approx(by_key[(*key, "engram")] / by_key[(*key, "dense")])
-    assert {m["kind"]: m["preset"] for m in payload["models"]}["engram"] == "tiny-engram"
+        assert ratio["engram-disk/engram"] == pytest.approx(by_key[(*key, "engram-disk")] / by_key[(*key, "engram")])
+    presets = {m["kind"]: (m["preset"], m.get("value_store")) for m in payload["models"]}
+    assert presets["engram"] == ("tiny-engram", None) and presets["engram-disk"] == ("tiny-engram", "disk")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["generate.json", "generate.png"]  # table files gone
     assert (tmp_path / "generate.png").stat().st_size > 0
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("tiny")  # the table is printed last
 
