@@ -111,6 +111,13 @@ MEMORY_PLUS = dict(  # Memory+: PKM with softmax in place of two blocks' MLPs, o
     value_pool_size=256,
 )
 PEER_GELU = dict(value_gate="peer_gelu", pre_value_dim=16, query_conv_kernel_size=4)  # V1 placement, GELU'd gate
+# Engram: a hashed n-gram memory at block 1 (beside the default's product-key layers: tiny-ultramem-engram's layout),
+# orders 2..3 with 4 hash heads each (8 primes, whose sum is even: tensor parallel splits the rows in two), a kernel-4
+# conv dilated by 3 (its state: the last 9 inputs)
+NGRAM = dict(
+    ngram_layers=[1], ngram_order=3, ngram_heads=4, ngram_head_dim=32, ngram_table_size=1024, ngram_conv_kernel_size=4
+)
+EOS = 0  # UltraMemConfig's and the shipped tokenizer's: in a prompt, the n-grams after it start a new document
 
 
 def prompts(lengths: list[int], seed: int, prefix: list[int] | None = None) -> list[list[int]]:

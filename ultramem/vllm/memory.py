@@ -36,13 +36,28 @@ def build_memory_layer(
     conv = layer.query.conv
     if conv is not None and conv.kernel_size > 1:
         layer.query.conv = QueryConv(
-            config.hidden_size, conv.kernel_size, model_config, cache_config, f"{prefix}.query.conv"
+            config.hidden_size,
+            conv.kernel_size,
+            model_config,
+            cache_config,
+            f"{prefix}.query.conv",
+            span=state_span(config),
         )
     if layer.values is not None:
         layer.values, layer.pre_values = served_tables(
             config, f"memory_layers.{memory_idx}.values", layer.values, layer.pre_values, config.memory_quantization
         )
     return layer
+
+
+def state_span(config) -> int:
+    """The inputs every conv state layer of the model spans (its state: the last span - 1, in (D, span - 1)): the
+    longest of the query conv's kernel, an n-gram memory's dilated conv ((k-1) N + 1) and its token window (N). One
+    shape for all of them, so that vLLM keeps them in one KV cache group (`QueryConv`)."""
+    spans = [config.query_conv_kernel_size] if config.use_query_conv and config.memory_layers else []
+    if config.ngram_layers:
+        spans += [(config.ngram_conv_kernel_size - 1) * config.ngram_order + 1, config.ngram_order]
+    return max(spans, default=1)
 
 
 def build_value_pool(config) -> tuple[nn.Module | None, nn.Module | None]:

@@ -38,8 +38,8 @@ from ultramem.configuration_ultramem import BLOCK_SITE
 from ultramem.quantized import quantize
 from ultramem.quantized.stores import table_geometry
 
-from .memory import build_memory_layer, build_value_pool, run_memory_layers
-from .ngram import TokenWindow, build_ngram_memory, ngram_state_sizes, start_ngram_reads
+from .memory import build_memory_layer, build_value_pool, run_memory_layers, state_span
+from .ngram import TokenWindow, build_ngram_memory, start_ngram_reads
 from .support import check_supported
 
 
@@ -164,13 +164,7 @@ class UltraMemModel(nn.Module):
         self.token_window = None  # each token's last ngram_order ids, read by every n-gram memory
         if config.ngram_layers:
             # its state's name: vLLM orders the state layers by the one integer in their names (read before block 0)
-            self.token_window = TokenWindow(
-                config.ngram_order,
-                config.vocab_size,
-                vllm_config.model_config,
-                cache_config,
-                f"{prefix}.token_window.0",
-            )
+            self.token_window = TokenWindow(config, vllm_config.model_config, cache_config, f"{prefix}.token_window.0")
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds: torch.Tensor | None):
@@ -227,22 +221,12 @@ class UltraMemForCausalLM(nn.Module, HasInnerState, IsHybrid):
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
-    # The largest conv state of the model, in the model's dtype: vLLM sizes every state page by it (the smaller states'
-    # pages are padded); all are copied as a short conv's is
+    # The conv state of every state layer: (D, span - 1) in the model's dtype (`memory.state_span`), copied by vLLM as a
+    # short conv's is
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> tuple[tuple[int, ...]]:
         config = vllm_config.model_config.hf_config
-        queries = (
-            [(config.hidden_size, config.query_conv_kernel_size)]
-            if config.use_query_conv and config.memory_layers
-            else []
-        )
-        channels, kernel_size = max(
-            [*queries, *ngram_state_sizes(config)],
-            key=lambda size: size[0] * (size[1] - 1),
-            default=(config.hidden_size, 1),
-        )
-        return MambaStateShapeCalculator.short_conv_state_shape(1, channels, kernel_size)
+        return MambaStateShapeCalculator.short_conv_state_shape(1, config.hidden_size, state_span(config))
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, ...]:

@@ -5,7 +5,9 @@ mode) keep each request's history.
 The layer is a `MambaBase` of type SHORT_CONV: vLLM allocates one (D, k-1) state per request and block, and builds the
 short-conv metadata (decode tokens first, then the prefills with their start offsets, state slots and whether each
 prefill continues a cached state). The convolution itself is vLLM's: the CPU kernels on CPU, the Triton ones on CUDA.
-A dilated conv (an n-gram memory's, `ultramem.vllm.ngram`) is the same layer with its taps spread out.
+A dilated conv (an n-gram memory's, `ultramem.vllm.ngram`) is the same layer with its taps spread out, and every
+such layer of a model spans as many inputs (`span`): vLLM keeps state layers of one shape in one KV cache group, where
+each shape would otherwise be a group of its own (its own block tables and metadata, every step).
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ class QueryConv(MambaBase, nn.Module):
     """Depthwise causal Conv1d over each request's tokens, in place of `memory_query.CausalDepthwiseConv`: its
     parameter names (`weight`, `bias` (D,)) and call, on the flat batch as one sequence (1, T, D).
 
-    With `dilation` d, the k taps of the checkpoint's weight (D, 1, k) are spread over the undilated weight
-    (D, 1, (k-1) d + 1), zero between them: the same convolution, whose state is the last (k-1) d inputs."""
+    The k taps of the checkpoint's weight (D, 1, k), `dilation` d apart, are the last of the undilated weight
+    (D, 1, span), zero before and between them: the same convolution, whose state is the last span - 1 inputs
+    (span >= (k-1) d + 1; by default equal)."""
 
     def __init__(
         self,
@@ -42,10 +45,16 @@ class QueryConv(MambaBase, nn.Module):
         cache_config: CacheConfig | None,
         prefix: str,
         dilation: int = 1,
+        span: int | None = None,
     ):
         super().__init__()
-        self.channels, self.dilation = channels, dilation
-        self.kernel_size = (kernel_size - 1) * dilation + 1  # the undilated span
+        reach = (kernel_size - 1) * dilation + 1
+        self.channels, self.kernel_size = channels, span or reach
+        if self.kernel_size < reach:
+            raise ValueError(
+                f"span={span} is shorter than the {reach} inputs of {kernel_size} taps dilated by {dilation}"
+            )
+        self.taps = slice(self.kernel_size - reach, None, dilation)  # the checkpoint's taps in the undilated weight
         self.weight = nn.Parameter(torch.empty(channels, 1, self.kernel_size))
         set_weight_attrs(self.weight, {"weight_loader": self._load_taps})
         self.bias = nn.Parameter(torch.empty(channels))
@@ -58,9 +67,9 @@ class QueryConv(MambaBase, nn.Module):
         self.kv_cache = (torch.tensor([]),)
 
     def _load_taps(self, target: torch.Tensor, taps: torch.Tensor) -> None:
-        """The checkpoint's taps (D, 1, k) at every `dilation`-th position of the weight, zeros between them."""
+        """The checkpoint's taps (D, 1, k) at their places in the weight (`taps`), zeros elsewhere."""
         target.data.zero_()
-        target.data[..., :: self.dilation] = taps
+        target.data[..., self.taps] = taps
 
     @property
     def mamba_type(self) -> MambaAttentionBackendEnum:
