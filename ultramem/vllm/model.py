@@ -194,8 +194,8 @@ class UltraMemModel(nn.Module):
 
 
 class UltraMemForCausalLM(nn.Module, HasInnerState, IsHybrid):
-    """vLLM's UltraMem causal LM. Hybrid: each memory layer's query convolution keeps a (D, k-1) state per request,
-    each n-gram memory's convolution a (D, (k-1) N) one, and the n-gram memories' token window the last N-1 ids.
+    """vLLM's UltraMem causal LM. Hybrid: each memory layer's query convolution, each n-gram memory's convolution and
+    the n-gram memories' token window keep a conv state per request, all of one shape (D, span - 1) (`state_span`).
 
     Under tensor parallelism the attention heads, the MLP and the value tables' rows are split across the group (the
     memory layers' other parts are replicated). Pipeline parallelism, speculative decoding and offloaded tables are

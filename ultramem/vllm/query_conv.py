@@ -2,12 +2,13 @@
 hybrid cache, as LFM2's short convolution does, so continuous batching, chunked prefill and prefix caching ("align"
 mode) keep each request's history.
 
-The layer is a `MambaBase` of type SHORT_CONV: vLLM allocates one (D, k-1) state per request and block, and builds the
-short-conv metadata (decode tokens first, then the prefills with their start offsets, state slots and whether each
+The layer is a `MambaBase` of type SHORT_CONV: vLLM allocates one (D, span-1) state per request and block, and builds
+the short-conv metadata (decode tokens first, then the prefills with their start offsets, state slots and whether each
 prefill continues a cached state). The convolution itself is vLLM's: the CPU kernels on CPU, the Triton ones on CUDA.
 A dilated conv (an n-gram memory's, `ultramem.vllm.ngram`) is the same layer with its taps spread out, and every
-such layer of a model spans as many inputs (`span`): vLLM keeps state layers of one shape in one KV cache group, where
-each shape would otherwise be a group of its own (its own block tables and metadata, every step).
+such layer of a model spans as many inputs (`span` >= k, zero taps in front): vLLM keeps state layers of one shape in
+one KV cache group, where each shape would otherwise be a group of its own (its own block tables and metadata, every
+step).
 """
 
 from __future__ import annotations
