@@ -56,8 +56,8 @@ def check_supported(vllm_config: Any) -> None:
         )
     if getattr(vllm_config, "speculative_config", None) is not None:
         raise UnsupportedByVllm(
-            "speculative decoding is not supported by ultramem.vllm (the query-conv states are not rolled back for "
-            "rejected draft tokens): remove speculative_config."
+            "speculative decoding is not supported by ultramem.vllm (the conv states, the n-gram memories' token "
+            "window included, are not rolled back for rejected draft tokens): remove speculative_config."
         )
 
 
