@@ -141,8 +141,10 @@ def test_cached_generation_equals_recomputation_with_left_padding_and_an_eos_in_
     assert torch.equal(beams, model.generate(input_ids[:1, 4:], max_new_tokens=4, num_beams=3, use_cache=False))
 
 
-def test_steps_of_several_tokens_continue_the_history():
-    model = ngram_model(seed=2)
+@pytest.mark.parametrize("conv", [{}, {"ngram_conv_kernel_size": 1}], ids=["conv", "one-tap-conv"])
+def test_steps_of_several_tokens_continue_the_history(conv):
+    """A conv of one tap keeps no state (its config gives it no cache slot): the ids' history alone carries on."""
+    model = ngram_model(seed=2, **conv)
     ids = torch.randint(1, 97, (2, 11), generator=torch.Generator().manual_seed(6))
     ids[1, 6] = EOS
     with torch.no_grad():
