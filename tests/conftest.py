@@ -53,6 +53,7 @@ SLOW_TEST_BUDGETS_S = {
     "tests/eval/test_eval.py::test_results_are_written_after_each_checkpoint": 50,
     "tests/quantized/test_quantized_remote_code.py::test_plain_lm_eval_cli": 45,
     "tests/quantized/test_bench_quantized.py::test_lm_eval_scores_every_variant": 45,
+    "tests/kernels/test_kernels.py::test_model_trains_through_the_kernels": 45,  # Triton's interpreter, a training
     "tests/training/test_retrieval_health.py": 70,  # the main job's recipe, 20 steps per preset
     "tests/training/test_training_distributed.py": 90,  # DeepSpeed and FSDP2 launchers, 2 processes
     "tests/parallel/test_memory_parallel_resume.py": 70,
