@@ -38,12 +38,12 @@ class CausalDepthwiseConv(nn.Module):
     attends within each.
     """
 
-    def __init__(self, channels: int, kernel_size: int, cache_layer_idx: int, state_idx: int, dilation: int = 1):
+    def __init__(self, channels: int, kernel_size: int, state_slot: tuple[int, int] | None, dilation: int = 1):
+        """`state_slot`: (cache layer, slot) of its inputs in the generation cache; None for one tap, which keeps none."""
         super().__init__()
         self.kernel_size = kernel_size
         self.dilation = dilation  # the n-gram memory's conv skips N - 1 tokens between taps (Engram)
-        self.cache_layer_idx = cache_layer_idx
-        self.state_idx = state_idx
+        self.state_slot = state_slot
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
         self.bias = nn.Parameter(torch.empty(channels))
 
@@ -72,20 +72,18 @@ class CausalDepthwiseConv(nn.Module):
         context = (self.kernel_size - 1) * self.dilation
         cache = inputs.cache
         if cache is not None and context > 0:
-            layers = cache.layers
-            if len(layers) <= self.cache_layer_idx or not isinstance(
-                layers[self.cache_layer_idx], LinearAttentionCacheLayerMixin
-            ):
+            layers, (layer_idx, state_idx) = cache.layers, self.state_slot
+            if len(layers) <= layer_idx or not isinstance(layers[layer_idx], LinearAttentionCacheLayerMixin):
                 raise ValueError(
                     "UltraMem keeps query-conv states in the generation cache: build it with "
                     "DynamicCache(config=model.config) (or let the model create it with use_cache=True)."
                 )
-            has_past = layers[self.cache_layer_idx].has_previous_state[self.state_idx]  # get_conv_state: 5.24 on
+            has_past = layers[layer_idx].has_previous_state[state_idx]  # get_conv_state: 5.24 on
             # With a previous state the cache returns cat(state, x) before overwriting its state in place
             # (so the old state must not be read after this call); on prefill it returns x, unpadded. While
             # `generate` records the past to roll it back (assisted decoding) the state is longer or shorter than
             # k-1: the window is its last k-1+T inputs, zeros before the first token.
-            updated = cache.update_conv_state(x, self.cache_layer_idx, self.state_idx, conv_kernel_size=context)
+            updated = cache.update_conv_state(x, layer_idx, state_idx, conv_kernel_size=context)
             if has_past:
                 width = context + x.shape[-1]
                 window = (updated if updated.shape[-1] == width else updated[..., -width:]).to(x.dtype)
@@ -123,14 +121,14 @@ class MemoryQuery(nn.Module):
     make every token read the same rows.
     """
 
-    def __init__(self, config: UltraMemConfig, scales: MemoryInitScales, cache_layer_idx: int, state_idx: int):
+    def __init__(self, config: UltraMemConfig, scales: MemoryInitScales, conv_slot: tuple[int, int] | None):
         super().__init__()
         self.num_heads = config.memory_heads
         self.num_queries = 1 if config.share_query else 2
         self.rank = config.tucker_rank
         self.part_dim = config.memory_key_dim // config.tucker_rank
         self.conv = (
-            CausalDepthwiseConv(config.hidden_size, config.query_conv_kernel_size, cache_layer_idx, state_idx)
+            CausalDepthwiseConv(config.hidden_size, config.query_conv_kernel_size, conv_slot)
             if config.use_query_conv
             else None
         )

@@ -311,11 +311,10 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         self.config = config
         self.memory_idx = memory_idx
         self.read_block, self.write_block = config.memory_layers[memory_idx]
-        conv_state_slots = config.memory_conv_state_slots
-        cache_layer_idx, state_idx = conv_state_slots[memory_idx] if conv_state_slots else (0, 0)  # else: no state
+        conv_state_slots = config.memory_conv_state_slots  # empty where the query conv keeps no state
         scales = MemoryInitScales.from_config(config)
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.query = MemoryQuery(config, scales, cache_layer_idx, state_idx)
+        self.query = MemoryQuery(config, scales, conv_state_slots[memory_idx] if conv_state_slots else None)
         retrieval_cls = TuckerQueryKeyRetrieval if config.retrieval_mode == TUCKER else ProductKeyRetrieval
         self.retrieval = retrieval_cls(config, scales)
         self.pre_value_gate = PreValueGate(config, scales) if config.pre_value_dim else None

@@ -186,8 +186,8 @@ class NGramMemory(nn.Module):
         self.hidden_norm = nn.RMSNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.key_norm = nn.RMSNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.value_norm = nn.RMSNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.conv = CausalDepthwiseConv(  # a conv of one tap keeps no state: it has no slot (None) and reads none
-            config.hidden_size, config.ngram_conv_kernel_size, *(conv_slot or (0, 0)), dilation=config.ngram_order
+        self.conv = CausalDepthwiseConv(
+            config.hidden_size, config.ngram_conv_kernel_size, conv_slot, dilation=config.ngram_order
         )
 
     def init_ultramem(self) -> None:
