@@ -64,10 +64,11 @@ class TokenWindow(QueryConv):
         del self.weight, self.bias  # fixed, not the checkpoint's
         self.register_buffer("weight", one_hot[:, None], persistent=False)
         self.register_buffer("bias", torch.zeros(config.hidden_size), persistent=False)
+        self.register_buffer("shifts", torch.arange(digits) * DIGIT_BITS, persistent=False)  # each digit's bits
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids (T,), the flat batch -> (T, N): each token's window of ids, oldest first (vocab_size: none)."""
-        shifts = torch.arange(self.digits, device=input_ids.device) * DIGIT_BITS
+        shifts = self.shifts
         digits = ((self.vocab_size - input_ids)[:, None] >> shifts) & ((1 << DIGIT_BITS) - 1)  # (T, digits)
         groups = digits.repeat(1, self.order)  # (T, N digits): every group gets the id
         channels = F.pad(groups, (0, self.channels - groups.shape[1])).to(self.weight.dtype)  # (T, D)
