@@ -250,6 +250,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
     rows, infos = [], []
     # the "-disk" kinds' table files: beside the results (on disk, where /tmp may be RAM), removed after the run
+    args.results_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".tables-", dir=args.results_dir) as tables_dir:
         args.tables_dir = Path(tables_dir)
         for size in args.sizes:

@@ -39,9 +39,9 @@ from ultramem.training.data import embedded_corpus_files
 RULES = ("sign-normalised", "per-token", "signed")
 
 
-def _positive_quadrant(row_projected, col_projected, topk, signed):
+def _positive_quadrant(projected, topk, signed):
     """The rule before the fix: the top-m of each axis' rank-1 projection (with the sign-normalised u, t below)."""
-    return row_projected.topk(topk, dim=-1).indices, col_projected.topk(topk, dim=-1).indices
+    return projected.topk(topk, dim=-1).indices
 
 
 def _sign_normalised_vectors(self):

@@ -67,11 +67,10 @@ def sampled_core_scores(
     cores = torch.normal(0.0, 1.0, (samples, num_cores, rank, rank), **float64)
     cores = cores / (num_cores * rank * rank) ** 0.5  # E||sum_i C^(i)||_F^2 = 1, as `TuckerQueryKeyRetrieval`
     left, _, right_h = torch.linalg.svd(cores.sum(1))
-    projected = (
-        torch.einsum("srn,sr->sn", rows, left[..., :, 0]),
-        torch.einsum("srn,sr->sn", cols, right_h[..., 0, :]),
-    )
-    indices = rank_one_candidates(*projected, top_m, signed)  # (S, m') each
+    projected = torch.stack(
+        (torch.einsum("srn,sr->sn", rows, left[..., :, 0]), torch.einsum("srn,sr->sn", cols, right_h[..., 0, :])), 1
+    )  # (S, 2, n): a and b
+    indices = rank_one_candidates(projected, top_m, signed).unbind(1)  # (S, m') each
     row_candidates, col_candidates = (
         scores.gather(-1, index.unsqueeze(1).expand(-1, rank, -1)) for scores, index in zip((rows, cols), indices)
     )  # (S, r, m')

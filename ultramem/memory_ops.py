@@ -52,8 +52,8 @@ def lookup_reduce(
         pooled = weighted.sum(dim=1, keepdim=True)  # (T, 1, Dv)
     else:
         # one-hot by scatter: F.one_hot checks its range with a host synchronisation, in every decode step
-        group_one_hot = weighted.new_zeros(num_tokens, num_slots, num_groups).scatter_(-1, groups.unsqueeze(-1), 1.0)
-        pooled = torch.bmm(group_one_hot.transpose(1, 2), weighted)  # (T, E, Dv)
+        group_one_hot = weighted.new_zeros(num_tokens, num_groups, num_slots).scatter_(1, groups.unsqueeze(1), 1.0)
+        pooled = torch.bmm(group_one_hot, weighted)  # (T, E, Dv)
     return pooled.to(values.dtype)
 
 
@@ -114,10 +114,9 @@ def product_key_topk(
     return rows * num_keys + cols, scores.unsqueeze(-1)
 
 
-def rank_one_candidates(
-    row_projected: torch.Tensor, col_projected: torch.Tensor, topk: int, signed: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Candidate rows and columns (..., m') from the rank-1 projections a = u^T S_row and b = t^T S_col (..., n).
+def rank_one_candidates(projected: torch.Tensor, topk: int, signed: bool) -> torch.Tensor:
+    """Candidate rows and columns (..., 2, m') from the rank-1 projections (..., 2, n): a = u^T S_row and
+    b = t^T S_col stacked.
 
     sigma a_x b_y is large where a_x and b_y are both large, or both very negative. The SVD's sign is arbitrary
     ((u, t) and (-u, -t) are the same rank-1 core), so picking the positive quadrant after a sign normalisation makes
@@ -127,18 +126,14 @@ def rank_one_candidates(
     4 m^2 candidates, exact for rank-1 cores). Measured in docs/design.md (`benchmarks/bench_retrieval.py`).
     """
     if signed:
-        row_index, col_index = (
-            torch.cat([axis.topk(topk, dim=-1).indices, axis.topk(topk, dim=-1, largest=False).indices], -1)
-            for axis in (row_projected, col_projected)
+        return torch.cat(
+            [projected.topk(topk, dim=-1).indices, projected.topk(topk, dim=-1, largest=False).indices], -1
         )
-        return row_index, col_index
-    # The quadrant is chosen from the axes' extremes, then one top-m per axis runs on the sign-flipped projections
-    # (the bottom-m of a is the top-m of -a): two topk calls instead of four, same candidates.
-    row_min, row_max = row_projected.aminmax(dim=-1, keepdim=True)  # (..., 1)
-    col_min, col_max = col_projected.aminmax(dim=-1, keepdim=True)
-    sign = torch.where(row_max * col_max >= row_min * col_min, 1.0, -1.0).to(row_projected.dtype)
-    row_index, col_index = ((axis * sign).topk(topk, dim=-1).indices for axis in (row_projected, col_projected))
-    return row_index, col_index
+    # The quadrant is chosen from the axes' extremes, then one top-m runs on both axes, sign-flipped where the bottom
+    # quadrant wins (the bottom-m of a is the top-m of -a): one topk call for the four candidate sets.
+    low, high = projected.aminmax(dim=-1, keepdim=True)  # (..., 2, 1)
+    bottom = high.prod(-2, keepdim=True) < low.prod(-2, keepdim=True)  # (..., 1, 1): max a max b < min a min b
+    return torch.where(bottom, -projected, projected).topk(topk, dim=-1).indices
 
 
 def tucker_topk(
@@ -163,22 +158,21 @@ def tucker_topk(
     Returns:
         virtual addresses x * n + y (..., H, m) and per-core scores (..., H, m, h).
     """
-    u, t = leading_vectors
     num_keys, rank = row_scores.shape[-1], row_scores.shape[-2]
+    # both axes side by side, so that each step below is one operator for the two (a decode step pays per operator)
+    axis_scores = torch.stack((row_scores, col_scores), dim=-2)  # (..., H, r, 2, n)
     # a = u^T S_row, b = t^T S_col, summed over the rank by broadcasting (an einsum here goes through a bmm on a
     # permuted copy: 10x slower on CPU); the choice of candidates has no gradient
     with torch.no_grad():
-        row_index, col_index = rank_one_candidates(
-            (row_scores * u.unsqueeze(-1)).sum(-2), (col_scores * t.unsqueeze(-1)).sum(-2), topk, signed
-        )  # (..., H, m') each
-    num_candidates = row_index.shape[-1]
-    expand = (*row_index.shape[:-1], rank, num_candidates)
-    row_candidates = row_scores.gather(-1, row_index.unsqueeze(-2).expand(expand))  # (..., H, r, m')
-    col_candidates = col_scores.gather(-1, col_index.unsqueeze(-2).expand(expand))
-    flat_index, core_scores = candidate_topk(row_candidates, col_candidates, cores, topk)  # (..., H, m), (..., H, m, h)
-    rows = row_index.gather(-1, flat_index // num_candidates)
-    cols = col_index.gather(-1, flat_index % num_candidates)
-    return rows * num_keys + cols, core_scores
+        leading = torch.stack(leading_vectors, dim=-1).unsqueeze(-1)  # (H, r, 2, 1): u and t
+        index = rank_one_candidates((axis_scores * leading).sum(-3), topk, signed)  # (..., H, 2, m')
+    num_candidates = index.shape[-1]
+    expand = (*index.shape[:-2], rank, 2, num_candidates)
+    candidates = axis_scores.gather(-1, index.unsqueeze(-3).expand(expand))  # (..., H, r, 2, m')
+    flat_index, core_scores = candidate_topk(*candidates.unbind(-2), cores, topk)  # (..., H, m), (..., H, m, h)
+    grid = torch.stack((flat_index // num_candidates, flat_index % num_candidates), dim=-2)  # (..., H, 2, m)
+    rows, cols = index.gather(-1, grid).unbind(-2)  # (..., H, m) each
+    return cols.add(rows, alpha=num_keys), core_scores
 
 
 def physical_slots(
@@ -189,7 +183,7 @@ def physical_slots(
     The addresses go through the fixed shuffle first (when E > 1), so each group reads a random subset of rows.
     """
     if virtual_to_physical is not None:
-        virtual_index = virtual_to_physical[virtual_index]
+        virtual_index = torch.take(virtual_to_physical, virtual_index)  # an index's machinery costs more per call
     return virtual_index % num_values, torch.div(virtual_index, num_values, rounding_mode="floor")
 
 
@@ -299,4 +293,5 @@ def lookup_dot(table: torch.Tensor, rows: torch.Tensor, query: torch.Tensor) -> 
         (T, K) in the dtype of `table`, accumulated in float32 (as `lookup_reduce`).
     """
     gathered = F.embedding(rows, table).float()  # (T, K, Dp)
-    return torch.einsum("tkd,td->tk", gathered, query.float()).to(table.dtype)
+    # a bmm: an einsum spends a dozen permutes and views around the same product (a decode step pays each)
+    return torch.bmm(gathered, query.float().unsqueeze(-1)).squeeze(-1).to(table.dtype)

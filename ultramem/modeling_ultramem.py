@@ -743,9 +743,13 @@ class UltraMemForCausalLM(ContinuousBatchingCheck, UltraMemPreTrainedModel, Gene
         self.model.refresh_inference_cache()
 
     def prepare_inputs_for_generation(self, *args, **kwargs) -> dict:
-        """Eager before every step of `generate`, whose static-cache steps are compiled: they read the cached
-        tensors, brought up to date here, instead of computing them in their graph."""
-        self.refresh_inference_cache()
+        """Eager before every step of `generate`. Steps on a compileable cache (a static one) may be compiled: they
+        read the cached tensors, brought up to date here, instead of computing them in their graph. Eager steps (a
+        dynamic cache) check the cached tensors as they read them, so they skip the refresh: a step of `generate`
+        then costs what a Llama-style model's does beyond its forward."""
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if getattr(cache, "is_compileable", False):
+            self.refresh_inference_cache()
         return super().prepare_inputs_for_generation(*args, **kwargs)
 
     # generate checks the model kwargs it is given against this signature (Transformers 5.17: `past_key_values` is

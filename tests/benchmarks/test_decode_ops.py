@@ -8,9 +8,9 @@ import pytest
 # Operators per memory layer beyond the dense model of the same backbone (torch 2.13, batch 1, float32), as measured
 # when the bound was last lowered; issue 48's target is 60
 MAX_OPS_OVER_DENSE = {
-    "tiny-ultramem": 84,
+    "tiny-ultramem": 75,
     "tiny-pkm": 50,
-    "tiny-ultramemv2": 103,
+    "tiny-ultramemv2": 87,
     "tiny-memoryplus": 51,
     "tiny-engram": 85,
 }

@@ -186,3 +186,31 @@ def test_refresh_adds_no_state_dict_keys_or_parameters():
     _cached_logits(model)
     assert set(model.state_dict()) == keys and len(list(model.parameters())) == parameters
     assert any(cache._buffers for cache in _caches(model))
+
+
+def test_eager_generate_refreshes_only_where_a_step_may_be_compiled(monkeypatch):
+    """`generate` on a dynamic cache runs its steps eagerly, which check the cache as they read it: no refresh per step
+    (its checks cost what a Llama step does not pay). On a static cache, whose steps `generate` may compile, each step
+    is refreshed. Both follow an in-place weight change between two calls: the tokens of a copy with an empty cache."""
+    model = _model()
+    refreshes = [0]
+    refresh = model.refresh_inference_cache
+    monkeypatch.setattr(
+        model, "refresh_inference_cache", lambda: refreshes.__setitem__(0, refreshes[0] + 1) or refresh()
+    )
+    prompt, steps = INPUT_IDS[:, :4], 3
+    greedy = dict(max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+    generated = []
+    for _ in range(2):
+        refreshes[0] = 0
+        generated.append(model.generate(prompt, **greedy))
+        assert refreshes[0] == 0
+        static = model.generate(prompt, cache_implementation="static", disable_compile=True, **greedy)
+        assert refreshes[0] == steps
+        torch.testing.assert_close(static, generated[-1], rtol=0, atol=0)
+        torch.testing.assert_close(copy.deepcopy(model).generate(prompt, **greedy), generated[-1], rtol=0, atol=0)
+        with torch.no_grad():
+            for layer in model.model.memory_layers:
+                layer.retrieval.row_keys.mul_(-1.5)
+                layer.retrieval.cores.add_(0.5)
+    assert not torch.equal(*generated)
