@@ -18,6 +18,9 @@ buffer of the model, saved with it. An n-gram never reaches across a document bo
 a new document), into padding or across packed sequences: positions outside the token's document hash as `vocab_size`
 (no token). The last N-1 ids and the conv's inputs live in the generation cache, as the query conv's state does.
 
+At inference the layer runs with its weights folded, kept in its `inference_cache` (`NGramMemory.cached_entries`):
+one matmul for W_k and W_v, one weight for the gate's norms, and a decode step's conv taps spread over its window.
+
 This file is copied beside `modeling_ultramem.py` into checkpoints (remote code), so it imports only relatively.
 """
 
@@ -34,6 +37,7 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 
 from .configuration_ultramem import UltraMemConfig
+from .inference_cache import CacheEntry, InferenceCache
 from .memory_implementations import memory_ops_for
 from .memory_query import CausalDepthwiseConv, MemoryInputs
 from .value_stores import DeferredValueTable, MemoryValueTable, tables_deferred
@@ -115,13 +119,16 @@ def ngram_tokens(
     `no_token` where that is not of t's document: padding, before the first token, before an EOS that ended the
     document (the token after an EOS starts the next) or, with `sequences` (B, N-1+T), another packed sequence.
 
-    All N positions at once, as windows of `tokens` (a decode step runs a dozen operators, not one set per order)."""
-    is_eos = torch.isin(tokens, eos_ids).long()
-    document = torch.cumsum(is_eos, dim=1) - is_eos  # (B, N-1+T): the token after an EOS starts the next
-    same = document.unfold(1, order, 1) == document[:, order - 1 :, None]  # (B, T, N), oldest first
+    All N positions at once, as each token's window of N ids (a decode step runs a few operators, not a set per
+    order). The token j back is of t's document unless one of the j tokens before t is an EOS: unless the EOS counted
+    from t back to j outnumber t's own."""
+    windows = tokens.unfold(1, order, 1).flip(-1)  # (B, T, N): [:, t, j] the token j back from t
+    eos = torch.isin(windows, eos_ids).cumsum(-1)  # (B, T, N): the EOS among t and the j tokens before it
+    outside = eos != eos[..., :1]
     if sequences is not None:
-        same &= sequences.unfold(1, order, 1) == sequences[:, order - 1 :, None]
-    return torch.where(same, tokens.unfold(1, order, 1), no_token).flip(-1).transpose(1, 2)  # (B, N, T), j back
+        sequence = sequences.unfold(1, order, 1).flip(-1)  # (B, T, N)
+        outside |= sequence != sequence[..., :1]
+    return windows.masked_fill(outside, no_token).transpose(1, 2)  # (B, N, T)
 
 
 def ngram_rows(
@@ -133,13 +140,18 @@ def ngram_rows(
     row. multipliers: (N,) int64 c_j. moduli, offsets: ((N-1) K,) int64, order-major (the K bigram heads first).
     Returns (B, T, (N-1) K) int64 rows, order-major.
     """
-    products = ngrams * multipliers[:, None]  # (B, N, T): id_j c_j
-    mixed, orders = products[:, 0], []
-    for back in range(1, multipliers.shape[0]):  # XOR in the token `back` positions back: the hash of order back + 1
-        mixed = torch.bitwise_xor(mixed, products[:, back])
-        orders.append(mixed)
-    hashed = torch.stack(orders, dim=-1)[..., None]  # (B, T, N-1, 1): each order's hash, for each of its K heads
-    return torch.remainder(hashed, moduli.view(len(orders), -1)).flatten(-2) + offsets
+    products = (ngrams * multipliers[:, None]).unbind(1)  # N of (B, T): id_j c_j
+    heads = moduli.shape[0] // (len(products) - 1)
+    mixed, hashes = products[0], []
+    for product in products[1:]:  # XOR in the next token back: the hash of the next order, once for each of its heads
+        mixed = torch.bitwise_xor(mixed, product)
+        hashes += [mixed] * heads
+    return torch.remainder(torch.stack(hashes, dim=-1), moduli) + offsets  # (B, T, (N-1) K)
+
+
+def _squashed(score: torch.Tensor) -> torch.Tensor:
+    """The gate from its score: sigmoid(signed_sqrt(score)), |score| clamped to 1e-6 below (a finite gradient at 0)."""
+    return torch.sigmoid(score.sign() * score.abs().clamp_min(1e-6).sqrt())
 
 
 class NGramMemory(nn.Module):
@@ -189,6 +201,7 @@ class NGramMemory(nn.Module):
         self.conv = CausalDepthwiseConv(
             config.hidden_size, config.ngram_conv_kernel_size, conv_slot, dilation=config.ngram_order
         )
+        self.inference_cache = InferenceCache()
 
     def init_ultramem(self) -> None:
         """The hash's constants and identity canonical ids (a tokenizer's map replaces them: `set_canonical_ids`), a
@@ -227,7 +240,7 @@ class NGramMemory(nn.Module):
         the cache."""
         padding_mask = inputs.padding_mask
         ids = input_ids if padding_mask is None else input_ids.masked_fill(padding_mask == 0, self.vocab_size)
-        tokens = torch.cat([self._history(ids, inputs.cache), ids], dim=1)  # (B, N-1+T)
+        tokens = self._tokens(ids, inputs.cache)  # (B, N-1+T)
         sequences = None
         if inputs.sequence_ids is not None:  # packed rows (no cache): the history is no token, of no sequence
             sequences = F.pad(inputs.sequence_ids, (self.order - 1, 0), value=-1)
@@ -279,29 +292,80 @@ class NGramMemory(nn.Module):
     def gate(self, hidden_states: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
         """alpha (B, T, 1) = sigmoid(signed_sqrt(RMSNorm(h) . RMSNorm(W_k e) / sqrt(D)))."""
         score = (self.hidden_norm(hidden_states) * self.key_norm(self.key_proj(memory))).sum(-1, keepdim=True)
-        score = score / math.sqrt(hidden_states.shape[-1])
-        return torch.sigmoid(score.sign() * score.abs().clamp_min(1e-6).sqrt())
+        return _squashed(score / math.sqrt(hidden_states.shape[-1]))
 
-    def _history(self, ids: torch.Tensor, cache: Cache | None) -> torch.Tensor:
-        """(B, N-1) ids before `ids` (the no-token id where there are none), from the cache, which then keeps the last
-        N-1 of both."""
-        context = self.order - 1
+    def cached_entries(self) -> dict[str, CacheEntry]:
+        """What `inference_cache` keeps (for `refresh_inference_cache`): the projections and the gate's norm weights
+        folded for inference (`_folded_entry`), and the conv's taps spread over its window (`_spread_taps`)."""
+        entries = {"folded": self._folded_entry()} if self._folds() else {}
+        return {**entries, "conv": ((self.conv.weight,), self._spread_taps)} if self._folds_conv() else entries
+
+    def _folds(self) -> bool:
+        """Whether inference runs the folded projections and gate (`_folded_entry`): plain `nn.Linear` and `nn.RMSNorm`
+        whose weights are held here. An adapter or a quantized layer runs its own forward; a weight that ZeRO-3
+        partitions or accelerate offloads (meta) is only whole inside its module's own forward, which its hooks
+        wrap."""
+        modules = (self.key_proj, self.value_proj, self.hidden_norm, self.key_norm)
+        if [type(module) for module in modules] != [nn.Linear, nn.Linear, nn.RMSNorm, nn.RMSNorm]:
+            return False
+        if self.hidden_norm.eps != self.key_norm.eps:  # (both the config's) h and W_k e are normalised as one stack
+            return False
+        return all(not hasattr(module.weight, "ds_id") and module.weight.device.type != "meta" for module in modules)
+
+    def _folded_entry(self) -> CacheEntry:
+        """([W_k; W_v]^T (E, 2D), w (D,)): the key and the value as one matmul, e [W_k; W_v]^T, and the gate's score
+        RMSNorm(h) . RMSNorm(W_k e) / sqrt(D) as sum(w rms_norm(h) rms_norm(W_k e)), h and W_k e normalised as one
+        stack without weights, w = w_h w_k / sqrt(D): fewer operators, each of which costs an eager step host time."""
+        parameters = (self.key_proj.weight, self.value_proj.weight, self.hidden_norm.weight, self.key_norm.weight)
+        return parameters, self._folded_weights
+
+    def _folded_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        key_value = torch.cat([self.key_proj.weight, self.value_proj.weight])  # (2D, E)
+        return key_value.T, self.hidden_norm.weight * self.key_norm.weight / math.sqrt(self.key_norm.weight.shape[0])
+
+    def _folded_value(self, hidden_states: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        """alpha W_v e (B, T, D), as `gate` and `value_proj` compute it, with the folded weights (`_folded_entry`)."""
+        key_value_t, gate_weight = self.inference_cache.get("folded", *self._folded_entry())
+        dim = hidden_states.shape[-1]
+        key, value = (memory @ key_value_t).split(dim, dim=-1)  # (B, T, D) each
+        normed = F.rms_norm(torch.stack([hidden_states, key]), (dim,), None, self.key_norm.eps)  # (2, B, T, D)
+        score = (normed.prod(0) * gate_weight).sum(-1, keepdim=True)  # RMSNorm(h) . RMSNorm(W_k e) / sqrt(D)
+        return _squashed(score) * value
+
+    def _folds_conv(self) -> bool:
+        """Whether a decode step's conv spreads its taps over its window (`_spread_taps`): this module's conv, whose
+        window the generation cache holds (vLLM's keeps its own state), its weight held here."""
+        weight = self.conv.weight
+        return type(self.conv) is CausalDepthwiseConv and not hasattr(weight, "ds_id") and weight.device.type != "meta"
+
+    def _spread_taps(self) -> torch.Tensor:
+        """(D, (k-1) N + 1): the conv's k taps with the N-1 zeros between them, one weight per input of its window."""
+        conv = self.conv
+        taps = F.pad(conv.weight[:, 0, :, None], (0, conv.dilation - 1))  # (D, k, N): each tap, then N-1 zeros
+        return taps.flatten(1)[:, : (conv.kernel_size - 1) * conv.dilation + 1]
+
+    def _decode_conv(self, x: torch.Tensor, inputs: MemoryInputs) -> torch.Tensor:
+        """The conv of a decode step's x (B, 1, D), as `CausalDepthwiseConv` computes it, in one product and sum over
+        its whole window (B, D, (k-1) N + 1), the zeros between the taps included: no picking of every N-th input."""
+        spread = self.inference_cache.get("conv", (self.conv.weight,), self._spread_taps)  # (D, (k-1) N + 1)
+        return ((self.conv.window(x, inputs) * spread).sum(-1) + self.conv.bias).unsqueeze(1)  # (B, 1, D)
+
+    def _tokens(self, ids: torch.Tensor, cache: Cache | None) -> torch.Tensor:
+        """(B, T) ids -> (B, N-1+T): the N-1 ids before them (the no-token id where there are none), from the cache, then
+        them; the cache then keeps the last N-1."""
+        context, width = self.order - 1, self.order - 1 + ids.shape[1]
         layer, slot = self.id_slot
         if cache is None or not cache.layers[layer].has_previous_state[slot]:
-            none = ids.new_full((ids.shape[0], context), self.vocab_size)
+            tokens = F.pad(ids, (context, 0), value=self.vocab_size)
             if cache is not None:
-                cache.update_conv_state(torch.cat([none, ids], dim=1)[:, None], layer, slot, conv_kernel_size=context)
-            return none
-        # the cache returns its state, then the new ids; while `generate` records the past (assisted decoding) the
-        # state is longer than N-1
-        updated = cache.update_conv_state(ids[:, None], layer, slot, conv_kernel_size=context)
-        start = updated.shape[-1] - ids.shape[1]
-        history = updated[:, 0, max(start - context, 0) : start]
-        return (
-            history
-            if history.shape[1] == context
-            else F.pad(history, (context - history.shape[1], 0), value=self.vocab_size)
-        )
+                cache.update_conv_state(tokens[:, None], layer, slot, conv_kernel_size=context)
+            return tokens
+        # the cache returns its state, then the new ids: the tokens themselves (while `generate` records the past for
+        # assisted decoding the state is longer or shorter than N-1)
+        updated = cache.update_conv_state(ids[:, None], layer, slot, conv_kernel_size=context)[:, 0]  # (B, S+T)
+        if updated.shape[1] >= width:
+            return updated if updated.shape[1] == width else updated[:, -width:]
+        return F.pad(updated, (width - updated.shape[1], 0), value=self.vocab_size)
 
     def forward(
         self,
@@ -315,5 +379,11 @@ class NGramMemory(nn.Module):
         `started`: this step's read of the ids, from `start` (given by the model); else the ids are hashed and read
         here."""
         memory = (started if started is not None else self.start(input_ids, inputs))().to(hidden_states.dtype)  # e
-        value = self.gate(hidden_states, memory) * self.value_proj(memory)
-        return value + F.silu(self.conv(self.value_norm(value), inputs))
+        if not self.training and self._folds():
+            value = self._folded_value(hidden_states, memory)
+        else:
+            value = self.gate(hidden_states, memory) * self.value_proj(memory)
+        normed = self.value_norm(value)
+        if not self.training and value.shape[1] == 1 and inputs.sequence_ids is None and self._folds_conv():
+            return value + F.silu(self._decode_conv(normed, inputs))  # a decode step
+        return value + F.silu(self.conv(normed, inputs))

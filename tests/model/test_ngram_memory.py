@@ -6,9 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from model_support import assert_loads_alike_with_and_without_the_package, left_padded_batch, small_config
+from transformers import DynamicCache
 
 from ultramem import UltraMemForCausalLM
 from ultramem.configuration_ultramem import UltraMemConfigError
+from ultramem.memory_query import MemoryInputs
 from ultramem.ngram_memory import canonical_token_ids, hash_multipliers, head_moduli
 from ultramem.tokenization import load_tokenizer
 
@@ -153,6 +155,81 @@ def test_steps_of_several_tokens_continue_the_history(conv):
         second = model(ids[:, 1:3], cache=first.past_key_values)
         rest = model(ids[:, 3:], cache=second.past_key_values)
     torch.testing.assert_close(torch.cat([first.logits, second.logits, rest.logits], 1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_a_cache_that_records_the_past_for_a_crop_continues_the_history():
+    """While `generate` records the past to crop rejected candidates (assisted decoding), the ids' state grows past
+    the N-1 a step reads; after the crop the steps go on as a recomputation."""
+    model = ngram_model(seed=7)
+    ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(8))
+    ids[1, 4] = EOS
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        full = model(ids).logits
+        model(ids[:, :3], cache=cache, use_cache=True)
+        for layer in cache.layers:
+            if hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording()
+        steps = [model(ids[:, 3:4], cache=cache).logits, model(ids[:, 4:8], cache=cache).logits]
+        cache.crop(-3)  # candidates 5..7 rejected
+        steps += [model(ids[:, 5:6], cache=cache).logits, model(ids[:, 6:7], cache=cache).logits]
+    torch.testing.assert_close(steps[0], full[:, 3:4], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(steps[1], full[:, 4:8], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat(steps[2:], 1), full[:, 5:7], rtol=1e-5, atol=1e-5)
+
+
+def _prefill_and_decode(ngram, hidden: torch.Tensor, ids: torch.Tensor, config) -> torch.Tensor:
+    """The layer's output (B, T, D) over a 4-token prefill and one-token decode steps through a generation cache."""
+    inputs = MemoryInputs(cache=DynamicCache(config=config))
+    steps = [ngram(hidden[:, :4], ids[:, :4], inputs)]
+    steps += [ngram(hidden[:, t : t + 1], ids[:, t : t + 1], inputs) for t in range(4, ids.shape[1])]
+    return torch.cat(steps, 1)
+
+
+def test_inference_folds_equal_the_modules_one_by_one():
+    """At inference the two projections run as one matmul, the gate's two norms as one and a decode step's
+    dilated conv reads its window with its taps spread over it (cached, `cached_entries`): the outputs of training's
+    path, the modules one by one, also after the weights change in place and after a refresh."""
+    model = ngram_model(seed=6)
+    ngram = model.model.ngram_memories[0]
+    ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(9))
+    ids[1, 5] = EOS
+    hidden = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        for change in (lambda: None, lambda: [p.mul_(1.5) for p in ngram.parameters()]):
+            change()
+            folded = _prefill_and_decode(ngram, hidden, ids, model.config)
+            assert set(ngram.inference_cache.versions) == {"folded", "conv"}  # the folded path ran
+            ngram.train()  # training's path (grad off: the cache is not read)
+            torch.testing.assert_close(folded, _prefill_and_decode(ngram, hidden, ids, model.config))
+            ngram.eval()
+        assert set(ngram.cached_entries()) == {"folded", "conv"}
+        for name, entry in ngram.cached_entries().items():
+            ngram.inference_cache.refresh(name, *entry)
+        torch.testing.assert_close(_prefill_and_decode(ngram, hidden, ids, model.config), folded)
+
+
+def test_an_adapted_projection_runs_its_own_forward():
+    """A projection that is not a plain `nn.Linear` (an adapter's wrapper, a quantized layer) is not folded."""
+
+    class Adapted(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) + 0.5
+
+    model = ngram_model(seed=6)
+    ngram = model.model.ngram_memories[0]
+    ids = torch.randint(1, 97, (1, 6), generator=torch.Generator().manual_seed(11))
+    hidden = torch.randn(1, 6, 32, generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        plain = ngram(hidden, ids)
+        adapted = Adapted(ngram.key_proj.in_features, ngram.key_proj.out_features, bias=False)
+        adapted.weight.copy_(ngram.key_proj.weight)
+        ngram.key_proj = adapted
+        output = ngram(hidden, ids)
+        assert "folded" not in ngram.cached_entries()
+        assert not torch.allclose(output, plain)
+        ngram.train()
+        torch.testing.assert_close(output, ngram(hidden, ids))
 
 
 def test_packed_sequences_hash_as_separate_rows():
