@@ -27,7 +27,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ultramem.modeling_ultramem import UltraMemMemoryLayer
 from ultramem.ngram_memory import NGramMemory
 
-VARIANTS = ("tiny-dense", "tiny-ultramem", "tiny-pkm", "tiny-ultramemv2", "tiny-memoryplus", "tiny-engram")
+VARIANTS = (
+    "tiny-dense", "tiny-ultramem", "tiny-pkm", "tiny-ultramemv2", "tiny-memoryplus", "tiny-engram", "tiny-ultramem-engram"
+)
 REST = "rest"
 COLUMNS = {"preset": "preset", "memory_layers": "memory layers", "step_ops": "step ops", "step_rest_ops": "outside memory",
            "step_ops_per_memory_layer": "per memory layer", "memory_ops_vs_dense": "per memory layer vs dense",

@@ -575,7 +575,7 @@ class UltraMemModel(UltraMemPreTrainedModel):
         them instead of computing them in its graph (see `InferenceCache`). For compiled decoding steps: call it
         before each (`generate` does, in `prepare_inputs_for_generation`)."""
         retrievals = [layer.retrieval for layer in self.memory_layers]
-        for module in (*(layer.query for layer in self.memory_layers), *retrievals):
+        for module in (*(layer.query for layer in self.memory_layers), *retrievals, *self.ngram_memories):
             for name, entry in module.cached_entries().items():
                 module.inference_cache.refresh(name, *entry)
         tucker = [retrieval for retrieval in retrievals if isinstance(retrieval, TuckerQueryKeyRetrieval)]
@@ -711,7 +711,7 @@ class UltraMemModel(UltraMemPreTrainedModel):
             ]
             hidden_states = decoder_layer(
                 hidden_states,
-                torch.stack(writes).sum(0) if writes else None,  # (B, T, D); positional, see the layer
+                sum(writes[1:], writes[0]) if writes else None,  # (B, T, D); positional, see the layer
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 cache=cache,
@@ -725,7 +725,8 @@ def _sum_of_memories(
     layers: list[UltraMemMemoryLayer], inputs: MemoryInputs, hidden_states: torch.Tensor
 ) -> torch.Tensor:
     """The summed outputs (B, T, D) of the memory layers that read the MLP's input `hidden_states` (B, T, D)."""
-    return torch.stack([layer(hidden_states, inputs) for layer in layers]).sum(0)
+    outputs = [layer(hidden_states, inputs) for layer in layers]
+    return sum(outputs[1:], outputs[0])  # one layer's output as it is: no stack and sum in a decode step
 
 
 class UltraMemForCausalLM(ContinuousBatchingCheck, UltraMemPreTrainedModel, GenerationMixin):

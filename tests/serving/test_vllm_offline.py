@@ -115,7 +115,7 @@ def _lose_ngram_conv_state(model: UltraMemForCausalLM) -> None:
 def _lose_ngram_history(model: UltraMemForCausalLM) -> None:
     """The ids before each step dropped: a decoded token's n-grams hold no earlier token."""
     memory = model.model.ngram_memories[0]
-    memory._history = lambda ids, cache: ids.new_full((ids.shape[0], memory.order - 1), memory.vocab_size)
+    memory._tokens = lambda ids, cache: torch.nn.functional.pad(ids, (memory.order - 1, 0), value=memory.vocab_size)
 
 
 LOST_STATES = {
