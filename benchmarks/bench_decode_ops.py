@@ -28,7 +28,13 @@ from ultramem.modeling_ultramem import UltraMemMemoryLayer
 from ultramem.ngram_memory import NGramMemory
 
 VARIANTS = (
-    "tiny-dense", "tiny-ultramem", "tiny-pkm", "tiny-ultramemv2", "tiny-memoryplus", "tiny-engram", "tiny-ultramem-engram"
+    "tiny-dense",
+    "tiny-ultramem",
+    "tiny-pkm",
+    "tiny-ultramemv2",
+    "tiny-memoryplus",
+    "tiny-engram",
+    "tiny-ultramem-engram",
 )
 REST = "rest"
 COLUMNS = {"preset": "preset", "memory_layers": "memory layers", "step_ops": "step ops", "step_rest_ops": "outside memory",
