@@ -123,7 +123,8 @@ def ngram_tokens(
     order). The token j back is of t's document unless one of the j tokens before t is an EOS: unless the EOS counted
     from t back to j outnumber t's own."""
     windows = tokens.unfold(1, order, 1).flip(-1)  # (B, T, N): [:, t, j] the token j back from t
-    eos = torch.isin(windows, eos_ids).cumsum(-1)  # (B, T, N): the EOS among t and the j tokens before it
+    is_eos = windows == eos_ids if eos_ids.numel() == 1 else torch.isin(windows, eos_ids)  # isin costs more per call
+    eos = is_eos.cumsum(-1)  # (B, T, N): the EOS among t and the j tokens before it
     outside = eos != eos[..., :1]
     if sequences is not None:
         sequence = sequences.unfold(1, order, 1).flip(-1)  # (B, T, N)
@@ -250,7 +251,8 @@ class NGramMemory(nn.Module):
         """Token ids (B, N-1+T), the N-1 before the first of T included (the no-token id where there are none) -> the
         canonical n-grams (B, N, T) the hash reads (`ngram_tokens`). The vLLM model, which keeps each request's last
         ids itself, gives every token's window of N ids as a row of its own (T, N)."""
-        return ngram_tokens(self.canonical_ids[tokens], self.vocab_size, self.eos_ids, self.order, sequences)
+        canonical = torch.take(self.canonical_ids, tokens)  # an index's machinery costs more per call
+        return ngram_tokens(canonical, self.vocab_size, self.eos_ids, self.order, sequences)
 
     def rows(self, ngrams: torch.Tensor) -> torch.Tensor:
         """The n-grams (B, N, T) of `ngrams` -> (B, T, (N-1) K) table rows, with this layer's hash."""
