@@ -6,14 +6,16 @@ import bench_decode_ops
 import pytest
 
 # Operators per memory layer beyond the dense model of the same backbone (torch 2.13, batch 1, float32), as measured
-# when the bound was last lowered; issue 48's target is 60
+# when the bound was last lowered; issue 48's target is 60. (On CPU a decode step's query conv keeps its taps apart
+# from the projection, one operator more than the fold that accelerators run, for a weight k times smaller to read:
+# `MemoryQuery._window_projection_entry`.)
 MAX_OPS_OVER_DENSE = {
-    "tiny-ultramem": 73,
+    "tiny-ultramem": 74,
     "tiny-pkm": 48,
     "tiny-ultramemv2": 85,
     "tiny-memoryplus": 49,
     "tiny-engram": 61,
-    "tiny-ultramem-engram": 69,
+    "tiny-ultramem-engram": 70,
 }
 
 
