@@ -112,6 +112,19 @@ class CausalDepthwiseConv(nn.Module):
         return output
 
 
+def window_projection(
+    weight_t: torch.Tensor, bias: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor, taps_apart: bool
+) -> tuple[torch.Tensor, ...]:
+    """The projection W'^T (D, F), b' with a depthwise conv (D, 1, k), (D,) before it, as a map of the conv's window
+    (B, D, k): (w (D, k), W'^T, b'') with `taps_apart`, else (W''^T (D*k, F), b''); see
+    `MemoryQuery._window_projection_entry`."""
+    bias = torch.addmv(bias, weight_t.T, conv_bias)  # b'' = b' + W' b_conv
+    taps = conv_weight[:, 0, :]  # (D, k)
+    if taps_apart:
+        return taps, weight_t, bias
+    return (taps[..., None] * weight_t[:, None, :]).flatten(0, 1), bias  # (D*k, F)
+
+
 class MemoryQuery(nn.Module):
     """Query network: optional causal depthwise conv, a linear map, across-token normalisation, LayerNorm on each
     Tucker part.
@@ -202,11 +215,8 @@ class MemoryQuery(nn.Module):
 
     def _folded_window_projection(self) -> tuple[torch.Tensor, ...]:
         weight_t, bias = self._folded_projection()  # (D, F), (F,)
-        bias = torch.addmv(bias, weight_t.T, self.conv.bias)
-        taps = self.conv.weight[:, 0, :]  # (D, k)
-        if weight_t.device.type == "cpu":
-            return taps, weight_t, bias
-        return (taps[..., None] * weight_t[:, None, :]).flatten(0, 1), bias  # (D*k, F)
+        taps_apart = weight_t.device.type == "cpu"
+        return window_projection(weight_t, bias, self.conv.weight, self.conv.bias, taps_apart)
 
     def forward(self, x: torch.Tensor, inputs: MemoryInputs = MemoryInputs()) -> tuple[torch.Tensor, torch.Tensor]:
         """The normed residual stream (B, T, D) -> row and column queries (B, T, H, r, Dk/r)."""

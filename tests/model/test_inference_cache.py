@@ -9,6 +9,7 @@ from model_support import small_config
 
 from ultramem import UltraMemForCausalLM
 from ultramem.inference_cache import InferenceCache
+from ultramem.memory_query import window_projection
 
 INPUT_IDS = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1))
 
@@ -214,3 +215,19 @@ def test_eager_generate_refreshes_only_where_a_step_may_be_compiled(monkeypatch)
                 layer.retrieval.row_keys.mul_(-1.5)
                 layer.retrieval.cores.add_(0.5)
     assert not torch.equal(*generated)
+
+
+@pytest.mark.parametrize("taps_apart", [True, False], ids=["cpu-taps-apart", "accelerator-full-fold"])
+def test_a_decode_steps_window_projection_is_the_conv_then_the_projection(taps_apart):
+    """Both forms of the decode step's folded query (taps apart on CPU, folded into W'' on accelerators) compute the
+    depthwise conv of the window, then the projection: checked here on CPU for the form a GPU runs too."""
+    generator = torch.Generator().manual_seed(0)
+    dim, taps, features = 6, 4, 5
+    weight_t, bias = torch.randn(dim, features, generator=generator), torch.randn(features, generator=generator)
+    conv_weight, conv_bias = torch.randn(dim, 1, taps, generator=generator), torch.randn(dim, generator=generator)
+    window = torch.randn(3, dim, taps, generator=generator)  # (B, D, k)
+    expected = torch.addmm(bias, (window * conv_weight[:, 0]).sum(-1) + conv_bias, weight_t)
+    *kept, folded_weight_t, folded_bias = window_projection(weight_t, bias, conv_weight, conv_bias, taps_apart)
+    assert len(kept) == int(taps_apart)
+    inputs = (window * kept[0]).sum(-1) if taps_apart else window.reshape(3, -1)
+    torch.testing.assert_close(torch.addmm(folded_bias, inputs, folded_weight_t), expected)
