@@ -748,8 +748,7 @@ class UltraMemForCausalLM(ContinuousBatchingCheck, UltraMemPreTrainedModel, Gene
         read the cached tensors, brought up to date here, instead of computing them in their graph. Eager steps (a
         dynamic cache) check the cached tensors as they read them, so they skip the refresh: a step of `generate`
         then costs what a Llama-style model's does beyond its forward."""
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        if getattr(cache, "is_compileable", False):
+        if getattr(kwargs.get(_CACHE_FIELD), "is_compileable", False):
             self.refresh_inference_cache()
         return super().prepare_inputs_for_generation(*args, **kwargs)
 
