@@ -246,7 +246,7 @@ def bench_candidates(case: Case) -> list[dict[str, Any]]:
 
 @op("tucker_topk")
 def bench_selection(case: Case) -> list[dict[str, Any]]:
-    """From the axis scores (T, H, r, n) to the m addresses and their per-core scores, without autograd (the fused
+    """From the axis scores (T, 2, H, r, n) to the m addresses and their per-core scores, without autograd (the fused
     kernel runs only there): the reference, the reference with the candidate kernel, the one-kernel selection."""
     shape, rows = case.shape, []
     impls = {"torch": lambda *args: memory_ops.tucker_topk(*args)}
@@ -255,13 +255,13 @@ def bench_selection(case: Case) -> list[dict[str, Any]]:
         impls["triton"] = kernels.tucker_topk
     cores = case.randn(shape.heads, shape.cores, shape.rank, shape.rank)
     _, u, t = memory_ops.core_svd(cores.sum(1).float())
-    singular = (u.to(case.dtype), t.to(case.dtype))
+    singular = torch.stack((u, t)).unsqueeze(-1).to(case.dtype)  # (2, H, r, 1)
     for tokens in case.args.tokens:
-        row_scores, col_scores = (case.randn(tokens, shape.heads, shape.rank, shape.num_keys) for _ in "rc")
+        axis_scores = case.randn(tokens, 2, shape.heads, shape.rank, shape.num_keys)
 
         def forward(fn: Callable) -> dict[str, float]:
             with torch.no_grad(), kernels.fused_selection():  # opt-in: on here to time it
-                return {"forward_ms": case.ms(lambda: fn(row_scores, col_scores, cores, singular, shape.topk))}
+                return {"forward_ms": case.ms(lambda: fn(axis_scores, cores, singular, shape.topk))}
 
         for impl, fn in impls.items():
             row = case.row("tucker_topk", impl, tokens, groups=shape.groups, cores=shape.cores)

@@ -48,7 +48,7 @@ def _sign_normalised_vectors(self):
     """u, t flipped so that u's largest-magnitude entry is positive."""
     _, u, t = core_svd(self.cores.sum(1).float())
     sign = u.gather(-1, u.abs().argmax(-1, keepdim=True)).sign()  # (H, 1)
-    return (u * sign).to(self.cores.dtype), (t * sign).to(self.cores.dtype)
+    return (torch.stack((u, t)) * sign).unsqueeze(-1).to(self.cores.dtype)  # (2, H, r, 1)
 
 
 @contextlib.contextmanager

@@ -24,12 +24,12 @@ class SelectionComparison:
 
 
 def _picks(model: torch.nn.Module, input_ids: torch.Tensor, training: bool) -> tuple[list[tuple], torch.Tensor]:
-    """Each memory layer's (row query, column query, virtual addresses (B, T, H, m), scores (B, T, H, m)) and the
+    """Each memory layer's (queries (B, T, H, Q, r, Dk/r), virtual addresses (B, T, H, m), scores (B, T, H, m)) and the
     logits, from one forward: as inference computes it, or (`training`) as a training step's forward does."""
     layers, captured = list(model.model.memory_layers), {}
 
     def hook(idx):
-        return lambda module, args, output: captured.__setitem__(idx, (*args[:2], output[0], output[1].sum(-1)))
+        return lambda module, args, output: captured.__setitem__(idx, (args[0], output[0], output[1].sum(-1)))
 
     handles = [layer.retrieval.register_forward_hook(hook(idx)) for idx, layer in enumerate(layers)]
     try:
@@ -55,7 +55,7 @@ def compare_selections(reference, other, input_ids: torch.Tensor, training: bool
     picks_other, logits_other = _picks(other, input_ids, training)
     first_flip = torch.full(input_ids.shape[:1], input_ids.shape[1])
     flipped, margins, noise = [], [], 0.0
-    for idx, ((*queries, index_ref, scores_ref), (_, _, index_other, scores_other)) in enumerate(
+    for idx, ((queries, index_ref, scores_ref), (_, index_other, scores_other)) in enumerate(
         zip(picks_ref, picks_other)
     ):
         index_ref, order_ref = index_ref.sort(-1)
@@ -67,7 +67,8 @@ def compare_selections(reference, other, input_ids: torch.Tensor, training: bool
             continue
         retrieval = reference.model.memory_layers[idx].retrieval
         with torch.no_grad():
-            factors = score_factors(retrieval, *retrieval.axis_scores(*queries))  # the reference's exact scores
+            # the reference's exact scores
+            factors = score_factors(retrieval, *retrieval.axis_scores(queries).unbind(-4))
         for b, t, h in (~same).nonzero().tolist():
             only_ref = [int(x) for x in index_ref[b, t, h] if x not in index_other[b, t, h]]
             only_other = [int(x) for x in index_other[b, t, h] if x not in index_ref[b, t, h]]

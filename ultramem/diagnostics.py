@@ -92,7 +92,7 @@ def _retrieval_gathered(layer: UltraMemMemoryLayer) -> contextlib.AbstractContex
 @torch.no_grad()
 def _layer_statistics(
     layer: UltraMemMemoryLayer,
-    queries: tuple[torch.Tensor, torch.Tensor],
+    queries: torch.Tensor,
     retrieved: tuple[torch.Tensor, torch.Tensor],
     keep: torch.Tensor,
     chunk: int,
@@ -104,9 +104,10 @@ def _layer_statistics(
     virtual_index, scores = (tensor[keep] for tensor in retrieved)  # (tokens, H, m), (tokens, H, m, h)
     # The queries were captured in the forward's dtype: bfloat16 under mixed precision (Accelerate's autocast),
     # whose keys stay float32 outside it
-    queries = tuple(query.to(retrieval.row_keys.dtype) for query in queries)
+    queries = queries.to(retrieval.row_keys.dtype)
     with _retrieval_gathered(layer):
-        row_factors, col_factors = score_factors(retrieval, *retrieval.axis_scores(*queries))  # (B, T, H, k, n)
+        axis_scores = retrieval.axis_scores(queries)  # (B, T, 2, H, r, n)
+        row_factors, col_factors = score_factors(retrieval, *axis_scores.unbind(-4))  # (B, T, H, k, n)
     row_factors, col_factors = row_factors[keep], col_factors[keep]  # (tokens, H, k, n)
     hits = torch.zeros((), dtype=torch.long, device=virtual_index.device)
     for start in range(0, virtual_index.shape[0], chunk):  # memory O(chunk H rows_per_step n)
@@ -122,7 +123,7 @@ def _layer_statistics(
     statistics = {
         "tdqkr_recall": hits.item() / max(virtual_index.numel(), 1),
         **row_usage(rows, layer.value_expansion.num_values),  # of its own rows (its window of a pool)
-        "query_cosine": mean_cosine(queries[0][keep].flatten(1)),
+        "query_cosine": mean_cosine(queries[keep][:, :, 0].flatten(1)),  # of the row query
         "top1_score": scores.sum(-1).amax(-1).mean().item(),
     }
     return statistics, rows.unique()
@@ -253,8 +254,8 @@ def retrieval_diagnostics(
     per_layer: list[dict[str, float]] = []
     rows_read = []
     for idx, layer in enumerate(memory_layers):
-        (row_query, col_query, _), retrieved = captured[idx]["retrieval"]
-        stats, rows = _layer_statistics(layer, (row_query, col_query), retrieved, keep, chunk, rows_per_step)
+        (queries, _), retrieved = captured[idx]["retrieval"]
+        stats, rows = _layer_statistics(layer, queries, retrieved, keep, chunk, rows_per_step)
         layer_output = captured[idx]["output"][1]
         stats["input_cosine"] = mean_cosine(captured[idx]["input"][1][keep].float())
         stats["memory_output_std"] = layer_output[keep].float().std().item()

@@ -39,10 +39,9 @@ class MemoryOps(Protocol):
 
     def tucker_topk(
         self,
-        row_scores: torch.Tensor,
-        col_scores: torch.Tensor,
+        axis_scores: torch.Tensor,
         cores: torch.Tensor,
-        leading_vectors: tuple[torch.Tensor, torch.Tensor],
+        leading_vectors: torch.Tensor,
         topk: int,
         signed: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...

@@ -115,8 +115,8 @@ def product_key_topk(
 
 
 def rank_one_candidates(projected: torch.Tensor, topk: int, signed: bool) -> torch.Tensor:
-    """Candidate rows and columns (..., 2, m') from the rank-1 projections (..., 2, n): a = u^T S_row and
-    b = t^T S_col stacked.
+    """Candidate rows and columns (..., 2, H, m') from the rank-1 projections (..., 2, H, n): a = u^T S_row and
+    b = t^T S_col, the axis first.
 
     sigma a_x b_y is large where a_x and b_y are both large, or both very negative. The SVD's sign is arbitrary
     ((u, t) and (-u, -t) are the same rank-1 core), so picking the positive quadrant after a sign normalisation makes
@@ -131,16 +131,15 @@ def rank_one_candidates(projected: torch.Tensor, topk: int, signed: bool) -> tor
         )
     # The quadrant is chosen from the axes' extremes, then one top-m runs on both axes, sign-flipped where the bottom
     # quadrant wins (the bottom-m of a is the top-m of -a): one topk call for the four candidate sets.
-    low, high = projected.aminmax(dim=-1, keepdim=True)  # (..., 2, 1)
-    bottom = high.prod(-2, keepdim=True) < low.prod(-2, keepdim=True)  # (..., 1, 1): max a max b < min a min b
+    low, high = projected.aminmax(dim=-1, keepdim=True)  # (..., 2, H, 1)
+    bottom = high.prod(-3, keepdim=True) < low.prod(-3, keepdim=True)  # (..., 1, H, 1): max a max b < min a min b
     return torch.where(bottom, -projected, projected).topk(topk, dim=-1).indices
 
 
 def tucker_topk(
-    row_scores: torch.Tensor,
-    col_scores: torch.Tensor,
+    axis_scores: torch.Tensor,
     cores: torch.Tensor,
-    leading_vectors: tuple[torch.Tensor, torch.Tensor],
+    leading_vectors: torch.Tensor,
     topk: int,
     signed: bool = False,
     candidate_topk=tucker_candidate_topk,
@@ -148,9 +147,9 @@ def tucker_topk(
     """TDQKR's approximate top-m: candidates by the rank-1 SVD of the summed core, then exact scores on them.
 
     Args:
-        row_scores, col_scores: (..., H, r, n) S_row and S_col of every key.
+        axis_scores: (..., 2, H, r, n) S_row and S_col of every key, the axis first (one GEMM's output, viewed).
         cores: (H, h, r, r) the MCS cores.
-        leading_vectors: u, t (H, r), the leading singular vectors of each head's summed core.
+        leading_vectors: (2, H, r, 1) u and t, the leading singular vectors of each head's summed core.
         topk: m.
         signed: see `rank_one_candidates`.
         candidate_topk: the implementation of `tucker_candidate_topk` (reference or kernel).
@@ -158,20 +157,17 @@ def tucker_topk(
     Returns:
         virtual addresses x * n + y (..., H, m) and per-core scores (..., H, m, h).
     """
-    num_keys, rank = row_scores.shape[-1], row_scores.shape[-2]
-    # both axes side by side, so that each step below is one operator for the two (a decode step pays per operator)
-    axis_scores = torch.stack((row_scores, col_scores), dim=-2)  # (..., H, r, 2, n)
+    num_keys, rank = axis_scores.shape[-1], axis_scores.shape[-2]
     # a = u^T S_row, b = t^T S_col, summed over the rank by broadcasting (an einsum here goes through a bmm on a
     # permuted copy: 10x slower on CPU); the choice of candidates has no gradient
     with torch.no_grad():
-        leading = torch.stack(leading_vectors, dim=-1).unsqueeze(-1)  # (H, r, 2, 1): u and t
-        index = rank_one_candidates((axis_scores * leading).sum(-3), topk, signed)  # (..., H, 2, m')
+        index = rank_one_candidates((axis_scores * leading_vectors).sum(-2), topk, signed)  # (..., 2, H, m')
     num_candidates = index.shape[-1]
-    expand = (*index.shape[:-2], rank, 2, num_candidates)
-    candidates = axis_scores.gather(-1, index.unsqueeze(-3).expand(expand))  # (..., H, r, 2, m')
-    flat_index, core_scores = candidate_topk(*candidates.unbind(-2), cores, topk)  # (..., H, m), (..., H, m, h)
-    grid = torch.stack((flat_index // num_candidates, flat_index % num_candidates), dim=-2)  # (..., H, 2, m)
-    rows, cols = index.gather(-1, grid).unbind(-2)  # (..., H, m) each
+    expand = (*index.shape[:-1], rank, num_candidates)
+    candidates = axis_scores.gather(-1, index.unsqueeze(-2).expand(expand))  # (..., 2, H, r, m')
+    flat_index, core_scores = candidate_topk(*candidates.unbind(-4), cores, topk)  # (..., H, m), (..., H, m, h)
+    grid = torch.stack((flat_index // num_candidates, flat_index % num_candidates), dim=-3)  # (..., 2, H, m)
+    rows, cols = index.gather(-1, grid).unbind(-3)  # (..., H, m) each
     return cols.add(rows, alpha=num_keys), core_scores
 
 

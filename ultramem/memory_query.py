@@ -218,8 +218,9 @@ class MemoryQuery(nn.Module):
         taps_apart = weight_t.device.type == "cpu"
         return window_projection(weight_t, bias, self.conv.weight, self.conv.bias, taps_apart)
 
-    def forward(self, x: torch.Tensor, inputs: MemoryInputs = MemoryInputs()) -> tuple[torch.Tensor, torch.Tensor]:
-        """The normed residual stream (B, T, D) -> row and column queries (B, T, H, r, Dk/r)."""
+    def forward(self, x: torch.Tensor, inputs: MemoryInputs = MemoryInputs()) -> torch.Tensor:
+        """The normed residual stream (B, T, D) -> the queries (B, T, H, Q, r, Dk/r): Q = 1 for both axes (trick 5),
+        else the row query, then the column query."""
         # running statistics (at inference, and under no_grad as in `generate` after training): a linear map, folded
         # into the projection, unless the statistics of the query are being gathered (`recalibrate_query_statistics`)
         per_token = not (self.training and self.training_step)
@@ -242,10 +243,6 @@ class MemoryQuery(nn.Module):
                 query = self.across_tokens(query, counted, self.training_step)
         return self._parts(query, x.shape[:-1])
 
-    def _parts(self, query: torch.Tensor, tokens: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
-        """The projected queries (B, T, H * (1|2) * Dk) or (B*T, ...) -> row and column queries (B, T, H, r, Dk/r)."""
-        if self.num_queries == 1:  # one query for both axes (trick 5)
-            query = self.norm(query.view(*tokens, self.num_heads, self.rank, self.part_dim))
-            return query, query
-        query = self.norm(query.view(*tokens, self.num_heads, self.num_queries, self.rank, self.part_dim))
-        return query[..., 0, :, :], query[..., 1, :, :]
+    def _parts(self, query: torch.Tensor, tokens: torch.Size) -> torch.Tensor:
+        """The projected queries (B, T, H * Q * Dk) or (B*T, ...) -> their LayerNorm'd parts (B, T, H, Q, r, Dk/r)."""
+        return self.norm(query.view(*tokens, self.num_heads, self.num_queries, self.rank, self.part_dim))

@@ -140,24 +140,28 @@ class KeyRetrieval(nn.Module):
         return {"keys": self._keys_entry()}
 
     def _keys_entry(self) -> CacheEntry:
-        """The LayerNorm'd row and column keys side by side, as the right operand of one batched GEMM over the H*r
-        query parts: (H*r, Dk/r, 2n)."""
+        """The LayerNorm'd keys as the right operand of one batched GEMM over the H*Q*r query parts: (H*r, Dk/r, 2n),
+        the row and column keys side by side, for one query (trick 5); (H*2*r, Dk/r, n) for one query per axis."""
         parameters = (self.row_keys, self.col_keys, *self.key_norm.parameters())
-        return parameters, lambda: self.key_norm(torch.cat([self.row_keys, self.col_keys], dim=-2)).flatten(0, 1).mT
+        return parameters, self._normed_keys
 
-    def axis_scores(self, row_query: torch.Tensor, col_query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """S_row and S_col (B, T, H, r, n) of every key; the LayerNorm'd keys are cached at inference. With one query
-        for both axes (trick 5) they are one GEMM's halves (views)."""
-        keys = self.inference_cache.get("keys", *self._keys_entry())
+    def _normed_keys(self) -> torch.Tensor:
         if self.shared_query:
-            scores = part_scores(row_query, keys)  # (B, T, H, r, 2n)
-            return scores[..., : self.num_keys], scores[..., self.num_keys :]
-        return part_scores(row_query, keys[..., : self.num_keys]), part_scores(col_query, keys[..., self.num_keys :])
+            keys = torch.cat([self.row_keys, self.col_keys], dim=-2)  # (H, r, 2n, Dk/r)
+        else:
+            keys = torch.stack([self.row_keys, self.col_keys], dim=1)  # (H, 2, r, n, Dk/r)
+        return self.key_norm(keys).flatten(0, -3).mT
+
+    def axis_scores(self, queries: torch.Tensor) -> torch.Tensor:
+        """S_row and S_col of every key, the axis first: (B, T, 2, H, r, n), from the queries (B, T, H, Q, r, Dk/r) as
+        one GEMM's output, viewed; the LayerNorm'd keys are cached at inference."""
+        keys = self.inference_cache.get("keys", *self._keys_entry())
+        return part_scores(queries, keys, self.num_keys)
 
     def with_balance_loss(
-        self, row_scores: torch.Tensor, axis_projections: Callable[[], tuple[torch.Tensor, ...]]
+        self, axis_scores: torch.Tensor, axis_projections: Callable[[], tuple[torch.Tensor, ...]]
     ) -> torch.Tensor:
-        """`row_scores`, whose backward also carries UltraMemV2's key-balance loss (Eq. 18-20) when training with
+        """`axis_scores`, whose backward also carries UltraMemV2's key-balance loss (Eq. 18-20) when training with
         `key_balance_loss_coef` > 0. `axis_projections()` (..., H, n): the scores each axis' top-m is taken on.
 
         Carried by the backward rather than returned, so it needs no output of its own and survives gradient
@@ -166,31 +170,32 @@ class KeyRetrieval(nn.Module):
         """
         if not (self.training and self.balance_loss_coef):
             self.last_balance_loss = None
-            return row_scores
+            return axis_scores
         loss = self.balance_loss_coef * sum(key_balance_loss(scores, self.topk) for scores in axis_projections())
         self.last_balance_loss = loss.detach()
-        return with_loss_gradient(row_scores, loss)
+        return with_loss_gradient(axis_scores, loss)
 
 
-def part_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """The query parts (B, T, H, r, Dk/r) against their keys (H*r, Dk/r, n'): (B, T, H, r, n'), as one bmm over the
-    H*r parts (an einsum spends a dozen permutes and views around the same bmm, which a decode step pays each time)."""
-    *tokens, heads, rank, part_dim = query.shape
-    scores = torch.bmm(query.reshape(-1, heads * rank, part_dim).transpose(0, 1), keys)  # (H*r, B*T, n')
-    return scores.view(heads, rank, *tokens, -1).movedim((0, 1), (-3, -2))
+def part_scores(queries: torch.Tensor, keys: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """The query parts (B, T, H, Q, r, Dk/r) against their keys (H*Q*r, Dk/r, 2n/Q): the axis scores (B, T, 2, H, r, n),
+    as one bmm over the H*Q*r parts (an einsum spends a dozen permutes and views around the same bmm, which a decode
+    step pays each time). The axis is the query's with one per axis (Q = 2), the keys' with one for both (Q = 1)."""
+    *tokens, heads, num_queries, rank, part_dim = queries.shape
+    parts = queries.reshape(-1, heads * num_queries * rank, part_dim).transpose(0, 1)  # (H*Q*r, B*T, Dk/r)
+    scores = torch.bmm(parts, keys)  # (H*Q*r, B*T, 2n/Q)
+    if num_queries == 1:
+        return scores.view(heads, rank, *tokens, 2, num_keys).movedim((0, 1), (-3, -2))
+    return scores.view(heads, 2, rank, *tokens, num_keys).movedim((0, 1, 2), (-3, -4, -2))
 
 
 class ProductKeyRetrieval(KeyRetrieval):
     """PKM retrieval: additive row + column scores, two-phase top-m, one score per slot (r = 1)."""
 
-    def forward(
-        self, row_query: torch.Tensor, col_query: torch.Tensor, ops: MemoryOps
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Virtual addresses (B, T, H, m) and their scores (B, T, H, m, 1)."""
-        row_scores, col_scores = self.axis_scores(row_query, col_query)
-        row_scores, col_scores = row_scores[..., 0, :], col_scores[..., 0, :]  # (B, T, H, n)
-        row_scores = self.with_balance_loss(row_scores, lambda: (row_scores, col_scores))
-        return product_key_topk(row_scores, col_scores, self.topk)
+    def forward(self, queries: torch.Tensor, ops: MemoryOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """Virtual addresses (B, T, H, m) and their scores (B, T, H, m, 1) for the queries (B, T, H, Q, 1, Dk)."""
+        axis_scores = self.axis_scores(queries)[..., 0, :]  # (B, T, 2, H, n)
+        axis_scores = self.with_balance_loss(axis_scores, lambda: axis_scores.unbind(-3))
+        return product_key_topk(*axis_scores.unbind(-3), self.topk)
 
 
 class TuckerQueryKeyRetrieval(KeyRetrieval):
@@ -217,22 +222,19 @@ class TuckerQueryKeyRetrieval(KeyRetrieval):
         return {**super().cached_entries(), "singular_vectors": ((self.cores,), self.leading_singular_vectors)}
 
     @torch.no_grad()
-    def leading_singular_vectors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """u, t of the rank-1 SVD of each head's summed core: (H, r) each, of arbitrary (joint) sign."""
+    def leading_singular_vectors(self) -> torch.Tensor:
+        """u and t of the rank-1 SVD of each head's summed core, of arbitrary (joint) sign, stacked as (2, H, r, 1):
+        broadcast against the axis scores (B, T, 2, H, r, n)."""
         _, u, t = core_svd(self.cores.sum(1).float())
-        return u.to(self.cores.dtype), t.to(self.cores.dtype)
+        return torch.stack((u, t)).unsqueeze(-1).to(self.cores.dtype)
 
-    def forward(
-        self, row_query: torch.Tensor, col_query: torch.Tensor, ops: MemoryOps
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Virtual addresses (B, T, H, m) and per-core scores (B, T, H, m, h)."""
-        row_scores, col_scores = self.axis_scores(row_query, col_query)  # (B, T, H, r, n)
+    def forward(self, queries: torch.Tensor, ops: MemoryOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """Virtual addresses (B, T, H, m) and per-core scores (B, T, H, m, h) for the queries (B, T, H, Q, r, Dk/r)."""
+        axis_scores = self.axis_scores(queries)  # (B, T, 2, H, r, n)
         leading = self.inference_cache.get("singular_vectors", (self.cores,), self.leading_singular_vectors)
-        u, t = leading  # the balance loss is on the rank-1 projections a = u^T S_row, b = t^T S_col
-        row_scores = self.with_balance_loss(
-            row_scores, lambda: ((row_scores * u.unsqueeze(-1)).sum(-2), (col_scores * t.unsqueeze(-1)).sum(-2))
-        )
-        return ops.tucker_topk(row_scores, col_scores, self.cores, leading, self.topk, self.signed_candidates)
+        # the balance loss is on the rank-1 projections a = u^T S_row, b = t^T S_col
+        axis_scores = self.with_balance_loss(axis_scores, lambda: (axis_scores * leading).sum(-2).unbind(-3))
+        return ops.tucker_topk(axis_scores, self.cores, leading, self.topk, self.signed_candidates)
 
 
 def ive_shuffle(size: int, seed: int) -> torch.Tensor:
@@ -360,8 +362,7 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
 
     def _retrieve(self, x: torch.Tensor, inputs: MemoryInputs, ops: MemoryOps) -> tuple[torch.Tensor, torch.Tensor]:
         """`retrieve` on the normed input x (B, T, D)."""
-        row_query, col_query = self.query(x, inputs)
-        virtual_index, scores = self.retrieval(row_query, col_query, ops)
+        virtual_index, scores = self.retrieval(self.query(x, inputs), ops)
         if self.config.memory_score_softmax:
             scores = scores.softmax(dim=-2)
         return virtual_index, scores

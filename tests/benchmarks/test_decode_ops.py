@@ -10,12 +10,12 @@ import pytest
 # from the projection, one operator more than the fold that accelerators run, for a weight k times smaller to read:
 # `MemoryQuery._window_projection_entry`.)
 MAX_OPS_OVER_DENSE = {
-    "tiny-ultramem": 74,
-    "tiny-pkm": 48,
-    "tiny-ultramemv2": 85,
-    "tiny-memoryplus": 49,
+    "tiny-ultramem": 69,
+    "tiny-pkm": 39,
+    "tiny-ultramemv2": 73,
+    "tiny-memoryplus": 40,
     "tiny-engram": 61,
-    "tiny-ultramem-engram": 70,
+    "tiny-ultramem-engram": 67,
 }
 
 

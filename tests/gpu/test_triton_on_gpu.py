@@ -226,7 +226,7 @@ def test_fused_tucker_topk_matches_the_reference(device, check, dtype, tokens):
     row, col = (torch.randn(tokens, heads, rank, num_keys, device=device, generator=generator).to(dtype) for _ in "rc")
     cores = torch.randn(heads, cores_, rank, rank, device=device, generator=generator).to(dtype)
     _, u, t = memory_ops.core_svd(cores.sum(1).float())
-    inputs = (row, col, cores, (u.to(dtype), t.to(dtype)))
+    inputs = (torch.stack((row, col), 1), cores, torch.stack((u, t)).unsqueeze(-1).to(dtype))
     with torch.no_grad(), kernels.fused_selection():  # opt-in until timed
         index, scores = kernels.tucker_topk(*inputs, topk)
         ref_index, ref_scores = memory_ops.tucker_topk(*inputs, topk, False, kernels.tucker_candidate_topk)

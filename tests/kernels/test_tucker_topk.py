@@ -4,6 +4,7 @@ switch (opt-in: off unless `fused_selection()` or `ULTRAMEM_FUSED_SELECTION=1`).
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -29,25 +30,25 @@ def switched_on():
 
 
 def _random_inputs(batch, heads, rank, num_keys, num_cores, dtype=torch.float32, seed=0):
-    """Axis scores (batch, H, r, n) x2, cores (H, h, r, r) and the leading singular vectors of their sum."""
+    """Axis scores (batch, 2, H, r, n), cores (H, h, r, r) and the leading singular vectors of their sum (2, H, r, 1)."""
     generator = torch.Generator().manual_seed(seed)
     row, col = (torch.randn(batch, heads, rank, num_keys, generator=generator).to(dtype) for _ in range(2))
     cores = torch.randn(heads, num_cores, rank, rank, generator=generator).to(dtype)
     _, u, t = memory_ops.core_svd(cores.sum(1).float())
-    return row, col, cores, (u.to(dtype), t.to(dtype))
+    return torch.stack((row, col), 1), cores, torch.stack((u, t)).unsqueeze(-1).to(dtype)
 
 
 def _tie_free_inputs(batch, heads, rank, num_keys, num_cores, dtype, seed=0):
     """Inputs whose rank-1 projections have no ties in a 16-bit dtype: u = t = e_1, so the projections are the first
     rank component, there a permutation of k/64 (k < n <= 256, exact in bfloat16 and float16)."""
-    row, col, cores, _ = _random_inputs(batch, heads, rank, num_keys, num_cores, dtype, seed)
+    axis_scores, cores, _ = _random_inputs(batch, heads, rank, num_keys, num_cores, dtype, seed)
     generator = torch.Generator().manual_seed(seed + 1)
-    for axis in (row, col):
-        for index in range(batch * heads):
-            axis.view(-1, rank, num_keys)[index, 0] = torch.randperm(num_keys, generator=generator).to(dtype) / 64
-    first = torch.zeros(heads, rank, dtype=dtype)
-    first[:, 0] = 1
-    return row, col, cores, (first, first.clone())
+    for axis in range(2):
+        for item, head in itertools.product(range(batch), range(heads)):
+            axis_scores[item, axis, head, 0] = torch.randperm(num_keys, generator=generator).to(dtype) / 64
+    first = torch.zeros(2, heads, rank, 1, dtype=dtype)
+    first[:, :, 0] = 1
+    return axis_scores, cores, first
 
 
 @pytest.mark.numerics  # run again under a second CPU dispatch level (.ci/run)
@@ -90,13 +91,13 @@ def test_half_precision_matches_the_unfused_kernels(dtype):
 def test_batch_dims_and_a_negative_quadrant():
     """Any leading dims (B, T) pass through; a token whose best rank-1 score is in the (bottom, bottom) quadrant takes
     its candidates there, as the reference does."""
-    row, col, cores, vectors = _random_inputs(6, 2, 2, 30, 2, seed=3)
-    row[0, 0, 0] -= 10 * (vectors[0][0, 0].sign() * row[0, 0].new_ones(30))  # a drops far below zero for token 0
-    col[0, 0, 0] -= 10 * (vectors[1][0, 0].sign() * col[0, 0].new_ones(30))
-    row, col = row.view(2, 3, 2, 2, 30), col.view(2, 3, 2, 2, 30)
+    axis_scores, cores, vectors = _random_inputs(6, 2, 2, 30, 2, seed=3)
+    for axis in range(2):  # a and b drop far below zero for token 0
+        axis_scores[0, axis, 0, 0] -= 10 * vectors[axis, 0, 0, 0].sign()
+    axis_scores = axis_scores.view(2, 3, 2, 2, 2, 30)
     with torch.no_grad():
-        index, scores = kernels.tucker_topk(row, col, cores, vectors, 5)
-        expected_index, expected_scores = memory_ops.tucker_topk(row, col, cores, vectors, 5)
+        index, scores = kernels.tucker_topk(axis_scores, cores, vectors, 5)
+        expected_index, expected_scores = memory_ops.tucker_topk(axis_scores, cores, vectors, 5)
     assert index.shape == (2, 3, 2, 5) and scores.shape == (2, 3, 2, 5, 2)
     torch.testing.assert_close(index, expected_index, rtol=0, atol=0)
     torch.testing.assert_close(scores, expected_scores, rtol=1e-5, atol=1e-5)
@@ -122,12 +123,12 @@ def test_more_keys_than_one_chunk_merge_into_the_same_selection(monkeypatch):
 def test_training_takes_the_kernels_addresses_and_the_references_gradients():
     """A gradient wanted (training): the kernel picks the addresses, and the winners' per-core scores, recomputed from
     their gathered axis scores, carry the reference's gradients to the axis scores and the cores."""
-    row, col, cores, vectors = _random_inputs(2, 2, 2, 16, 2)
-    leaves = [tensor.requires_grad_() for tensor in (row, col, cores)]
+    axis_scores, cores, vectors = _random_inputs(2, 2, 2, 16, 2)
+    leaves = [tensor.requires_grad_() for tensor in (axis_scores, cores)]
     with torch.profiler.profile() as profile:
-        index, scores = kernels.tucker_topk(row, col, cores, vectors, 4)
+        index, scores = kernels.tucker_topk(axis_scores, cores, vectors, 4)
     assert "ultramem::tucker_topk" in {event.key for event in profile.key_averages()}
-    expected_index, expected_scores = memory_ops.tucker_topk(row, col, cores, vectors, 4)
+    expected_index, expected_scores = memory_ops.tucker_topk(axis_scores, cores, vectors, 4)
     torch.testing.assert_close(index, expected_index, rtol=0, atol=0)
     torch.testing.assert_close(scores, expected_scores, rtol=1e-5, atol=1e-5)
     grads = torch.autograd.grad(scores.sum(), leaves)
@@ -139,33 +140,34 @@ def test_training_takes_the_kernels_addresses_and_the_references_gradients():
 @interpreted
 def test_signed_candidates_take_the_reference_composition():
     """Signed candidates (2m per axis, 4 m^2 candidates) are the reference composition's with the candidate kernel."""
-    row, col, cores, vectors = _random_inputs(2, 2, 2, 16, 2)
+    inputs = _random_inputs(2, 2, 2, 16, 2)
     assert fuses(4, signed=False) and not fuses(4, signed=True)
     with torch.no_grad():
-        signed_index, _ = kernels.tucker_topk(row, col, cores, vectors, 4, signed=True)
-    torch.testing.assert_close(signed_index, memory_ops.tucker_topk(row, col, cores, vectors, 4, True)[0])
+        signed_index, _ = kernels.tucker_topk(*inputs, 4, signed=True)
+    torch.testing.assert_close(signed_index, memory_ops.tucker_topk(*inputs, 4, True)[0])
 
 
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(col=(2, 2, 2, 15)), "row_scores and col_scores must both be"),
+        (dict(axis_scores=(2, 3, 2, 2, 16)), "axis_scores must be (..., 2, H, r, n)"),
         (dict(cores=(2, 2, 3, 3)), "cores must be (H, h, r, r)"),
-        (dict(u=(2, 3)), "u must be (H, r)"),
+        (dict(leading_vectors=(2, 2, 3, 1)), "leading_vectors must be (2, H, r, 1)"),
         (dict(topk=17), "topk must be an int in [1, 16]"),
     ],
 )
 def test_rejects_bad_input_with_one_named_error(change, message):
-    shapes = dict(row=(2, 2, 2, 16), col=(2, 2, 2, 16), cores=(2, 2, 2, 2), u=(2, 2), t=(2, 2), topk=4) | change
-    row, col, cores, u, t = (torch.zeros(shapes[name]) for name in ("row", "col", "cores", "u", "t"))
+    shapes = dict(axis_scores=(2, 2, 2, 2, 16), cores=(2, 2, 2, 2), leading_vectors=(2, 2, 2, 1), topk=4) | change
+    axis_scores, cores, leading = (torch.zeros(shapes[name]) for name in ("axis_scores", "cores", "leading_vectors"))
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
-        kernels.tucker_topk(row, col, cores, (u, t), shapes["topk"])
+        kernels.tucker_topk(axis_scores, cores, leading, shapes["topk"])
 
 
 @interpreted
 def test_custom_op_passes_opcheck():
     """Schema, fake (meta) implementation and dispatch of `ultramem::tucker_topk`."""
-    row, col, cores, (u, t) = _random_inputs(3, 2, 2, 12, 2)
+    axis_scores, cores, leading = _random_inputs(3, 2, 2, 12, 2)
+    row, col, u, t = (*axis_scores.unbind(1), *leading.squeeze(-1))
     torch.library.opcheck(torch.ops.ultramem.tucker_topk, (row, col, u, t, cores, 4))
 
 

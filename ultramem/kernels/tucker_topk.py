@@ -46,28 +46,19 @@ def _(row_scores, col_scores, u, t, cores, topk):
     return index, row_scores.new_empty((batch, num_heads, topk, cores.shape[1]), dtype=dtype)
 
 
-def _check_inputs(
-    row_scores: torch.Tensor,
-    col_scores: torch.Tensor,
-    cores: torch.Tensor,
-    leading_vectors: tuple[torch.Tensor, torch.Tensor],
-    topk: int,
-) -> None:
-    u, t = leading_vectors
-    for name, tensor in (("row_scores", row_scores), ("col_scores", col_scores), ("cores", cores), ("u", u), ("t", t)):
+def _check_inputs(axis_scores: torch.Tensor, cores: torch.Tensor, leading_vectors: torch.Tensor, topk: int) -> None:
+    for name, tensor in (("axis_scores", axis_scores), ("cores", cores), ("leading_vectors", leading_vectors)):
         check_dtype(name, tensor, FLOAT_DTYPES)
-    check_same_device(row_scores=row_scores, col_scores=col_scores, cores=cores, u=u, t=t)
-    if row_scores.dim() < 3 or col_scores.shape != row_scores.shape:
-        raise ValueError(
-            f"row_scores and col_scores must both be (..., H, r, n), got {tuple(row_scores.shape)} "
-            f"and {tuple(col_scores.shape)}"
-        )
-    num_heads, rank, num_keys = row_scores.shape[-3:]
+    check_same_device(axis_scores=axis_scores, cores=cores, leading_vectors=leading_vectors)
+    if axis_scores.dim() < 4 or axis_scores.shape[-4] != 2:
+        raise ValueError(f"axis_scores must be (..., 2, H, r, n), got {tuple(axis_scores.shape)}")
+    num_heads, rank, num_keys = axis_scores.shape[-3:]
     if cores.dim() != 4 or cores.shape[0] != num_heads or cores.shape[-2:] != (rank, rank):
         raise ValueError(f"cores must be (H, h, r, r) with H = {num_heads}, r = {rank}, got {tuple(cores.shape)}")
-    for name, vector in (("u", u), ("t", t)):
-        if vector.shape != (num_heads, rank):
-            raise ValueError(f"{name} must be (H, r) = {(num_heads, rank)}, got {tuple(vector.shape)}")
+    if leading_vectors.shape != (2, num_heads, rank, 1):
+        raise ValueError(
+            f"leading_vectors must be (2, H, r, 1) = {(2, num_heads, rank, 1)}, got {tuple(leading_vectors.shape)}"
+        )
     if not isinstance(topk, int) or not 1 <= topk <= num_keys:
         raise ValueError(f"topk must be an int in [1, {num_keys}] (n), got {topk!r}")
 
@@ -95,29 +86,29 @@ def fuses(topk: int, signed: bool) -> bool:
 
 
 def tucker_topk(
-    row_scores: torch.Tensor,
-    col_scores: torch.Tensor,
+    axis_scores: torch.Tensor,
     cores: torch.Tensor,
-    leading_vectors: tuple[torch.Tensor, torch.Tensor],
+    leading_vectors: torch.Tensor,
     topk: int,
     signed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Virtual addresses x * n + y (..., H, m) and per-core scores (..., H, m, h); see memory_ops for the contract."""
-    _check_inputs(row_scores, col_scores, cores, leading_vectors, topk)
+    _check_inputs(axis_scores, cores, leading_vectors, topk)
     if not fuses(topk, signed):
-        return reference(row_scores, col_scores, cores, leading_vectors, topk, signed, tucker_candidate_topk)
-    require_launchable(row_scores.device)
-    lead, (num_heads, rank, num_keys) = row_scores.shape[:-3], row_scores.shape[-3:]
-    u, t = leading_vectors
+        return reference(axis_scores, cores, leading_vectors, topk, signed, tucker_candidate_topk)
+    require_launchable(axis_scores.device)
+    lead, (num_heads, rank, num_keys) = axis_scores.shape[:-4], axis_scores.shape[-3:]
+    row_scores, col_scores = axis_scores.unbind(-4)  # (..., H, r, n) each
+    u, t = leading_vectors.detach().squeeze(-1)  # (H, r) each
     index, scores = _tucker_topk_op(
         row_scores.detach().reshape(-1, num_heads, rank, num_keys),  # views of one GEMM's output stay views
         col_scores.detach().reshape(-1, num_heads, rank, num_keys),
-        u.detach().contiguous(),
-        t.detach().contiguous(),
+        u.contiguous(),
+        t.contiguous(),
         cores.detach().contiguous(),
         topk,
     )
     index = index.view(*lead, num_heads, topk)
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (row_scores, col_scores, cores)):
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (axis_scores, cores)):
         return index, winner_core_scores(row_scores, col_scores, cores, index)  # training: scores with autograd
     return index, scores.view(*lead, num_heads, topk, cores.shape[1])
