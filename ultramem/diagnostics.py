@@ -136,10 +136,10 @@ def ngram_statistics(layer: NGramMemory, call: tuple, keep: torch.Tensor) -> dic
     distinct n-grams of the batch that share a row with another in a head, mean over heads) and its context gate's
     `gate_mean` and `gate_std`."""
     hidden_states, input_ids, inputs = call
-    ngrams = layer.ngrams(input_ids, dataclasses.replace(inputs, cache=None))  # (B, N, T); the cache moved on
+    ngrams = layer.ngrams(input_ids, dataclasses.replace(inputs, cache=None))  # (B, T, N); the cache moved on
     rows = layer.rows(ngrams)  # (B, T, heads)
     gate = layer.gate(hidden_states, layer.read(rows).to(hidden_states.dtype))[..., 0][keep]
-    picked, kept = rows[keep], ngrams.transpose(1, 2)[keep]  # (tokens, heads), (tokens, N)
+    picked, kept = rows[keep], ngrams[keep]  # (tokens, heads), (tokens, N)
     heads_per_order = layer.num_heads // (layer.order - 1)
     collided = []
     for head in range(layer.num_heads):

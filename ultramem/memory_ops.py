@@ -46,8 +46,11 @@ def lookup_reduce(
     num_cores = scores.shape[-1]
     value_dim = values.shape[-1]
     gathered = F.embedding(rows, values).float()  # (T, K, Dv)
-    weighted = gathered.view(num_tokens, num_slots, num_cores, value_dim // num_cores) * scores.float().unsqueeze(-1)
-    weighted = weighted.view(num_tokens, num_slots, value_dim)  # (T, K, Dv)
+    if num_cores == 1:
+        weighted = gathered * scores.float()  # (T, K, Dv)
+    else:
+        chunks = gathered.view(num_tokens, num_slots, num_cores, value_dim // num_cores)
+        weighted = (chunks * scores.float().unsqueeze(-1)).view(num_tokens, num_slots, value_dim)  # (T, K, Dv)
     if num_groups == 1:
         pooled = weighted.sum(dim=1, keepdim=True)  # (T, 1, Dv)
     else:

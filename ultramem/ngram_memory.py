@@ -115,7 +115,7 @@ def use_canonical_ids(model: nn.Module, tokenizer) -> None:
 def ngram_tokens(
     tokens: torch.Tensor, no_token: int, eos_ids: torch.Tensor, order: int, sequences: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """(B, N, T): [:, j, t] the token j positions back (j = 0..N-1) from each of the last T of `tokens` (B, N-1+T), or
+    """(B, T, N): [:, t, j] the token j positions back (j = 0..N-1) from each of the last T of `tokens` (B, N-1+T), or
     `no_token` where that is not of t's document: padding, before the first token, before an EOS that ended the
     document (the token after an EOS starts the next) or, with `sequences` (B, N-1+T), another packed sequence.
 
@@ -129,19 +129,19 @@ def ngram_tokens(
     if sequences is not None:
         sequence = sequences.unfold(1, order, 1).flip(-1)  # (B, T, N)
         outside |= sequence != sequence[..., :1]
-    return windows.masked_fill(outside, no_token).transpose(1, 2)  # (B, N, T)
+    return windows.masked_fill(outside, no_token)
 
 
 def ngram_rows(
     ngrams: torch.Tensor, multipliers: torch.Tensor, moduli: torch.Tensor, offsets: torch.Tensor
 ) -> torch.Tensor:
-    """The table rows of every head for n-grams (B, N, T) (`ngram_tokens`, canonical ids).
+    """The table rows of every head for n-grams (B, T, N) (`ngram_tokens`, canonical ids).
 
     The hash of order n: id_0 c_0 XOR ... XOR id_{n-1} c_{n-1}, modulo each of its heads' primes, plus the head's first
     row. multipliers: (N,) int64 c_j. moduli, offsets: ((N-1) K,) int64, order-major (the K bigram heads first).
     Returns (B, T, (N-1) K) int64 rows, order-major.
     """
-    products = (ngrams * multipliers[:, None]).unbind(1)  # N of (B, T): id_j c_j
+    products = (ngrams * multipliers).unbind(-1)  # N of (B, T): id_j c_j
     heads = moduli.shape[0] // (len(products) - 1)
     mixed, hashes = products[0], []
     for product in products[1:]:  # XOR in the next token back: the hash of the next order, once for each of its heads
@@ -237,7 +237,7 @@ class NGramMemory(nn.Module):
         self.canonical_ids.copy_(canonical_ids)
 
     def ngrams(self, input_ids: torch.Tensor, inputs: MemoryInputs = MemoryInputs()) -> torch.Tensor:
-        """(B, T) token ids -> the canonical n-grams the hash reads (B, N, T) (`ngram_tokens`); the last N-1 ids go to
+        """(B, T) token ids -> the canonical n-grams the hash reads (B, T, N) (`ngram_tokens`); the last N-1 ids go to
         the cache."""
         padding_mask = inputs.padding_mask
         ids = input_ids if padding_mask is None else input_ids.masked_fill(padding_mask == 0, self.vocab_size)
@@ -249,13 +249,13 @@ class NGramMemory(nn.Module):
 
     def canonical_ngrams(self, tokens: torch.Tensor, sequences: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (B, N-1+T), the N-1 before the first of T included (the no-token id where there are none) -> the
-        canonical n-grams (B, N, T) the hash reads (`ngram_tokens`). The vLLM model, which keeps each request's last
+        canonical n-grams (B, T, N) the hash reads (`ngram_tokens`). The vLLM model, which keeps each request's last
         ids itself, gives every token's window of N ids as a row of its own (T, N)."""
         canonical = torch.take(self.canonical_ids, tokens)  # an index's machinery costs more per call
         return ngram_tokens(canonical, self.vocab_size, self.eos_ids, self.order, sequences)
 
     def rows(self, ngrams: torch.Tensor) -> torch.Tensor:
-        """The n-grams (B, N, T) of `ngrams` -> (B, T, (N-1) K) table rows, with this layer's hash."""
+        """The n-grams (B, T, N) of `ngrams` -> (B, T, (N-1) K) table rows, with this layer's hash."""
         return ngram_rows(ngrams, self.multipliers, self.moduli, self.offsets)
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:

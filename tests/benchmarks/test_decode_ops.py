@@ -11,11 +11,11 @@ import pytest
 # `MemoryQuery._window_projection_entry`.)
 MAX_OPS_OVER_DENSE = {
     "tiny-ultramem": 69,
-    "tiny-pkm": 39,
+    "tiny-pkm": 36,
     "tiny-ultramemv2": 73,
-    "tiny-memoryplus": 40,
-    "tiny-engram": 61,
-    "tiny-ultramem-engram": 67,
+    "tiny-memoryplus": 37,
+    "tiny-engram": 59,
+    "tiny-ultramem-engram": 66,
 }
 
 
