@@ -46,6 +46,7 @@ class CausalDepthwiseConv(nn.Module):
         self.state_slot = state_slot
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
         self.bias = nn.Parameter(torch.empty(channels))
+        self.inference_cache = InferenceCache()
 
     def init_ultramem(self) -> None:
         """Start as the identity on the current token, so adding the conv does not change the initial model."""
@@ -60,10 +61,34 @@ class CausalDepthwiseConv(nn.Module):
             return self._within_sequences(self._masked(x, inputs), inputs.sequence_ids)
         window = self.window(x, inputs)  # (B, D, (k-1) * dilation + T)
         if x.shape[1] == 1:  # a decode step: one dot product per channel, a fraction of conv1d's cost on CPU
-            taps = window if self.dilation == 1 else window[..., :: self.dilation]  # (B, D, k)
-            return ((taps * self.weight[:, 0]).sum(-1) + self.bias).unsqueeze(1)  # (B, 1, D)
+            return ((window * self._window_taps()).sum(-1) + self.bias).unsqueeze(1)  # (B, 1, D)
         convolved = F.conv1d(window, self.weight, self.bias, dilation=self.dilation, groups=window.shape[1])
         return convolved.transpose(1, 2)  # (B, T, D)
+
+    def cached_entries(self) -> dict[str, CacheEntry]:
+        """What `inference_cache` keeps (for `refresh_inference_cache`): a dilated conv's taps spread over the window
+        of a decode step (`_spread_taps`)."""
+        return {"spread_taps": ((self.weight,), self._spread_taps)} if self._caches_taps() else {}
+
+    def _caches_taps(self) -> bool:
+        """Whether a decode step reads its taps from `inference_cache`: dilated, the weight held here (one that ZeRO-3
+        partitions or accelerate offloads is whole only inside this module's forward)."""
+        weight = self.weight
+        return self.dilation > 1 and not hasattr(weight, "ds_id") and weight.device.type != "meta"
+
+    def _window_taps(self) -> torch.Tensor:
+        """One weight (D, (k-1) * dilation + 1) per input of a decode step's window: the taps themselves, or spread
+        with the zeros between them (one product over the window, no picking of every dilation-th input)."""
+        if self.dilation == 1:
+            return self.weight[:, 0]
+        if self._caches_taps():
+            return self.inference_cache.get("spread_taps", (self.weight,), self._spread_taps)
+        return self._spread_taps()
+
+    def _spread_taps(self) -> torch.Tensor:
+        """(D, (k-1) * dilation + 1): the k taps with the dilation - 1 zeros between them."""
+        taps = F.pad(self.weight[:, 0, :, None], (0, self.dilation - 1))  # (D, k, dilation): each tap, then zeros
+        return taps.flatten(1)[:, : (self.kernel_size - 1) * self.dilation + 1]
 
     def window(self, x: torch.Tensor, inputs: MemoryInputs) -> torch.Tensor:
         """The inputs (B, D, (k-1) * dilation + T) the convolution of x (B, T, D) reads: the cached last ones (zeros

@@ -575,10 +575,11 @@ class UltraMemModel(UltraMemPreTrainedModel):
         """Brings every tensor cached from the weights up to date, eagerly, and lets the next compiled forward read
         them instead of computing them in its graph (see `InferenceCache`). For compiled decoding steps: call it
         before each (`generate` does, in `prepare_inputs_for_generation`)."""
+        for module in self.modules():  # the queries, retrievals, n-gram memories and convolutions
+            if hasattr(module, "cached_entries"):
+                for name, entry in module.cached_entries().items():
+                    module.inference_cache.refresh(name, *entry)
         retrievals = [layer.retrieval for layer in self.memory_layers]
-        for module in (*(layer.query for layer in self.memory_layers), *retrievals, *self.ngram_memories):
-            for name, entry in module.cached_entries().items():
-                module.inference_cache.refresh(name, *entry)
         tucker = [retrieval for retrieval in retrievals if isinstance(retrieval, TuckerQueryKeyRetrieval)]
         if tucker:
             self.inference_cache.refresh("aux_loss", *self._aux_loss_entry(tucker))

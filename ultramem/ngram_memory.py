@@ -19,7 +19,8 @@ a new document), into padding or across packed sequences: positions outside the 
 (no token). The last N-1 ids and the conv's inputs live in the generation cache, as the query conv's state does.
 
 At inference the layer runs with its weights folded, kept in its `inference_cache` (`NGramMemory.cached_entries`):
-one matmul for W_k and W_v, one weight for the gate's norms, and a decode step's conv taps spread over its window.
+one matmul for W_k and W_v, one weight for the gate's norms; its conv keeps a decode step's taps spread over its
+window (`CausalDepthwiseConv`).
 
 This file is copied beside `modeling_ultramem.py` into checkpoints (remote code), so it imports only relatively.
 """
@@ -298,9 +299,8 @@ class NGramMemory(nn.Module):
 
     def cached_entries(self) -> dict[str, CacheEntry]:
         """What `inference_cache` keeps (for `refresh_inference_cache`): the projections and the gate's norm weights
-        folded for inference (`_folded_entry`), and the conv's taps spread over its window (`_spread_taps`)."""
-        entries = {"folded": self._folded_entry()} if self._folds() else {}
-        return {**entries, "conv": ((self.conv.weight,), self._spread_taps)} if self._folds_conv() else entries
+        folded for inference (`_folded_entry`); its conv keeps its own."""
+        return {"folded": self._folded_entry()} if self._folds() else {}
 
     def _folds(self) -> bool:
         """Whether inference runs the folded projections and gate (`_folded_entry`): plain `nn.Linear` and `nn.RMSNorm`
@@ -333,24 +333,6 @@ class NGramMemory(nn.Module):
         normed = F.rms_norm(torch.stack([hidden_states, key]), (dim,), None, self.key_norm.eps)  # (2, B, T, D)
         score = (normed.prod(0) * gate_weight).sum(-1, keepdim=True)  # RMSNorm(h) . RMSNorm(W_k e) / sqrt(D)
         return _squashed(score) * value
-
-    def _folds_conv(self) -> bool:
-        """Whether a decode step's conv spreads its taps over its window (`_spread_taps`): this module's conv, whose
-        window the generation cache holds (vLLM's keeps its own state), its weight held here."""
-        weight = self.conv.weight
-        return type(self.conv) is CausalDepthwiseConv and not hasattr(weight, "ds_id") and weight.device.type != "meta"
-
-    def _spread_taps(self) -> torch.Tensor:
-        """(D, (k-1) N + 1): the conv's k taps with the N-1 zeros between them, one weight per input of its window."""
-        conv = self.conv
-        taps = F.pad(conv.weight[:, 0, :, None], (0, conv.dilation - 1))  # (D, k, N): each tap, then N-1 zeros
-        return taps.flatten(1)[:, : (conv.kernel_size - 1) * conv.dilation + 1]
-
-    def _decode_conv(self, x: torch.Tensor, inputs: MemoryInputs) -> torch.Tensor:
-        """The conv of a decode step's x (B, 1, D), as `CausalDepthwiseConv` computes it, in one product and sum over
-        its whole window (B, D, (k-1) N + 1), the zeros between the taps included: no picking of every N-th input."""
-        spread = self.inference_cache.get("conv", (self.conv.weight,), self._spread_taps)  # (D, (k-1) N + 1)
-        return ((self.conv.window(x, inputs) * spread).sum(-1) + self.conv.bias).unsqueeze(1)  # (B, 1, D)
 
     def _tokens(self, ids: torch.Tensor, cache: Cache | None) -> torch.Tensor:
         """(B, T) ids -> (B, N-1+T): the N-1 ids before them (the no-token id where there are none), from the cache, then
@@ -385,7 +367,4 @@ class NGramMemory(nn.Module):
             value = self._folded_value(hidden_states, memory)
         else:
             value = self.gate(hidden_states, memory) * self.value_proj(memory)
-        normed = self.value_norm(value)
-        if not self.training and value.shape[1] == 1 and inputs.sequence_ids is None and self._folds_conv():
-            return value + F.silu(self._decode_conv(normed, inputs))  # a decode step
-        return value + F.silu(self.conv(normed, inputs))
+        return value + F.silu(self.conv(self.value_norm(value), inputs))

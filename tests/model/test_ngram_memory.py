@@ -188,7 +188,7 @@ def _prefill_and_decode(ngram, hidden: torch.Tensor, ids: torch.Tensor, config) 
 
 def test_inference_folds_equal_the_modules_one_by_one():
     """At inference the two projections run as one matmul, the gate's two norms as one and a decode step's
-    dilated conv reads its window with its taps spread over it (cached, `cached_entries`): the outputs of training's
+    dilated conv reads its window with its taps spread over it (each cached, `cached_entries`): the outputs of training's
     path, the modules one by one, also after the weights change in place and after a refresh."""
     model = ngram_model(seed=6)
     ngram = model.model.ngram_memories[0]
@@ -199,13 +199,15 @@ def test_inference_folds_equal_the_modules_one_by_one():
         for change in (lambda: None, lambda: [p.mul_(1.5) for p in ngram.parameters()]):
             change()
             folded = _prefill_and_decode(ngram, hidden, ids, model.config)
-            assert set(ngram.inference_cache.versions) == {"folded", "conv"}  # the folded path ran
+            assert set(ngram.inference_cache.versions) == {"folded"}  # the folded path ran
+            assert set(ngram.conv.inference_cache.versions) == {"spread_taps"}
             ngram.train()  # training's path (grad off: the cache is not read)
             torch.testing.assert_close(folded, _prefill_and_decode(ngram, hidden, ids, model.config))
             ngram.eval()
-        assert set(ngram.cached_entries()) == {"folded", "conv"}
-        for name, entry in ngram.cached_entries().items():
-            ngram.inference_cache.refresh(name, *entry)
+        assert set(ngram.cached_entries()) == {"folded"} and set(ngram.conv.cached_entries()) == {"spread_taps"}
+        for module in (ngram, ngram.conv):
+            for name, entry in module.cached_entries().items():
+                module.inference_cache.refresh(name, *entry)
         torch.testing.assert_close(_prefill_and_decode(ngram, hidden, ids, model.config), folded)
 
 
