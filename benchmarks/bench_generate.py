@@ -39,12 +39,22 @@ the in-memory one (issue 45: n-gram tables from disk <= 1.05x in memory):
     OMP_NUM_THREADS=1 python benchmarks/bench_generate.py --device cpu --sizes tiny --kinds dense,engram,engram-disk \
         --caches eager --batch-sizes 1,8 --prompt 64 --new-tokens 32 --iters 20 --interleave --name generate_cpu_disk
 
+Where a decode step's time goes: `--by-part` adds, after the timed calls, `--iters` generate calls with forward
+hooks on the memory layers (product-key and n-gram), the decoder blocks and the LM head, each timed in place (the
+hooks synchronize the device: read it on CPU), and a table of each part's ms per token for every model, the rest of
+the step last (embedding, generate's own work, the hooks):
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_generate.py --device cpu --sizes tiny --kinds dense,ultramem,engram \
+        --caches eager --batch-sizes 1 --prompt 64 --new-tokens 32 --iters 20 --interleave --by-part \
+        --name generate_cpu_by_part
+
 Writes benchmarks/results/generate_<device>.json and .png; the table (per-token ms and the ratios UltraMem/dense,
 MoE/UltraMem, Engram/dense and disk/in memory for every size, batch and cache) is printed last.
 """
 
 from __future__ import annotations
 
+import re
 import statistics
 import tempfile
 import time
@@ -79,6 +89,7 @@ def parse_args(argv: list[str] | None = None):
         "turn (one call of each per round), so machine drift does not enter their ratios",
     )
     add("--no-auto-compile", action="store_true", help="generate(disable_compile=True): a static cache stays eager")
+    add("--by-part", action="store_true", help="also time the memory layers, blocks and LM head in place (hooks)")
     cli.add_moe_argument(parser, "at the middle batch size, with the first cache")
     args = cli.resolve(parser.parse_args(argv), DEFAULT_NAME)
     cuda = args.device.type == "cuda"
@@ -132,6 +143,58 @@ def generate_once(model, prompt: torch.Tensor, cache: str, args) -> tuple[float,
     return (clock.wall[0] - start) * 1e3, wall, cpu, hasattr(model, "_compiled_call")
 
 
+# A decode step's parts, by module name: the same in UltraMem, Llama and Mixtral models
+PARTS = {"memory": r"model\.(memory_layers|ngram_memories)\.\d+", "blocks": r"model\.layers\.\d+", "head": r"lm_head"}
+
+
+class PartClock:
+    """Wall time of each call of a model's memory layers, decoder blocks and LM head, from forward hooks that
+    synchronize the device at each edge (on an accelerator they serialise what they time)."""
+
+    def __init__(self, model, device: torch.device):
+        self.device = device
+        self.calls: dict[tuple[str, str], list[float]] = {}  # (part, module) -> each call's seconds
+        self.hooks = []
+        for name, module in model.named_modules():
+            part = next((part for part, pattern in PARTS.items() if re.fullmatch(pattern, name)), None)
+            if part is not None:
+                times, start = self.calls.setdefault((part, name), []), []
+                self.hooks.append(module.register_forward_pre_hook(lambda *_, start=start: start.append(self.now())))
+                self.hooks.append(
+                    module.register_forward_hook(lambda *_, t=times, s=start: t.append(self.now() - s.pop()))
+                )
+
+    def now(self) -> float:
+        timing.synchronize(self.device)
+        return time.perf_counter()
+
+    def per_token_ms(self) -> dict[str, float]:
+        """Each part's ms per decode step: its modules' calls after the first (the prefill), averaged, summed."""
+        parts = dict.fromkeys(PARTS, 0.0)
+        for (part, _), times in self.calls.items():
+            parts[part] += statistics.fmean(times[1:]) * 1e3
+        return parts
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+
+def time_parts(model, prompt: torch.Tensor, cache: str, args) -> dict[str, float]:
+    """`--by-part`: each part's ms per token (`PartClock`), and the rest of the step, median over `args.iters`
+    generate calls."""
+    runs = []
+    for _ in range(args.iters):
+        clock = PartClock(model, args.device)
+        try:
+            _, wall, _, _ = generate_once(model, prompt, cache, args)
+        finally:
+            clock.remove()
+        parts = clock.per_token_ms()
+        runs.append({**parts, "rest": statistics.fmean(wall) - sum(parts.values())})
+    return {part: statistics.median(run[part] for run in runs) for part in runs[0]}
+
+
 def time_generate(model, batch: int, cache: str, args) -> dict[str, Any]:
     """Per-token time of `args.iters` generate calls after `args.warmup` (`timing.summarize` of every token's)."""
     return time_generate_interleaved({"model": model}, batch, cache, args)["model"]
@@ -161,6 +224,8 @@ def time_generate_interleaved(peers: dict[str, Any], batch: int, cache: str, arg
             "compiled": compiled[-1],
             "token_ms": list(wall),
         }
+        if getattr(args, "by_part", False):
+            timed[name]["by_part_ms"] = time_parts(peers[name], prompts[name], cache, args)
     return timed
 
 
@@ -260,6 +325,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 report.save(args, {"complete": False, "rows": rows})  # kept should the run be cut short
     settings = {"sizes": args.sizes, "kinds": args.kinds, "interleaved": args.interleave, "batch_sizes": args.batch_sizes, "prompt": args.prompt,
                 "new_tokens": args.new_tokens, "caches": args.caches, "auto_compile": not args.no_auto_compile,
+                "by_part": args.by_part,
                 "decoding": "greedy, min_new_tokens = max_new_tokens", "warmup": args.warmup, "iters": args.iters,
                 "per_token": "differences of timestamps taken after a synchronize at every new token; the first "
                 "(prefill, prefill_ms) excluded"}  # fmt: skip
@@ -272,6 +338,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     if not args.no_plot:
         plot(args, rows, payload["ratios"])
+    if args.by_part:
+        by_part = [{**row, **row["by_part_ms"]} for row in rows]
+        columns = {"size": "size", "kind": "kind", "cache": "cache", "batch": "batch", "ms": "ms/token",
+                   **{part: f"{part} ms" for part in (*PARTS, "rest")}}  # fmt: skip
+        print("where a decode step's time goes (ms per token, in place):")
+        print(report.format_table(by_part, columns))
     report.finish(args, payload, report.format_table(payload["ratios"], table_columns(args.kinds)))
     return payload
 

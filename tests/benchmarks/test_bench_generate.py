@@ -44,6 +44,22 @@ def test_bench_generate_times_every_new_token_after_the_prefill(tmp_path, capsys
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("tiny")  # the table is printed last
 
 
+def test_by_part_times_each_part_of_the_step_in_place(tmp_path, capsys):
+    """`--by-part`: each model's memory layers (product-key and n-gram), blocks and LM head, from hooked calls apart
+    from the timed ones; a dense model has no memory part."""
+    argv = ["--device", "cpu", "--sizes", "tiny", "--batch-sizes", "1", "--prompt", "8", "--new-tokens", "3",
+            "--warmup", "0", "--iters", "1", "--caches", "eager", "--kinds", "dense,ultramem,engram", "--interleave",
+            "--by-part", "--no-plot", "--results-dir", str(tmp_path), "--name", "generate"]  # fmt: skip
+    bench_generate.main(argv)
+    rows = {row["kind"]: row for row in json.loads((tmp_path / "generate.json").read_text())["rows"]}
+    for kind, row in rows.items():
+        parts = row["by_part_ms"]
+        assert set(parts) == {"memory", "blocks", "head", "rest"}
+        assert parts["blocks"] > 0 and parts["head"] > 0
+        assert (parts["memory"] > 0) == (kind != "dense")
+    assert "where a decode step's time goes" in capsys.readouterr().out
+
+
 def test_bench_generate_needs_two_new_tokens():
     with pytest.raises(SystemExit, match="--new-tokens must be >= 2"):
         bench_generate.parse_args(["--device", "cpu", "--new-tokens", "1"])
