@@ -180,19 +180,20 @@ class PartClock:
             hook.remove()
 
 
-def time_parts(model, prompt: torch.Tensor, cache: str, args) -> dict[str, float]:
-    """`--by-part`: each part's ms per token (`PartClock`), and the rest of the step, median over `args.iters`
-    generate calls."""
-    runs = []
+def time_parts(peers: dict[str, Any], prompts: dict[str, torch.Tensor], cache: str, args) -> dict[str, dict]:
+    """`--by-part`: each part's ms per token (`PartClock`) and the rest of the step, of every model, median over
+    `args.iters` generate calls, their calls in turn as the timed ones."""
+    runs = {name: [] for name in peers}
     for _ in range(args.iters):
-        clock = PartClock(model, args.device)
-        try:
-            _, wall, _, _ = generate_once(model, prompt, cache, args)
-        finally:
-            clock.remove()
-        parts = clock.per_token_ms()
-        runs.append({**parts, "rest": statistics.fmean(wall) - sum(parts.values())})
-    return {part: statistics.median(run[part] for run in runs) for part in runs[0]}
+        for name, model in peers.items():
+            clock = PartClock(model, args.device)
+            try:
+                _, wall, _, _ = generate_once(model, prompts[name], cache, args)
+            finally:
+                clock.remove()
+            parts = clock.per_token_ms()
+            runs[name].append({**parts, "rest": statistics.fmean(wall) - sum(parts.values())})
+    return {name: {part: statistics.median(run[part] for run in of) for part in of[0]} for name, of in runs.items()}
 
 
 def time_generate(model, batch: int, cache: str, args) -> dict[str, Any]:
@@ -224,8 +225,9 @@ def time_generate_interleaved(peers: dict[str, Any], batch: int, cache: str, arg
             "compiled": compiled[-1],
             "token_ms": list(wall),
         }
-        if getattr(args, "by_part", False):
-            timed[name]["by_part_ms"] = time_parts(peers[name], prompts[name], cache, args)
+    if getattr(args, "by_part", False):
+        for name, parts in time_parts(peers, prompts, cache, args).items():
+            timed[name]["by_part_ms"] = parts
     return timed
 
 
