@@ -27,6 +27,13 @@ Derived = torch.Tensor | tuple[torch.Tensor, ...]
 CacheEntry = tuple[tuple[torch.Tensor, ...], Callable[[], Derived]]  # the parameters, and what computes from them
 
 
+def held_here(*parameters: torch.Tensor) -> bool:
+    """Whether the parameters are whole outside their module's forward: not partitioned by DeepSpeed ZeRO-3 nor
+    offloaded by accelerate (meta), whose hooks make them whole only inside it. Only such weights can be cached or
+    folded."""
+    return not any(hasattr(p, "ds_id") or p.device.type == "meta" for p in parameters)
+
+
 class InferenceCache(nn.Module):
     """Tensors derived from parameters, kept between forwards of an eval-mode model while they cannot change.
 
@@ -69,7 +76,7 @@ class InferenceCache(nn.Module):
         """Brings the entry up to date eagerly and lets the next compiled forward read it. Skipped (the compiled
         forward then computes) in training, and for parameters not held here: ZeRO-3 partitions, accelerate's
         offloaded (meta) weights."""
-        if self.training or any(p.device.type == "meta" or hasattr(p, "ds_id") for p in parameters):
+        if self.training or not held_here(*parameters):
             return
         with torch.no_grad():
             self.get(name, parameters, compute)

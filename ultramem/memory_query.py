@@ -14,7 +14,7 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
 
 from .configuration_ultramem import NO_QUERY_NORM, UltraMemConfig
-from .inference_cache import CacheEntry, InferenceCache
+from .inference_cache import CacheEntry, InferenceCache, held_here
 from .init_scales import MemoryInitScales, ScaledLayerNorm
 from .query_normalization import QueryNormalization
 
@@ -73,8 +73,7 @@ class CausalDepthwiseConv(nn.Module):
     def _caches_taps(self) -> bool:
         """Whether a decode step reads its taps from `inference_cache`: dilated, the weight held here (one that ZeRO-3
         partitions or accelerate offloads is whole only inside this module's forward)."""
-        weight = self.weight
-        return self.dilation > 1 and not hasattr(weight, "ds_id") and weight.device.type != "meta"
+        return self.dilation > 1 and held_here(self.weight)
 
     def _window_taps(self) -> torch.Tensor:
         """One weight (D, (k-1) * dilation + 1) per input of a decode step's window: the taps themselves, or spread
@@ -210,8 +209,7 @@ class MemoryQuery(nn.Module):
         offloads (meta) is only whole inside the projection's own forward, which its hooks wrap."""
         if not isinstance(self.across_tokens, QueryNormalization) or type(self.proj) is not nn.Linear:
             return False
-        weight = self.proj.weight
-        return not hasattr(weight, "ds_id") and weight.device.type != "meta"
+        return held_here(self.proj.weight)
 
     def _projection_entry(self) -> CacheEntry:
         """(W'^T (D, F), b'): the normalised query is addmm(b', x, W'^T), one operator."""

@@ -38,7 +38,7 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 
 from .configuration_ultramem import UltraMemConfig
-from .inference_cache import CacheEntry, InferenceCache
+from .inference_cache import CacheEntry, InferenceCache, held_here
 from .memory_implementations import memory_ops_for
 from .memory_query import CausalDepthwiseConv, MemoryInputs
 from .value_stores import DeferredValueTable, MemoryValueTable, tables_deferred
@@ -312,7 +312,7 @@ class NGramMemory(nn.Module):
             return False
         if self.hidden_norm.eps != self.key_norm.eps:  # (both the config's) h and W_k e are normalised as one stack
             return False
-        return all(not hasattr(module.weight, "ds_id") and module.weight.device.type != "meta" for module in modules)
+        return held_here(*(module.weight for module in modules))
 
     def _folded_entry(self) -> CacheEntry:
         """([W_k; W_v]^T (E, 2D), w (D,)): the key and the value as one matmul, e [W_k; W_v]^T, and the gate's score
