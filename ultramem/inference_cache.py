@@ -50,7 +50,7 @@ class InferenceCache(nn.Module):
         super().__init__()
         self.versions: dict[str, tuple[tuple, tuple[torch.UntypedStorage, ...]]] = {}
         self.refreshed: dict[str, bool] = {}  # whether a compiled forward may read the entry (once)
-        self.arity: dict[str, int] = {}  # how many tensors the entry has; 0: one, not in a tuple
+        self.entries: dict[str, Derived] = {}  # each entry's buffers, as `compute` returns them
 
     def get(self, name: str, parameters: tuple[torch.Tensor, ...], compute: Callable[[], Derived]) -> Derived:
         """compute(), or its cached result for `name` while `parameters` are unchanged.
@@ -64,13 +64,13 @@ class InferenceCache(nn.Module):
             if not self.refreshed.get(name, False):
                 return compute()
             self.refreshed[name] = False  # Dynamo replays this write after the graph
-            return self._stored(name)
-        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in parameters)
+            return self.entries[name]
+        key = [(p.data_ptr(), p._version, p.dtype, p.device) for p in parameters]  # a decode step's host time
         if name not in self.versions or self.versions[name][0] != key:
             self._store(name, compute())
             self.versions[name] = (key, tuple(p.untyped_storage() for p in parameters))
         self.refreshed[name] = False  # any read uses up a refresh: a later weight change cannot follow it unseen
-        return self._stored(name)
+        return self.entries[name]
 
     def refresh(self, name: str, parameters: tuple[torch.Tensor, ...], compute: Callable[[], Derived]) -> None:
         """Brings the entry up to date eagerly and lets the next compiled forward read it. Skipped (the compiled
@@ -93,13 +93,8 @@ class InferenceCache(nn.Module):
             else:  # not an inference tensor, which a later refresh outside `torch.inference_mode` could not write
                 with torch.inference_mode(False):
                     self.register_buffer(f"{name}_{i}", tensor.detach().clone(), persistent=False)
-        self.arity[name] = len(tensors) if isinstance(value, tuple) else 0
-
-    def _stored(self, name: str) -> Derived:
-        arity = self.arity[name]
-        if not arity:
-            return self._buffers[f"{name}_0"]  # the dict itself: a module attribute look-up costs microseconds a read
-        return tuple(self._buffers[f"{name}_{i}"] for i in range(arity))
+        buffers = tuple(self._buffers[f"{name}_{i}"] for i in range(len(tensors)))
+        self.entries[name] = buffers if isinstance(value, tuple) else buffers[0]
 
     def clear(self) -> None:
         """Forgets what the buffers were computed from: the next read recomputes them (in place)."""

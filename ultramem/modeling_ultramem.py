@@ -92,7 +92,9 @@ class UltraMemCausalLMOutputWithPast(CausalLMOutputWithPast):
     """`CausalLMOutputWithPast` plus the two parts of the loss.
 
     lm_loss: next-token cross entropy (when `labels` are given); `loss` = `lm_loss` + `aux_loss`.
-    aux_loss: TDQKR auxiliary loss on the Tucker cores' non-leading singular values.
+    aux_loss: TDQKR auxiliary loss on the Tucker cores' non-leading singular values, with `labels` or in training
+        (a function of the weights alone: a forward that computes no loss, such as a step of `generate`, leaves it
+        out; `model.model.aux_loss()` gives it at any time).
     """
 
     lm_loss: torch.FloatTensor | None = None
@@ -554,8 +556,8 @@ class UltraMemModel(UltraMemPreTrainedModel):
         key-balance loss of the last training forward (its gradient travels with the scores, see `with_balance_loss`).
 
         One batched SVD per device the cores live on (one in all for a model on one device; several when
-        `device_map` spreads the memory layers), summed on the device of the first memory layer. It runs at
-        every forward, decode steps included; cached at inference (see `InferenceCache`).
+        `device_map` spreads the memory layers), summed on the device of the first memory layer. The causal LM
+        runs it with a loss or in training (not in steps of `generate`); cached at inference (see `InferenceCache`).
         """
         retrievals = [
             layer.retrieval for layer in self.memory_layers if isinstance(layer.retrieval, TuckerQueryKeyRetrieval)
@@ -579,10 +581,6 @@ class UltraMemModel(UltraMemPreTrainedModel):
             if hasattr(module, "cached_entries"):
                 for name, entry in module.cached_entries().items():
                     module.inference_cache.refresh(name, *entry)
-        retrievals = [layer.retrieval for layer in self.memory_layers]
-        tucker = [retrieval for retrieval in retrievals if isinstance(retrieval, TuckerQueryKeyRetrieval)]
-        if tucker:
-            self.inference_cache.refresh("aux_loss", *self._aux_loss_entry(tucker))
 
     def _aux_loss_entry(self, retrievals: list[TuckerQueryKeyRetrieval]) -> CacheEntry:
         cores = tuple(retrieval.cores for retrieval in retrievals)
@@ -798,7 +796,8 @@ class UltraMemForCausalLM(ContinuousBatchingCheck, UltraMemPreTrainedModel, Gene
         hidden_states = outputs.last_hidden_state
         slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, slice_indices, :])  # (B, T, vocab)
-        aux_loss = self.model.aux_loss()
+        # ~0.1 ms of an eager CPU decode step (tiny): not paid by a forward that computes no loss
+        aux_loss = self.model.aux_loss() if labels is not None or self.training else None
         loss = lm_loss = None
         if labels is not None:
             lm_loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)

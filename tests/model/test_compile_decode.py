@@ -8,7 +8,7 @@ H200 run: 931 launches per ultramem-680m-x12 step, 1 for the dense model). fullg
 the aot_eager backend traces what Inductor would get, without Inductor's compile time.
 
 A step right after `refresh_inference_cache` (as `generate` and the decode benchmark call it) reads what is derived
-from the weights alone (LayerNorm'd keys, the cores' SVD, the aux loss) from `InferenceCache` instead of computing it
+from the weights alone (LayerNorm'd keys, the cores' SVD) from `InferenceCache` instead of computing it
 in its graph, and still follows weights changed in place between steps.
 """
 
@@ -151,7 +151,7 @@ def _change_weights(model: UltraMemForCausalLM, how: str, inputs: torch.Tensor) 
 def test_compiled_decode_follows_weights_changed_in_place_and_reads_the_refreshed_cache(refreshed, variant):
     """Weights changed in place between compiled steps (after the eager prefill), by an optimizer step or by
     `load_state_dict`: the compiled steps give the eager logits of the new weights, with no recompilation. A step
-    after `refresh_inference_cache` reads the LayerNorm'd keys, the cores' singular vectors and the aux loss from
+    after `refresh_inference_cache` reads the LayerNorm'd keys and the cores' singular vectors from
     the cache, so its graph has no key norm and no SVD (what the CUDA-graph decode step recomputed); a step with no
     refresh before it computes them in its graph."""
     torch.manual_seed(0)

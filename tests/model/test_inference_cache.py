@@ -20,8 +20,9 @@ def _model(seed: int = 0, **overrides) -> UltraMemForCausalLM:
 
 
 def _cached_logits(model: UltraMemForCausalLM) -> torch.Tensor:
+    """With labels: the aux loss (the model's own cache) is computed with a loss only."""
     with torch.no_grad():
-        return model(input_ids=INPUT_IDS).logits
+        return model(input_ids=INPUT_IDS, labels=INPUT_IDS).logits
 
 
 def _uncached_logits(model: UltraMemForCausalLM) -> torch.Tensor:

@@ -167,6 +167,18 @@ def test_aux_loss_formula_and_loss_sum():
     assert model.model.memory_layers[0].retrieval.cores.grad.abs().sum() > 0
 
 
+def test_aux_loss_comes_with_a_loss_or_in_training_only():
+    """A function of the weights alone: a forward that computes no loss (each step of `generate`) leaves it out."""
+    model = perturbed_model(small_config())
+    input_ids, _ = left_padded_batch(model.config.vocab_size, [6, 6])
+    expected = model.model.aux_loss().detach()
+    assert expected > 0
+    assert model.train()(input_ids).aux_loss is not None
+    model.eval()
+    assert model(input_ids).aux_loss is None
+    torch.testing.assert_close(model(input_ids, labels=input_ids).aux_loss, expected)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Padding, caching, generation
 # ----------------------------------------------------------------------------------------------------

@@ -205,7 +205,7 @@ def test_balance_loss_travels_with_the_backward_and_is_logged():
     assert min(key_grads) > 0  # the balance loss reaches the keys
     torch.testing.assert_close(balanced.lm_head.weight.grad, plain.lm_head.weight.grad)  # downstream: unchanged
     balanced.eval()
-    assert balanced(input_ids).aux_loss == plain.eval()(input_ids).aux_loss  # not at inference
+    assert balanced(input_ids, labels=input_ids).aux_loss == plain.eval()(input_ids, labels=input_ids).aux_loss  # not at inference
 
 
 @pytest.mark.parametrize(
