@@ -205,7 +205,8 @@ def test_balance_loss_travels_with_the_backward_and_is_logged():
     assert min(key_grads) > 0  # the balance loss reaches the keys
     torch.testing.assert_close(balanced.lm_head.weight.grad, plain.lm_head.weight.grad)  # downstream: unchanged
     balanced.eval()
-    assert balanced(input_ids, labels=input_ids).aux_loss == plain.eval()(input_ids, labels=input_ids).aux_loss  # not at inference
+    with_labels = dict(input_ids=input_ids, labels=input_ids)
+    assert balanced(**with_labels).aux_loss == plain.eval()(**with_labels).aux_loss  # not at inference
 
 
 @pytest.mark.parametrize(
