@@ -84,14 +84,16 @@ def tucker_candidate_topk(
     """
     # S_row^T C^(i) S_col as two broadcast products, each summed over one rank index: r is 2 in the paper, too narrow
     # for a matmul to pay (broadcast matmuls copied their operands: twice the operators at decode, T = 1)
+    # The core index last: the winners' per-core scores are then gathered as they lie, (..., topk, h)
     *lead, rank, num_candidates = col_scores.shape
-    col_parts = col_scores.reshape(*lead, 1, 1, rank, num_candidates)  # (..., 1, 1, r, m)
-    core_times_col = (cores.unsqueeze(-1) * col_parts).sum(-2)  # (..., h, r, m): C^(i) S_col
-    row_parts = row_scores.reshape(*lead, 1, rank, num_candidates, 1)  # (..., 1, r, m, 1)
-    per_core = (row_parts * core_times_col.unsqueeze(-2)).sum(-3).flatten(-2)  # (..., h, m*m)
-    _, flat_index = per_core.sum(dim=-2).topk(topk, dim=-1)  # (..., topk)
-    gather_index = flat_index.unsqueeze(-1).expand(*flat_index.shape, per_core.shape[-2])  # (..., topk, h)
-    core_scores = per_core.transpose(-1, -2).gather(-2, gather_index)  # (..., topk, h)
+    num_cores = cores.shape[-3]
+    cores_last = cores.movedim(-3, -1).reshape(*cores.shape[:-3], rank, rank, 1, 1, num_cores)  # (..., r, r, 1, 1, h)
+    col_parts = col_scores.reshape(*lead, 1, rank, 1, num_candidates, 1)  # (..., 1, r, 1, m, 1)
+    core_times_col = (cores_last * col_parts).sum(-4)  # (..., r, 1, m, h): C^(i) S_col
+    row_parts = row_scores.reshape(*lead, rank, num_candidates, 1, 1)  # (..., r, m, 1, 1)
+    per_core = (row_parts * core_times_col).sum(-4).flatten(-3, -2)  # (..., m*m, h)
+    _, flat_index = per_core.sum(dim=-1).topk(topk, dim=-1)  # (..., topk)
+    core_scores = per_core.gather(-2, flat_index.unsqueeze(-1).expand(*flat_index.shape, num_cores))  # (..., topk, h)
     return flat_index, core_scores
 
 

@@ -12,16 +12,16 @@ import torch
 # weight k times smaller to read: `MemoryQuery._window_projection_entry`.) An offloaded store reads its rows in a
 # worker thread, which the count does not see.
 MAX_OVER_DENSE = {  # preset or preset:store -> (operators, launches)
-    "tiny-ultramem": (69, 40),
+    "tiny-ultramem": (68, 40),
     "tiny-pkm": (36, 21),
-    "tiny-ultramemv2": (73, 41),
+    "tiny-ultramemv2": (72, 41),
     "tiny-memoryplus": (37, 22),
     "tiny-engram": (59, 46),
-    "tiny-ultramem-engram": (66, 42),
-    "tiny-ultramem:int8": (92, 50),
-    "tiny-ultramem:int4": (92, 50),
-    "tiny-ultramem:cpu": (60, 35),
-    "tiny-ultramem:disk": (60, 35),
+    "tiny-ultramem-engram": (65, 42),
+    "tiny-ultramem:int8": (91, 50),
+    "tiny-ultramem:int4": (91, 50),
+    "tiny-ultramem:cpu": (59, 35),
+    "tiny-ultramem:disk": (59, 35),
     "tiny-engram:int8": (86, 57),
     "tiny-engram:cpu": (61, 47),
 }
