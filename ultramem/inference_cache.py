@@ -48,7 +48,7 @@ class InferenceCache(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.versions: dict[str, tuple[tuple, tuple[torch.UntypedStorage, ...]]] = {}
+        self.versions: dict[str, tuple[list, tuple[torch.UntypedStorage, ...]]] = {}
         self.refreshed: dict[str, bool] = {}  # whether a compiled forward may read the entry (once)
         self.entries: dict[str, Derived] = {}  # each entry's buffers, as `compute` returns them
 

@@ -89,9 +89,9 @@ def winner_core_scores(
     gather_shape = (*flat_index.shape[:-1], rank, flat_index.shape[-1])
     row_winners = row_scores.gather(-1, (flat_index // width).unsqueeze(-2).expand(gather_shape))  # (..., r, k)
     col_winners = col_scores.gather(-1, (flat_index % width).unsqueeze(-2).expand(gather_shape))  # (..., r, k)
-    # S_row^T C^(i) S_col as two broadcast products, each summed over one rank index (as the reference): an einsum ran
-    # its two bmms in ~25 permutes, views and copies, each an eager decode step's host time on the GPU
-    # the core index last, so the scores come out (..., k, h) contiguous, as the store reads them
+    # S_row^T C^(i) S_col as two broadcast products, each summed over one rank index, the core index last so that the
+    # scores come out (..., k, h) contiguous (as the reference): an einsum ran its two bmms in ~25 permutes, views and
+    # copies, each an eager decode step's host time on the GPU
     col_parts = col_winners.view(*gather_shape[:-2], 1, rank, gather_shape[-1], 1)  # (..., 1, r, k, 1)
     core_times_col = (cores.movedim(-3, -1).unsqueeze(-2) * col_parts).sum(-3)  # (..., r, k, h): C^(i) S_col
     return (row_winners.unsqueeze(-1) * core_times_col).sum(-3)  # (..., k, h)
