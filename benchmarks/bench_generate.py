@@ -225,7 +225,7 @@ def time_generate_interleaved(peers: dict[str, Any], batch: int, cache: str, arg
             "compiled": compiled[-1],
             "token_ms": list(wall),
         }
-    if getattr(args, "by_part", False):
+    if args.by_part:
         for name, parts in time_parts(peers, prompts, cache, args).items():
             timed[name]["by_part_ms"] = parts
     return timed
