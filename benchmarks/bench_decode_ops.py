@@ -9,9 +9,8 @@ dispatcher below autograd (a `TorchDispatchMode`: views and in-place ops include
 as the kernels it runs), attributed to the innermost memory layer (product-key or n-gram) whose forward runs them.
 Launches are the aten operators that run a kernel (views and `_unsafe_view` only relabel a tensor), the Triton
 kernels the memory implementation launches, and its other custom operators (one each): an eager GPU step pays host
-time for each. The count is deterministic for one PyTorch
-version; each operator costs host time on every device (a few microseconds on CPU, a kernel launch on a GPU), which is
-why the step's count matters without graphs.
+time for each. The count is deterministic for one PyTorch version; each operator costs host time on every device (a few
+microseconds on CPU, a kernel launch on a GPU), which is why the step's count matters without graphs.
 
 A variant is a preset, or `preset:store` for its value tables in that value store (`set_value_store`: int8 / int4
 tables, offloaded to host memory or memory-mapped from disk). An offloaded store reads its rows in a worker thread,
@@ -174,7 +173,7 @@ def measure(variant: str, prompt: int, new_tokens: int, implementation: str | No
     torch.manual_seed(0)
     model = models.build(preset, "cpu", torch.float32).eval()
     if implementation is not None:
-        model.set_memory_implementation(implementation)
+        models.use_memory_implementation(model, implementation)
     with tempfile.TemporaryDirectory(prefix="bench_decode_ops_") as tables:
         if store:
             model.set_value_store(store, **({"directory": tables} if store.startswith("disk") else {}))
