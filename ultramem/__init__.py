@@ -2,13 +2,13 @@
 
 Importing the package registers the config and models with the Auto classes, every value store (`value_stores`:
 "local", "cpu", "disk", "number", "dimension"; `quantized`: "int8", "int4", "cpu-int8", "cpu-int4", "disk-int8",
-"disk-int4") and every memory implementation (`memory_implementations`: "torch", "embedding_bag", "triton").
+"disk-int4") and every memory implementation (`memory_implementations`: "torch", "embedding_bag", "triton", "cpp").
 """
 
 import transformers
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-from . import kernels, offload, parallel, quantized  # noqa: F401  (they register their kernels and value stores)
+from . import cpp_kernels, kernels, offload, parallel, quantized  # noqa: F401  (they register their kernels and value stores)
 from .configuration_ultramem import UltraMemConfig, UltraMemConfigError
 from .missing_tokenizer import MissingTokenizer
 from .modeling_ultramem import (

@@ -4,13 +4,13 @@ switch (opt-in: off unless `fused_selection()` or `ULTRAMEM_FUSED_SELECTION=1`).
 
 from __future__ import annotations
 
-import itertools
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from selection_inputs import random_inputs, tie_free_inputs
 
 from ultramem import kernels, memory_ops
 from ultramem.kernels.tucker_topk import fused_selection, fuses
@@ -29,28 +29,6 @@ def switched_on():
         yield
 
 
-def _random_inputs(batch, heads, rank, num_keys, num_cores, dtype=torch.float32, seed=0):
-    """Axis scores (batch, 2, H, r, n), cores (H, h, r, r) and the leading singular vectors of their sum (2, H, r, 1)."""
-    generator = torch.Generator().manual_seed(seed)
-    row, col = (torch.randn(batch, heads, rank, num_keys, generator=generator).to(dtype) for _ in range(2))
-    cores = torch.randn(heads, num_cores, rank, rank, generator=generator).to(dtype)
-    _, u, t = memory_ops.core_svd(cores.sum(1).float())
-    return torch.stack((row, col), 1), cores, torch.stack((u, t)).unsqueeze(-1).to(dtype)
-
-
-def _tie_free_inputs(batch, heads, rank, num_keys, num_cores, dtype, seed=0):
-    """Inputs whose rank-1 projections have no ties in a 16-bit dtype: u = t = e_1, so the projections are the first
-    rank component, there a permutation of k/64 (k < n <= 256, exact in bfloat16 and float16)."""
-    axis_scores, cores, _ = _random_inputs(batch, heads, rank, num_keys, num_cores, dtype, seed)
-    generator = torch.Generator().manual_seed(seed + 1)
-    for axis in range(2):
-        for item, head in itertools.product(range(batch), range(heads)):
-            axis_scores[item, axis, head, 0] = torch.randperm(num_keys, generator=generator).to(dtype) / 64
-    first = torch.zeros(2, heads, rank, 1, dtype=dtype)
-    first[:, :, 0] = 1
-    return axis_scores, cores, first
-
-
 @pytest.mark.numerics  # run again under a second CPU dispatch level (.ci/run)
 @interpreted
 @pytest.mark.parametrize(
@@ -61,7 +39,7 @@ def _tie_free_inputs(batch, heads, rank, num_keys, num_cores, dtype, seed=0):
 @pytest.mark.usefixtures("poison")
 def test_matches_the_reference(batch, heads, rank, num_keys, num_cores, topk):
     """float32: the reference's addresses in its order, and its per-core scores."""
-    inputs = _random_inputs(batch, heads, rank, num_keys, num_cores)
+    inputs = random_inputs(batch, heads, rank, num_keys, num_cores)
     with torch.no_grad():
         index, scores = kernels.tucker_topk(*inputs, topk)
         expected_index, expected_scores = memory_ops.tucker_topk(*inputs, topk)
@@ -77,7 +55,7 @@ def test_half_precision_matches_the_unfused_kernels(dtype):
     """16-bit scores: the projections are rounded as the reference rounds them, so (without ties) the same axis
     candidates; the grid is scored in float32 as the candidate kernel scores it, so the same winners in the same order.
     The winners' scores are rounded once from float32 (the reference's einsum rounds in between)."""
-    inputs = _tie_free_inputs(2, 2, 2, 50, 2, dtype)
+    inputs = tie_free_inputs(2, 2, 2, 50, 2, dtype)
     with torch.no_grad():
         index, scores = kernels.tucker_topk(*inputs, 8)
         expected_index, expected_scores = memory_ops.tucker_topk(*inputs, 8, False, kernels.tucker_candidate_topk)
@@ -91,7 +69,7 @@ def test_half_precision_matches_the_unfused_kernels(dtype):
 def test_batch_dims_and_a_negative_quadrant():
     """Any leading dims (B, T) pass through; a token whose best rank-1 score is in the (bottom, bottom) quadrant takes
     its candidates there, as the reference does."""
-    axis_scores, cores, vectors = _random_inputs(6, 2, 2, 30, 2, seed=3)
+    axis_scores, cores, vectors = random_inputs(6, 2, 2, 30, 2, seed=3)
     for axis in range(2):  # a and b drop far below zero for token 0
         axis_scores[0, axis, 0, 0] -= 10 * vectors[axis, 0, 0, 0].sign()
     axis_scores = axis_scores.view(2, 3, 2, 2, 2, 30)
@@ -111,7 +89,7 @@ def test_more_keys_than_one_chunk_merge_into_the_same_selection(monkeypatch):
     from ultramem.kernels import _triton_tucker_topk
 
     monkeypatch.setattr(_triton_tucker_topk, "MAX_CHUNK", 16)
-    inputs = _random_inputs(3, 2, 2, 57, 2, seed=7)
+    inputs = random_inputs(3, 2, 2, 57, 2, seed=7)
     with torch.no_grad():
         index, scores = kernels.tucker_topk(*inputs, 6)
         expected_index, expected_scores = memory_ops.tucker_topk(*inputs, 6)
@@ -123,7 +101,7 @@ def test_more_keys_than_one_chunk_merge_into_the_same_selection(monkeypatch):
 def test_training_takes_the_kernels_addresses_and_the_references_gradients():
     """A gradient wanted (training): the kernel picks the addresses, and the winners' per-core scores, recomputed from
     their gathered axis scores, carry the reference's gradients to the axis scores and the cores."""
-    axis_scores, cores, vectors = _random_inputs(2, 2, 2, 16, 2)
+    axis_scores, cores, vectors = random_inputs(2, 2, 2, 16, 2)
     leaves = [tensor.requires_grad_() for tensor in (axis_scores, cores)]
     with torch.profiler.profile() as profile:
         index, scores = kernels.tucker_topk(axis_scores, cores, vectors, 4)
@@ -140,7 +118,7 @@ def test_training_takes_the_kernels_addresses_and_the_references_gradients():
 @interpreted
 def test_signed_candidates_take_the_reference_composition():
     """Signed candidates (2m per axis, 4 m^2 candidates) are the reference composition's with the candidate kernel."""
-    inputs = _random_inputs(2, 2, 2, 16, 2)
+    inputs = random_inputs(2, 2, 2, 16, 2)
     assert fuses(4, signed=False) and not fuses(4, signed=True)
     with torch.no_grad():
         signed_index, _ = kernels.tucker_topk(*inputs, 4, signed=True)
@@ -166,7 +144,7 @@ def test_rejects_bad_input_with_one_named_error(change, message):
 @interpreted
 def test_custom_op_passes_opcheck():
     """Schema, fake (meta) implementation and dispatch of `ultramem::tucker_topk`."""
-    axis_scores, cores, leading = _random_inputs(3, 2, 2, 12, 2)
+    axis_scores, cores, leading = random_inputs(3, 2, 2, 12, 2)
     row, col, u, t = (*axis_scores.unbind(1), *leading.squeeze(-1))
     torch.library.opcheck(torch.ops.ultramem.tucker_topk, (row, col, u, t, cores, 4))
 
@@ -224,7 +202,7 @@ def test_switched_off_the_model_decodes_through_the_candidate_kernel():
 def test_a_compiled_caller_follows_the_switch():
     """torch.compile guards on the switch: the same compiled function runs the one-kernel selection while it is on
     and the candidate kernel once it is off again."""
-    inputs = _random_inputs(2, 2, 2, 16, 2)
+    inputs = random_inputs(2, 2, 2, 16, 2)
     compiled = torch.compile(lambda *args: kernels.tucker_topk(*args, 4), backend="aot_eager", fullgraph=True)
 
     def custom_ops() -> set[str]:

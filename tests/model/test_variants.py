@@ -31,7 +31,7 @@ def _stores(model):
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("memory_implementation", ["torch", "embedding_bag"])
+@pytest.mark.parametrize("memory_implementation", ["torch", "embedding_bag", "cpp"])
 def test_memory_layer_matches_float64_reference(variant, memory_implementation):
     """Output and every gradient (layer parameters and the pool's tables) of a memory layer reading the second
     window of a shared pool, against the float64 loop."""
