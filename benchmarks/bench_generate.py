@@ -26,11 +26,13 @@ CPU (tiny presets, float32, a few seconds):
     OMP_NUM_THREADS=1 python benchmarks/bench_generate.py --device cpu --sizes tiny
 
 On a machine whose speed drifts, `--interleave` holds the models at once and alternates their generate calls;
-`--kinds` adds Engram's n-gram memory (`engram`, lib.models.ENGRAM_PEERS) or leaves models out. The eager CPU
-ratios of issues 45 and 48 (UltraMem / dense and Engram / dense <= 1.10 and 1.05, batch 1 and 8):
+`--kinds` adds Engram's n-gram memory (`engram`, lib.models.ENGRAM_PEERS), UltraMem with the C++ CPU kernels
+(`ultramem-cpp`, memory implementation "cpp") or leaves models out. The eager CPU ratios of issues 45 and 48
+(UltraMem / dense and Engram / dense <= 1.10 and 1.05, batch 1 and 8):
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_generate.py --device cpu --sizes tiny --kinds dense,ultramem,engram \
-        --caches eager --batch-sizes 1,8 --prompt 64 --new-tokens 32 --iters 20 --interleave --name generate_cpu_eager
+    OMP_NUM_THREADS=1 python benchmarks/bench_generate.py --device cpu --sizes tiny \
+        --kinds dense,ultramem,ultramem-cpp,engram --caches eager --batch-sizes 1,8 --prompt 64 --new-tokens 32 \
+        --iters 20 --interleave --name generate_cpu_eager
 
 A kind with `-disk` (`engram-disk`, `ultramem-disk`) is the same model with its value tables written to files once
 and memory-mapped (`set_value_store("disk")`; the page cache warm, as for a table that fits in memory), timed against
@@ -67,7 +69,9 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 DEFAULT_NAME = "generate"
 # engram on request: Engram's n-gram memory (lib.models.ENGRAM_PEERS); a kind + "-disk": its tables memory-mapped
-KINDS = ("dense", "ultramem", "moe", "engram", "ultramem" + models.ON_DISK, "engram" + models.ON_DISK)
+# ultramem-cpp: UltraMem with the C++ CPU kernels (memory implementation "cpp")
+KINDS = ("dense", "ultramem", "moe", "engram", "ultramem" + models.ON_DISK, "engram" + models.ON_DISK,
+         "ultramem" + models.CPP_KERNELS)  # fmt: skip
 CACHES = ("eager", "static")
 
 
@@ -263,7 +267,8 @@ def bench_models(size: str, kinds: list[str], args) -> tuple[list[dict[str, Any]
     return rows, infos
 
 
-RATIOS = {"ultramem/dense": ("ultramem", "dense"), "moe/ultramem": ("moe", "ultramem"),
+RATIOS = {"ultramem/dense": ("ultramem", "dense"), "ultramem-cpp/dense": ("ultramem-cpp", "dense"),
+          "moe/ultramem": ("moe", "ultramem"),
           "engram/dense": ("engram", "dense"), "ultramem-disk/ultramem": ("ultramem-disk", "ultramem"),
           "engram-disk/engram": ("engram-disk", "engram")}  # fmt: skip
 

@@ -5,7 +5,8 @@ The choice is a private, unsaved setting (`config._memory_implementation`), give
 device (`default_memory_implementation`). A checkpoint therefore never carries the machine it was trained on.
 
 Registered: "torch" (the pure-PyTorch reference, `memory_ops`), "embedding_bag" (the reference with its lookup as one
-`F.embedding_bag`, the fast path on CPU) and, on `import ultramem`, "triton" (`ultramem.kernels`). A new kernel is one
+`F.embedding_bag`, the fast path on CPU) and, on `import ultramem`, "triton" (`ultramem.kernels`) and "cpp" (C++ CPU
+kernels built on first use, `ultramem.cpp_kernels`). A new kernel is one
 `MemoryImplementations.register(name, ops)` call.
 
 This file is copied beside `modeling_ultramem.py` into checkpoints (remote code). A copy loaded without the

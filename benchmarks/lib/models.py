@@ -32,6 +32,8 @@ ENGRAM_PEERS: dict[str, str] = {"tiny": "tiny-engram", "151m": "engram-151m", "6
 # A kind's suffix for the same model with its value tables memory-mapped from files (`set_value_store("disk")`, each
 # table written once to the folder the script gives) instead of held in memory: `engram-disk`, `ultramem-disk`
 ON_DISK = "-disk"
+# A kind's suffix for the same model with the C++ CPU kernels as its memory implementation ("cpp"): `ultramem-cpp`
+CPP_KERNELS = "-cpp"
 # Transformers' expert paths for Mixtral (integrations/moe.py), tried in this order; the fastest is kept.
 MOE_IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")
 
@@ -54,7 +56,7 @@ def build(preset: str, device: torch.device | str, dtype: torch.dtype, **overrid
 
 
 def use_memory_implementation(model: PreTrainedModel, name: str) -> PreTrainedModel:
-    """Compute `model`'s memory lookups with `name` ("torch", "embedding_bag", "triton"): the one place the
+    """Compute `model`'s memory lookups with `name` ("torch", "embedding_bag", "triton", "cpp"): the one place the
     benchmarks choose the kernel (`set_memory_implementation` where the model has it, the deprecated
     `config.memory_kernel` before that)."""
     if hasattr(model, "set_memory_implementation"):
@@ -151,14 +153,17 @@ def build_peer(
 ) -> tuple[PreTrainedModel, dict[str, Any]]:
     """The eval-mode model of `kind` at `size` for decoding (`decode_overrides`) and its description; for MoE, the
     expert path `choose_moe_implementation` picks under `probe`. A kind ending in `ON_DISK` has its tables written to
-    `tables_dir/<kind>` and memory-mapped from there."""
-    base = kind.removesuffix(ON_DISK)
+    `tables_dir/<kind>` and memory-mapped from there; one ending in `CPP_KERNELS` runs the C++ CPU kernels."""
+    base = kind.removesuffix(ON_DISK).removesuffix(CPP_KERNELS)
     preset = ENGRAM_PEERS[size] if base == "engram" else PEERS[size][base]
     model = build(preset, args.device, args.dtype, **decode_overrides(preset, args, positions)).eval()
     info: dict[str, Any] = {"size": size, "kind": kind, "preset": preset}
     if kind.endswith(ON_DISK):
         model.set_value_store("disk", directory=tables_dir / kind)
         info["value_store"] = "disk"
+    if kind.endswith(CPP_KERNELS):
+        use_memory_implementation(model, "cpp")
+        info["memory_implementation"] = "cpp"
     if kind == "moe":
         with torch.no_grad():
             info["moe_implementation"], info["moe_probe_ms"] = choose_moe_implementation(model, args.moe_impl, probe)
