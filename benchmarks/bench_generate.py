@@ -246,7 +246,16 @@ def build(size: str, kind: str, args) -> tuple[Any, dict[str, Any]]:
 
 def bench_models(size: str, kinds: list[str], args) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every cache and batch size of the models of `kinds` held at once, their calls interleaved."""
-    built = {kind: build(size, kind, args) for kind in kinds}
+    built = {}
+    for kind in kinds:
+        base = kind.removesuffix(models.CPP_KERNELS)
+        if kind != base and base in built:  # the base's weights with the C++ kernels: one copy, switched at each call
+            model, info = built[base]
+            built[base] = (models.WithMemoryImplementation(model, None), info)
+            cpp = models.WithMemoryImplementation(model, "cpp")
+            built[kind] = (cpp, {**info, "kind": kind, "memory_implementation": "cpp"})
+        else:
+            built[kind] = build(size, kind, args)
     rows = []
     with torch.no_grad():
         for cache in args.caches:

@@ -55,7 +55,23 @@ def build(preset: str, device: torch.device | str, dtype: torch.dtype, **overrid
         return build_model(config)
 
 
-def use_memory_implementation(model: PreTrainedModel, name: str) -> PreTrainedModel:
+class WithMemoryImplementation:
+    """`model`, whose `generate` first sets its memory implementation: two benchmark peers that differ only in their
+    kernels share one copy of the weights (two copies of a 151M model's value tables do not fit beside each other in
+    24 GB, and paging distorts their ratio)."""
+
+    def __init__(self, model: PreTrainedModel, implementation: str | None) -> None:
+        self.model, self.implementation = model, implementation
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        use_memory_implementation(self.model, self.implementation)
+        return self.model.generate(*args, **kwargs)
+
+
+def use_memory_implementation(model: PreTrainedModel, name: str | None) -> PreTrainedModel:
     """Compute `model`'s memory lookups with `name` ("torch", "embedding_bag", "triton", "cpp"): the one place the
     benchmarks choose the kernel (`set_memory_implementation` where the model has it, the deprecated
     `config.memory_kernel` before that)."""

@@ -46,12 +46,19 @@ def test_bench_generate_times_every_new_token_after_the_prefill(tmp_path, capsys
 
 def test_by_part_times_each_part_of_the_step_in_place(tmp_path, capsys):
     """`--by-part`: each model's memory layers (product-key and n-gram), blocks and LM head, from hooked calls apart
-    from the timed ones; a dense model has no memory part."""
+    from the timed ones; a dense model has no memory part. UltraMem with the C++ kernels shares UltraMem's model."""
     argv = ["--device", "cpu", "--sizes", "tiny", "--batch-sizes", "1", "--prompt", "8", "--new-tokens", "3",
-            "--warmup", "0", "--iters", "1", "--caches", "eager", "--kinds", "dense,ultramem,engram", "--interleave",
-            "--by-part", "--no-plot", "--results-dir", str(tmp_path), "--name", "generate"]  # fmt: skip
+            "--warmup", "0", "--iters", "1", "--caches", "eager", "--kinds", "dense,ultramem,ultramem-cpp,engram",
+            "--interleave", "--by-part", "--no-plot", "--results-dir", str(tmp_path), "--name", "generate"]  # fmt: skip
     bench_generate.main(argv)
-    rows = {row["kind"]: row for row in json.loads((tmp_path / "generate.json").read_text())["rows"]}
+    payload = json.loads((tmp_path / "generate.json").read_text())
+    rows = {row["kind"]: row for row in payload["rows"]}
+    # UltraMem with the C++ kernels is UltraMem's model (one copy of the weights), its kernels switched at each call
+    described = {model["kind"]: model for model in payload["models"]}
+    assert (
+        described["ultramem-cpp"]["memory_implementation"] == "cpp"
+        and "memory_implementation" not in described["ultramem"]
+    )
     for kind, row in rows.items():
         parts = row["by_part_ms"]
         assert set(parts) == {"memory", "blocks", "head", "rest"}

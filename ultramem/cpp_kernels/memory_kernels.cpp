@@ -37,13 +37,40 @@ inline int64_t sortable(float score, int64_t position) {
 
 inline int64_t position_of(int64_t key) { return 0x7FFFFFFF - (key & 0x7FFFFFFF); }
 
-// The positions of the k largest keys, best first: a selection, then a sort of the k (O(n + k log k)).
-void top_positions(std::vector<int64_t>& keys, int64_t k, int64_t* out) {
-  if (k < static_cast<int64_t>(keys.size()))
-    std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(), std::greater<int64_t>());
-  std::sort(keys.begin(), keys.begin() + k, std::greater<int64_t>());
-  for (int64_t i = 0; i < k; ++i) out[i] = position_of(keys[i]);
+inline float score_of(int64_t key) {
+  const int32_t ordered = static_cast<int32_t>(key >> 32);
+  const int32_t bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF);  // `sortable`'s map is its own inverse
+  float score;
+  std::memcpy(&score, &bits, sizeof(score));
+  return score;
 }
+
+// The k best of a stream of scores, best first (ties: the lower position), in one pass: once k are held, a score
+// below the k-th best is dropped after one comparison, as most are, so the pass is O(n) for n >> k.
+class TopK {
+ public:
+  TopK(int64_t k, int64_t* keys) : k_(k), keys_(keys) {}
+
+  void push(float score, int64_t position) {
+    if (count_ == k_ && score < floor_) return;
+    const int64_t key = sortable(score, position);
+    if (count_ == k_ && key <= keys_[k_ - 1]) return;
+    int64_t i = count_ < k_ ? count_++ : k_ - 1;
+    for (; i > 0 && keys_[i - 1] < key; --i) keys_[i] = keys_[i - 1];
+    keys_[i] = key;
+    if (count_ == k_) floor_ = score_of(keys_[k_ - 1]);
+  }
+
+  // The positions, best first, in place of the keys.
+  void to_positions() {
+    for (int64_t i = 0; i < count_; ++i) keys_[i] = position_of(keys_[i]);
+  }
+
+ private:
+  int64_t k_, count_ = 0;
+  int64_t* keys_;
+  float floor_ = 0.f;
+};
 
 // One axis of a strided (B, 2, H, r, n) score tensor, read as float.
 template <typename scalar_t>
@@ -53,6 +80,7 @@ struct AxisScores {
   float at(int64_t b, int64_t h, int64_t a, int64_t x) const {
     return static_cast<float>(data[b * item + h * head + a * rank + x * key]);
   }
+  const scalar_t* part(int64_t b, int64_t h, int64_t a) const { return data + b * item + h * head + a * rank; }
 };
 
 template <typename scalar_t>
@@ -75,11 +103,18 @@ void select_one(const AxisScores<scalar_t>& row, const AxisScores<scalar_t>& col
     const auto& scores = axis == 0 ? row : col;
     const scalar_t* vector = (axis == 0 ? u : t) + h * rank;
     float* out = projected.data() + axis * num_keys;
-    for (int64_t x = 0; x < num_keys; ++x) {
-      float sum = 0.f;
-      for (int64_t a = 0; a < rank; ++a) sum += rounded<scalar_t>(scores.at(b, h, a, x) * static_cast<float>(vector[a]));
-      out[x] = rounded<scalar_t>(sum);
+    std::fill(out, out + num_keys, 0.f);
+    for (int64_t a = 0; a < rank; ++a) {  // summed over the rank in order, as the reference sums
+      const float weight = static_cast<float>(vector[a]);
+      const scalar_t* part = scores.part(b, h, a);
+      if (scores.key == 1) {  // as the keys' GEMM lays them out: a loop the compiler vectorizes
+        for (int64_t x = 0; x < num_keys; ++x) out[x] += rounded<scalar_t>(static_cast<float>(part[x]) * weight);
+      } else {
+        for (int64_t x = 0; x < num_keys; ++x)
+          out[x] += rounded<scalar_t>(static_cast<float>(part[x * scores.key]) * weight);
+      }
     }
+    for (int64_t x = 0; x < num_keys; ++x) out[x] = rounded<scalar_t>(out[x]);
     const auto [lowest, highest] = std::minmax_element(out, out + num_keys);
     low[axis] = *lowest;
     high[axis] = *highest;
@@ -87,11 +122,12 @@ void select_one(const AxisScores<scalar_t>& row, const AxisScores<scalar_t>& col
   const bool bottom = rounded<scalar_t>(high[0] * high[1]) < rounded<scalar_t>(low[0] * low[1]);
   const float sign = bottom ? -1.f : 1.f;
 
-  std::vector<int64_t> keys(num_keys), candidates(2 * topk);
+  std::vector<int64_t> candidates(2 * topk);
   for (int axis = 0; axis < 2; ++axis) {
     const float* values = projected.data() + axis * num_keys;
-    for (int64_t x = 0; x < num_keys; ++x) keys[x] = sortable(sign * values[x], x);
-    top_positions(keys, topk, candidates.data() + axis * topk);
+    TopK best(topk, candidates.data() + axis * topk);
+    for (int64_t x = 0; x < num_keys; ++x) best.push(sign * values[x], x);
+    best.to_positions();
   }
   const int64_t* row_index = candidates.data();
   const int64_t* col_index = candidates.data() + topk;
@@ -108,7 +144,8 @@ void select_one(const AxisScores<scalar_t>& row, const AxisScores<scalar_t>& col
                                    col.at(b, h, c, col_index[y]));
         core_times_col[(a * topk + y) * num_cores + i] = rounded<scalar_t>(sum);
       }
-  std::vector<int64_t> cells(topk * topk);
+  std::vector<int64_t> winners(topk);
+  TopK best(topk, winners.data());
   for (int64_t x = 0; x < topk; ++x)
     for (int64_t y = 0; y < topk; ++y) {
       float total = 0.f;
@@ -120,10 +157,9 @@ void select_one(const AxisScores<scalar_t>& row, const AxisScores<scalar_t>& col
         per_core[(x * topk + y) * num_cores + i] = score;
         total += score;
       }
-      cells[x * topk + y] = sortable(rounded<scalar_t>(total), x * topk + y);
+      best.push(rounded<scalar_t>(total), x * topk + y);
     }
-  std::vector<int64_t> winners(topk);
-  top_positions(cells, topk, winners.data());
+  best.to_positions();
   for (int64_t k = 0; k < topk; ++k) {
     const int64_t cell = winners[k];
     index_out[k] = row_index[cell / topk] * num_keys + col_index[cell % topk];
