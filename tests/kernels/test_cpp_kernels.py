@@ -134,6 +134,15 @@ def test_lookup_reduce_matches_the_reference(dtype, groups, cores):
     torch.testing.assert_close(pooled, expected, **tolerance)
 
 
+def test_lookup_reduce_reads_a_table_with_strided_rows_in_place():
+    """A table that is a view of a wider one (its rows strided, read where they are): the reference's result."""
+    values, rows, groups, scores, num_groups = _lookup_inputs(300, 40, 4, 12, 4, 2, torch.float32)
+    view = values[:, 8:32]  # (300, 24), rows 40 apart
+    with torch.no_grad():
+        pooled = cpp_kernels.lookup_reduce(view, rows, groups, scores, num_groups)
+    torch.testing.assert_close(pooled, memory_ops.lookup_reduce(view, rows, groups, scores, num_groups))
+
+
 def test_lookup_reduce_with_a_gradient_takes_the_embedding_bag_path():
     values, rows, groups, scores, num_groups = _lookup_inputs(50, 8, 3, 6, 2, 2, torch.float32)
     leaves = [tensor.requires_grad_() for tensor in (values, scores)]

@@ -218,7 +218,9 @@ at::Tensor lookup_reduce(const at::Tensor& values_, const at::Tensor& rows_, con
   TORCH_CHECK_VALUE(scores_.dim() == 3 && scores_.size(0) == rows_.size(0) && scores_.size(1) == rows_.size(1),
                     "scores must be (T, K, h) with (T, K) = ", rows_.sizes(), ", got ", scores_.sizes());
   TORCH_CHECK_VALUE(num_groups >= 1, "num_groups must be >= 1, got ", num_groups);
-  const at::Tensor values = values_.contiguous(), rows = rows_.to(at::kLong).contiguous(),
+  // a table whose rows are strided (a view of a larger one) is read in place: a copy would be the whole table's
+  const at::Tensor values = values_.stride(1) == 1 ? values_ : values_.contiguous(),
+                   rows = rows_.to(at::kLong).contiguous(),
                    groups = groups_.to(at::kLong).contiguous(), scores = scores_.to(at::kFloat).contiguous();
   const int64_t num_tokens = rows.size(0), num_slots = rows.size(1), num_rows = values.size(0),
                 value_dim = values.size(1), num_cores = scores.size(2);
@@ -232,6 +234,7 @@ at::Tensor lookup_reduce(const at::Tensor& values_, const at::Tensor& rows_, con
   float* out = pooled.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, values.scalar_type(), "lookup_reduce", [&] {
     const scalar_t* table = values.data_ptr<scalar_t>();
+    const int64_t row_stride = values.stride(0);
     at::parallel_for(0, num_tokens, 1, [&](int64_t begin, int64_t end) {
       for (int64_t token = begin; token < end; ++token) {
         for (int64_t k = 0; k < num_slots; ++k) {
@@ -239,7 +242,7 @@ at::Tensor lookup_reduce(const at::Tensor& values_, const at::Tensor& rows_, con
           TORCH_CHECK_INDEX(row >= 0 && row < num_rows, "rows contains ", row, "; allowed range is [0, ", num_rows - 1, "]");
           TORCH_CHECK_INDEX(group >= 0 && group < num_groups, "groups contains ", group, "; allowed range is [0, ",
                             num_groups - 1, "]");
-          const scalar_t* source = table + row * value_dim;
+          const scalar_t* source = table + row * row_stride;
           float* target = out + (token * num_groups + group) * value_dim;
           for (int64_t c = 0; c < num_cores; ++c) {
             const float weight = score_data[slot * num_cores + c];
