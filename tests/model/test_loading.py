@@ -70,7 +70,7 @@ def test_an_unknown_implementation_is_one_line_naming_the_choices(v0_1):
     model = UltraMemForCausalLM(small_config())
     with pytest.raises(
         ValueError,
-        match=r"memory_implementation='cuda' is not registered; choose one of \['embedding_bag', 'torch', 'triton'\]",
+        match=r"memory_implementation='cuda' is not registered; choose one of \['cpp', 'embedding_bag', 'torch', 'triton'\]",
     ):
         model.set_memory_implementation("cuda")
 
