@@ -249,13 +249,16 @@ def bench_models(size: str, kinds: list[str], args) -> tuple[list[dict[str, Any]
     built = {}
     for kind in kinds:
         base = kind.removesuffix(models.CPP_KERNELS)
-        if kind != base and base in built:  # the base's weights with the C++ kernels: one copy, switched at each call
-            model, info = built[base]
-            built[base] = (models.WithMemoryImplementation(model, None), info)
-            cpp = models.WithMemoryImplementation(model, "cpp")
-            built[kind] = (cpp, {**info, "kind": kind, "memory_implementation": "cpp"})
-        else:
+        if kind == base:
             built[kind] = build(size, kind, args)
+            continue
+        # the base's model with the C++ kernels: one copy of the weights (the base's, where it is timed too), the
+        # implementation set at each call
+        model, info = built[base] if base in built else build(size, base, args)
+        if base in built:
+            built[base] = (models.WithMemoryImplementation(model, None), info)
+        cpp = models.WithMemoryImplementation(model, "cpp")
+        built[kind] = (cpp, {**info, "kind": kind, "memory_implementation": "cpp"})
     rows = []
     with torch.no_grad():
         for cache in args.caches:

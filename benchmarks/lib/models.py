@@ -169,17 +169,14 @@ def build_peer(
 ) -> tuple[PreTrainedModel, dict[str, Any]]:
     """The eval-mode model of `kind` at `size` for decoding (`decode_overrides`) and its description; for MoE, the
     expert path `choose_moe_implementation` picks under `probe`. A kind ending in `ON_DISK` has its tables written to
-    `tables_dir/<kind>` and memory-mapped from there; one ending in `CPP_KERNELS` runs the C++ CPU kernels."""
-    base = kind.removesuffix(ON_DISK).removesuffix(CPP_KERNELS)
+    `tables_dir/<kind>` and memory-mapped from there."""
+    base = kind.removesuffix(ON_DISK)
     preset = ENGRAM_PEERS[size] if base == "engram" else PEERS[size][base]
     model = build(preset, args.device, args.dtype, **decode_overrides(preset, args, positions)).eval()
     info: dict[str, Any] = {"size": size, "kind": kind, "preset": preset}
     if kind.endswith(ON_DISK):
         model.set_value_store("disk", directory=tables_dir / kind)
         info["value_store"] = "disk"
-    if kind.endswith(CPP_KERNELS):
-        use_memory_implementation(model, "cpp")
-        info["memory_implementation"] = "cpp"
     if kind == "moe":
         with torch.no_grad():
             info["moe_implementation"], info["moe_probe_ms"] = choose_moe_implementation(model, args.moe_impl, probe)

@@ -9,7 +9,7 @@ rather than the CPU default.
 
 from types import SimpleNamespace
 
-from ultramem.cpp_kernels.ops import cpp_kernels_buildable, load_cpp_kernels, lookup_reduce, tucker_topk
+from ultramem.cpp_kernels.ops import load_cpp_kernels, lookup_reduce, tucker_topk
 from ultramem.embedding_bag_ops import lookup_dot_embedding_bag
 from ultramem.memory_implementations import MemoryImplementations
 from ultramem.memory_ops import tucker_candidate_topk
@@ -19,8 +19,7 @@ CPP_MEMORY_OPS = SimpleNamespace(
     tucker_candidate_topk=tucker_candidate_topk,
     tucker_topk=tucker_topk,
     lookup_dot=lookup_dot_embedding_bag,
-    available=cpp_kernels_buildable,
-)
+)  # no `available()`: never a device's default, it is only used where asked for
 MemoryImplementations.register("cpp", CPP_MEMORY_OPS)
 
-__all__ = ["CPP_MEMORY_OPS", "cpp_kernels_buildable", "load_cpp_kernels", "lookup_reduce", "tucker_topk"]
+__all__ = ["CPP_MEMORY_OPS", "load_cpp_kernels", "lookup_reduce", "tucker_topk"]

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ultramem.embedding_bag_ops import lookup_reduce_embedding_bag
-from ultramem.kernels.candidate_topk import winner_core_scores
+from ultramem.kernels.candidate_topk import fused_selection_outputs
 from ultramem.memory_ops import tucker_topk as reference_tucker_topk
 
 logger = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ SOURCE = Path(__file__).with_name("memory_kernels.cpp")
 LIBRARY = "ultramem_cpu_kernels"  # built under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions)
 
 
-def cpp_kernels_buildable() -> bool:
+def _buildable() -> bool:
     """A C++ compiler and ninja are there, which `torch.utils.cpp_extension` needs to build the kernels."""
     from torch.utils import cpp_extension  # imports setuptools: only where the kernels are asked for
 
@@ -39,7 +39,7 @@ def _build() -> str | None:
     reason they could not be, else None. Cached, so a machine that cannot build them tries once per process."""
     from torch.utils import cpp_extension
 
-    if not cpp_kernels_buildable():
+    if not _buildable():
         return f"no C++ compiler ({cpp_extension.get_cxx_compiler()}) or no ninja on PATH"
     logger.info("loading ultramem's C++ CPU kernels (built on first use on this machine)")
     try:
@@ -98,15 +98,10 @@ def tucker_topk(
     if not axis_scores.dtype == cores.dtype == leading_vectors.dtype:  # as the reference promotes them
         dtype = torch.promote_types(torch.promote_types(axis_scores.dtype, cores.dtype), leading_vectors.dtype)
         inputs = [tensor.to(dtype) for tensor in inputs]
-    wants_grad = _wants_grad(axis_scores, cores)
-    if wants_grad:
+    if _wants_grad(axis_scores, cores):
         inputs = [tensor.detach() for tensor in inputs]
     index, scores = torch.ops.ultramem_cpu.tucker_topk(*inputs, topk)
-    lead, num_heads = axis_scores.shape[:-4], axis_scores.shape[-3]
-    index = index.view(*lead, num_heads, topk)
-    if wants_grad:  # training: the winners' per-core scores recomputed with autograd
-        return index, winner_core_scores(*axis_scores.unbind(-4), cores, index)
-    return index, scores.view(*lead, num_heads, topk, cores.shape[-3])
+    return fused_selection_outputs(index, scores, axis_scores, cores)
 
 
 def lookup_reduce(

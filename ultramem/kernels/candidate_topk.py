@@ -79,6 +79,19 @@ def tucker_candidate_topk(
     return flat_index, winner_core_scores(row_scores, col_scores, cores, flat_index)
 
 
+def fused_selection_outputs(
+    index: torch.Tensor, scores: torch.Tensor, axis_scores: torch.Tensor, cores: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused selection's addresses (B, H, m) and per-core scores (B, H, m, h), computed without autograd, as
+    `memory_ops.tucker_topk` returns them for `axis_scores` (..., 2, H, r, n): with its leading dims, and where a
+    gradient is wanted (training) the winners' per-core scores recomputed with autograd (`winner_core_scores`)."""
+    lead, num_heads, topk = axis_scores.shape[:-4], axis_scores.shape[-3], index.shape[-1]
+    index = index.view(*lead, num_heads, topk)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (axis_scores, cores)):
+        return index, winner_core_scores(*axis_scores.unbind(-4), cores, index)
+    return index, scores.view(*lead, num_heads, topk, cores.shape[-3])
+
+
 def winner_core_scores(
     row_scores: torch.Tensor, col_scores: torch.Tensor, cores: torch.Tensor, flat_index: torch.Tensor
 ) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 
 from ultramem.kernels._checks import FLOAT_DTYPES, check_dtype, check_same_device
 from ultramem.kernels._device import require_launchable
-from ultramem.kernels.candidate_topk import MAX_CANDIDATES, tucker_candidate_topk, winner_core_scores
+from ultramem.kernels.candidate_topk import MAX_CANDIDATES, fused_selection_outputs, tucker_candidate_topk
 from ultramem.memory_ops import tucker_topk as reference
 
 
@@ -97,7 +97,7 @@ def tucker_topk(
     if not fuses(topk, signed):
         return reference(axis_scores, cores, leading_vectors, topk, signed, tucker_candidate_topk)
     require_launchable(axis_scores.device)
-    lead, (num_heads, rank, num_keys) = axis_scores.shape[:-4], axis_scores.shape[-3:]
+    num_heads, rank, num_keys = axis_scores.shape[-3:]
     row_scores, col_scores = axis_scores.unbind(-4)  # (..., H, r, n) each
     u, t = leading_vectors.detach().squeeze(-1)  # (H, r) each
     index, scores = _tucker_topk_op(
@@ -108,7 +108,4 @@ def tucker_topk(
         cores.detach().contiguous(),
         topk,
     )
-    index = index.view(*lead, num_heads, topk)
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (axis_scores, cores)):
-        return index, winner_core_scores(row_scores, col_scores, cores, index)  # training: scores with autograd
-    return index, scores.view(*lead, num_heads, topk, cores.shape[1])
+    return fused_selection_outputs(index, scores, axis_scores, cores)
