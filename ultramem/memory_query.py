@@ -5,6 +5,7 @@ whose last inputs live in the generation cache, a linear map, the across-token n
 This file is copied beside `modeling_ultramem.py` into checkpoints (remote code), so it imports only relatively.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,14 @@ class CausalDepthwiseConv(nn.Module):
             return ((window * self._window_taps()).sum(-1) + self.bias).unsqueeze(1)  # (B, 1, D)
         convolved = F.conv1d(window, self.weight, self.bias, dilation=self.dilation, groups=window.shape[1])
         return convolved.transpose(1, 2)  # (B, T, D)
+
+    def decode_step(self) -> Callable[[torch.Tensor, MemoryInputs], torch.Tensor] | None:
+        """`forward` for decode steps (x (B, 1, D) -> (B, 1, D)) on the taps as they are now, for the steps of one
+        `generate` call (`UltraMemModel.fixed_weights`); None for a weight held elsewhere (ZeRO-3, accelerate)."""
+        if not held_here(self.weight, self.bias):
+            return None
+        taps, bias, window_of = self._window_taps(), self.bias, self.window
+        return lambda x, inputs: ((window_of(x, inputs) * taps).sum(-1) + bias).unsqueeze(1)
 
     def cached_entries(self) -> dict[str, CacheEntry]:
         """What `inference_cache` keeps (for `refresh_inference_cache`): a dilated conv's taps spread over the window
@@ -265,6 +274,40 @@ class MemoryQuery(nn.Module):
                 counted = inputs.padding_mask if self.counted_tokens is None else self.counted_tokens
                 query = self.across_tokens(query, counted, self.training_step)
         return self._parts(query, x.shape[:-1])
+
+    def decode_step(self) -> Callable[[torch.Tensor, MemoryInputs], torch.Tensor] | None:
+        """`forward` for a decode step (x (B, 1, D) -> (B, 1, H, Q, r, Dk/r)) on the folded weights as they are now:
+        for the steps of one `generate` call, whose weights do not change (`UltraMemModel.fixed_weights`). The same
+        operators as `forward`, without its module calls, checks and cache look-ups. None where `forward` does not
+        fold (an adapter on the projection, statistics being gathered, a conv of another kind)."""
+        if self.training or not self._folds() or self.across_tokens.collecting:
+            return None
+        if type(self.norm) not in (ScaledLayerNorm, nn.Identity) or not held_here(*self.norm.parameters()):
+            return None
+        shape = (self.num_heads, self.num_queries, self.rank, self.part_dim)
+        norm = self.norm if isinstance(self.norm, nn.LayerNorm) else None
+        if self.conv is None:
+            weight_t, bias = self.inference_cache.get("projection", *self._projection_entry())
+
+            def features(x: torch.Tensor, inputs: MemoryInputs) -> torch.Tensor:
+                return x.reshape(-1, x.shape[-1])  # (B, D)
+
+        elif self._folds_conv():
+            *taps, weight_t, bias = self.inference_cache.get("window_projection", *self._window_projection_entry())
+            window_of = self.conv.window
+
+            def features(x: torch.Tensor, inputs: MemoryInputs) -> torch.Tensor:
+                window = window_of(x, inputs)  # (B, D, k)
+                return (window * taps[0]).sum(-1) if taps else window.reshape(x.shape[0], -1)  # (B, D) or (B, D*k)
+
+        else:
+            return None
+
+        def query(x: torch.Tensor, inputs: MemoryInputs) -> torch.Tensor:
+            parts = torch.addmm(bias, features(x, inputs), weight_t).view(*x.shape[:-1], *shape)
+            return parts if norm is None else F.layer_norm(parts, shape[-1:], norm.weight, norm.bias, norm.eps)
+
+        return query
 
     def _parts(self, query: torch.Tensor, tokens: torch.Size) -> torch.Tensor:
         """The projected queries (B, T, H * Q * Dk) or (B*T, ...) -> their LayerNorm'd parts (B, T, H, Q, r, Dk/r)."""

@@ -21,12 +21,14 @@ query network (`memory_query`). Where the value table lives is `value_stores`' b
 `memory_implementations`'.
 """
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
@@ -49,7 +51,7 @@ from transformers.utils.output_capturing import capture_outputs
 from transformers.utils.versions import require_version
 
 from .configuration_ultramem import BLOCK_SITE, SWILU, TUCKER, UltraMemConfig
-from .inference_cache import CacheEntry, InferenceCache
+from .inference_cache import CacheEntry, InferenceCache, held_here
 from .init_scales import MemoryInitScales, ScaledLayerNorm, ValueProjector
 from .memory_implementations import MemoryOps, check_memory_implementation, memory_ops_for
 from .memory_ops import (
@@ -160,6 +162,17 @@ class KeyRetrieval(nn.Module):
         keys = self.inference_cache.get("keys", *self._keys_entry())
         return part_scores(queries, keys, self.num_keys)
 
+    def decode_step(self, ops: MemoryOps) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """`forward` at inference on the weights as they are now (`MemoryQuery.decode_step`): the cached keys and
+        what the subclass' selection reads from its weights taken once."""
+        keys, num_keys = self.inference_cache.get("keys", *self._keys_entry()), self.num_keys
+        select = self._selection(ops)
+        return lambda queries: select(part_scores(queries, keys, num_keys))
+
+    def _selection(self, ops: MemoryOps) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """The axis scores (B, T, 2, H, r, n) -> virtual addresses and scores, at inference."""
+        raise NotImplementedError
+
     def with_balance_loss(
         self, axis_scores: torch.Tensor, axis_projections: Callable[[], tuple[torch.Tensor, ...]]
     ) -> torch.Tensor:
@@ -199,6 +212,10 @@ class ProductKeyRetrieval(KeyRetrieval):
         axis_scores = self.with_balance_loss(axis_scores, lambda: axis_scores.unbind(-3))
         return product_key_topk(*axis_scores.unbind(-3), self.topk)
 
+    def _selection(self, ops: MemoryOps) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        topk = self.topk
+        return lambda axis_scores: product_key_topk(*axis_scores[..., 0, :].unbind(-3), topk)
+
 
 class TuckerQueryKeyRetrieval(KeyRetrieval):
     """Tucker Decomposed Query-Key Retrieval (TDQKR) with multi-core scoring (MCS).
@@ -237,6 +254,11 @@ class TuckerQueryKeyRetrieval(KeyRetrieval):
         # the balance loss is on the rank-1 projections a = u^T S_row, b = t^T S_col
         axis_scores = self.with_balance_loss(axis_scores, lambda: (axis_scores * leading).sum(-2).unbind(-3))
         return ops.tucker_topk(axis_scores, self.cores, leading, self.topk, self.signed_candidates)
+
+    def _selection(self, ops: MemoryOps) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        leading = self.inference_cache.get("singular_vectors", (self.cores,), self.leading_singular_vectors)
+        cores, topk, signed, tucker_topk = self.cores, self.topk, self.signed_candidates, ops.tucker_topk
+        return lambda axis_scores: tucker_topk(axis_scores, cores, leading, topk, signed)
 
 
 def ive_shuffle(size: int, seed: int) -> torch.Tensor:
@@ -327,6 +349,8 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
             self.values, self.pre_values = build_value_tables(config, config.memory_num_values, scales)
         self.value_expansion = ImplicitValueExpansion(config, scales, memory_idx)
         self.dropout = nn.Dropout(config.hidden_dropout)
+        self.fixed_weights = False  # inside `UltraMemModel.fixed_weights`: decode steps run `decode_step`
+        self._decode: Callable[[torch.Tensor, MemoryInputs], torch.Tensor] | None = None
 
     def memory_ops(self, device: torch.device) -> MemoryOps:
         return memory_ops_for(getattr(self.config, "_memory_implementation", None), device)
@@ -339,6 +363,55 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
 
     def forward(self, hidden_states: torch.Tensor, inputs: MemoryInputs = MemoryInputs()) -> torch.Tensor:
         """The residual stream (B, T, D) -> the layer's output (B, T, D)."""
+        if self.fixed_weights and hidden_states.shape[1] == 1 and not torch.is_grad_enabled():
+            if inputs.sequence_ids is None and not torch.compiler.is_compiling():
+                if self._decode is None:
+                    self._decode = self.decode_step(inputs) or self._forward_modules
+                return self._decode(hidden_states, inputs)
+        return self._forward_modules(hidden_states, inputs)
+
+    def decode_step(self, inputs: MemoryInputs) -> Callable[[torch.Tensor, MemoryInputs], torch.Tensor] | None:
+        """`forward` for decode steps (B, 1, D) -> (B, 1, D) on the weights as they are now, for the steps of one
+        `generate` call, whose weights do not change (`UltraMemModel.fixed_weights`): the query's and the
+        retrieval's decode steps and the forward's operators, without the module calls, checks and look-ups that
+        cost a tiny model's decode step on CPU more than its operators do. None where the layer has a part without
+        one (a value gate, PEER's pre-values, an adapter, weights that ZeRO-3 or accelerate hold elsewhere)."""
+        expansion, projector = self.value_expansion, self.value_expansion.projector
+        if self.training or self.pre_value_gate is not None or expansion.gate is not None:
+            return None
+        if type(self.norm) is not nn.LayerNorm or type(projector) not in (ValueProjector, nn.Identity):
+            return None
+        if not held_here(*self.norm.parameters(), *self.retrieval.parameters(), *projector.parameters()):
+            return None
+        values = (inputs.stores or (self.values,))[0]
+        query = self.query.decode_step()
+        if query is None or hasattr(values, "base_layer"):  # (the forward refuses an adapter on the table)
+            return None
+        ops, norm = self.memory_ops(self.norm.weight.device), self.norm
+        select, slots = self.retrieval.decode_step(ops), expansion.physical_slots
+        softmax, num_groups = self.config.memory_score_softmax, expansion.num_groups
+        if type(values) is MemoryValueTable and held_here(values.weight):  # its forward, without the module call
+            table = values.weight
+            lookup = lambda rows, groups, scores: ops.lookup_reduce(table, rows, groups, scores, num_groups)  # noqa: E731
+        else:
+            lookup = lambda rows, groups, scores: values(rows, groups, scores, num_groups, ops)  # noqa: E731
+        projection = projector.weight if isinstance(projector, ValueProjector) else None
+
+        def step(hidden_states: torch.Tensor, inputs: MemoryInputs) -> torch.Tensor:
+            x = F.layer_norm(hidden_states, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+            virtual_index, scores = select(query(x, inputs))  # (B, 1, H, m), (B, 1, H, m, h)
+            if softmax:
+                scores = scores.softmax(dim=-2)
+            batch = x.shape[0]
+            rows, groups = slots(virtual_index.reshape(batch, -1))  # (B, H*m) each
+            pooled = lookup(rows, groups, scores.reshape(*rows.shape, -1))  # (B, E, Dv)
+            pooled = pooled.to(x.dtype).view(batch, 1, -1)
+            return pooled if projection is None else F.linear(pooled, projection)
+
+        return step
+
+    def _forward_modules(self, hidden_states: torch.Tensor, inputs: MemoryInputs) -> torch.Tensor:
+        """`forward` through the layer's modules: any batch, any mode."""
         values, pre_values = inputs.stores or (self.values, self.pre_values)
         if hasattr(values, "base_layer"):  # a PEFT adapter layer wraps the table and adds to the rows it embeds
             raise ValueError(
@@ -573,6 +646,21 @@ class UltraMemModel(UltraMemPreTrainedModel):
         balance = [layer.retrieval.last_balance_loss for layer in self.memory_layers]
         return sum((value.to(loss.device) for value in balance if value is not None), loss)
 
+    @contextlib.contextmanager
+    def fixed_weights(self) -> Iterator[None]:
+        """Inside it the weights do not change (one `generate` call): each memory layer builds its decode step
+        (`UltraMemMemoryLayer.decode_step`) at its first one-token forward and reuses it, instead of checking at every
+        step what it derives from the weights."""
+        layers = [*self.memory_layers, *self.ngram_memories]
+        outer = [(layer.fixed_weights, layer._decode) for layer in layers]  # (a scope inside another keeps it)
+        for layer in layers:
+            layer.fixed_weights = True
+        try:
+            yield
+        finally:
+            for layer, (fixed, step) in zip(layers, outer, strict=True):
+                layer.fixed_weights, layer._decode = fixed, step
+
     def refresh_inference_cache(self) -> None:
         """Brings every tensor cached from the weights up to date, eagerly, and lets the next compiled forward read
         them instead of computing them in its graph (see `InferenceCache`). For compiled decoding steps: call it
@@ -742,6 +830,14 @@ class UltraMemForCausalLM(ContinuousBatchingCheck, UltraMemPreTrainedModel, Gene
     def refresh_inference_cache(self) -> None:
         """See `UltraMemModel.refresh_inference_cache`."""
         self.model.refresh_inference_cache()
+
+    def generate(self, *args, **kwargs):
+        """`GenerationMixin.generate`, whose weights do not change while it runs: the memory layers' decode steps read
+        what they derive from them once per call (`UltraMemModel.fixed_weights`)."""
+        with self.model.fixed_weights():
+            return super().generate(*args, **kwargs)
+
+    generate.__signature__ = inspect.signature(GenerationMixin.generate)  # as `prepare_inputs_for_generation`'s
 
     def prepare_inputs_for_generation(self, *args, **kwargs) -> dict:
         """Eager before every step of `generate`. Steps on a compileable cache (a static one) may be compiled: they
