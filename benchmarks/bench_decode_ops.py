@@ -2,9 +2,10 @@
 for the rest of the model (issue 48, item 1).
 
 Eager, batch 1, CPU, float32: after a `--prompt`-token prefill into a DynamicCache and one decode step, the next new
-token through the model's forward (`step`: the first decode step also computes what the inference cache keeps), and one
-new token of `model.generate` as users call it (`generate`: the difference between generating `--new-tokens` + 1 and 1
-tokens, over `--new-tokens`, so generate's own per-token work counts too). Operators are those that reach PyTorch's
+token through the model's forward as `generate` runs it (`step`: the first decode step also builds the layers' decode
+steps), and one new token of `model.generate` as users call it (`generate`: the difference between generating
+`--new-tokens` + 2 and 2 tokens, over `--new-tokens`, so generate's own per-token work counts too, and what a call
+does once, at its first decode step, does not). Operators are those that reach PyTorch's
 dispatcher below autograd (a `TorchDispatchMode`: views and in-place ops included, a composite such as `linear` counted
 as the kernels it runs), attributed to the innermost memory layer (product-key or n-gram) whose forward runs them.
 Launches are the aten operators that run a kernel (views and `_unsafe_view` only relabel a tensor), the Triton
@@ -186,13 +187,14 @@ def _measure(model: torch.nn.Module, prompt: int, new_tokens: int) -> dict:
     input_ids = torch.randint(3, model.config.vocab_size, (1, prompt))
     out = model(input_ids, use_cache=True)
     cache, token = getattr(out, "cache", None) or out.past_key_values, out.logits[:, -1:].argmax(-1)
-    model(token, cache=cache)  # the first step computes what the inference cache keeps for decode steps
-    step = count(model, lambda: model(token, cache=cache))  # a steady decode step
+    with model.model.fixed_weights():  # as `generate` runs its steps: each layer's decode step
+        model(token, cache=cache)  # the first step builds the decode steps (and fills the inference cache)
+        step = count(model, lambda: model(token, cache=cache))  # a steady decode step
 
     def generate(tokens: int):
         return lambda: model.generate(input_ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
 
-    short, long = count(model, generate(1)), count(model, generate(new_tokens + 1))
+    short, long = count(model, generate(2)), count(model, generate(new_tokens + 2))
     memory = [owner for owner in step.ops if owner != REST]
     total = sum(step.counts().values())
     return {

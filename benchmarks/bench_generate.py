@@ -34,6 +34,9 @@ On a machine whose speed drifts, `--interleave` holds the models at once and alt
         --kinds dense,ultramem,ultramem-cpp,engram --caches eager --batch-sizes 1,8 --prompt 64 --new-tokens 32 \
         --iters 20 --interleave --name generate_cpu_eager
 
+and the same at `--sizes small` (8 blocks of 512; `--kinds dense,ultramem,ultramem-cpp --iters 10 --name
+generate_cpu_eager_small`).
+
 A kind with `-disk` (`engram-disk`, `ultramem-disk`) is the same model with its value tables written to files once
 and memory-mapped (`set_value_store("disk")`; the page cache warm, as for a table that fits in memory), timed against
 the in-memory one (issue 45: n-gram tables from disk <= 1.05x in memory):

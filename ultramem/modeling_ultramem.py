@@ -395,7 +395,7 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
             lookup = lambda rows, groups, scores: ops.lookup_reduce(table, rows, groups, scores, num_groups)  # noqa: E731
         else:
             lookup = lambda rows, groups, scores: values(rows, groups, scores, num_groups, ops)  # noqa: E731
-        projection = projector.weight if isinstance(projector, ValueProjector) else None
+        projection_t = projector.weight.T if isinstance(projector, ValueProjector) else None  # (E*Dv, D)
 
         def step(hidden_states: torch.Tensor, inputs: MemoryInputs) -> torch.Tensor:
             x = F.layer_norm(hidden_states, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
@@ -405,8 +405,10 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
             batch = x.shape[0]
             rows, groups = slots(virtual_index.reshape(batch, -1))  # (B, H*m) each
             pooled = lookup(rows, groups, scores.reshape(*rows.shape, -1))  # (B, E, Dv)
-            pooled = pooled.to(x.dtype).view(batch, 1, -1)
-            return pooled if projection is None else F.linear(pooled, projection)
+            pooled = pooled.to(x.dtype)
+            if projection_t is None:
+                return pooled.view(batch, 1, -1)
+            return torch.mm(pooled.view(batch, -1), projection_t).view(batch, 1, -1)  # one GEMM, (B, 1, D)
 
         return step
 

@@ -21,6 +21,7 @@ from . import step_account, timing
 # The three models of equal compute at each size: this project's dense backbone, UltraMem, and Mixtral.
 PEERS: dict[str, dict[str, str]] = {
     "tiny": {"dense": "tiny-dense", "ultramem": "tiny-ultramem", "moe": "tiny-moe"},
+    "small": {"dense": "small-dense", "ultramem": "small-ultramem", "moe": "small-moe"},
     "151m": {"dense": "dense-151m", "ultramem": "ultramem-151m-x12", "moe": "moe-151m-2in32"},
     "680m": {"dense": "dense-680m", "ultramem": "ultramem-680m-x12", "moe": "moe-680m-2in33"},
     "1.6b": {"dense": "dense-1.6b", "ultramem": "ultramem-1.6b-x12", "moe": "moe-1.6b-2in34"},

@@ -12,14 +12,14 @@ import torch
 # weight k times smaller to read: `MemoryQuery._window_projection_entry`.) An offloaded store reads its rows in a
 # worker thread, which the count does not see.
 MAX_OVER_DENSE = {  # preset or preset:store -> (operators, launches)
-    "tiny-ultramem": (68, 40),
+    "tiny-ultramem": (66, 40),
     "tiny-pkm": (36, 21),
     "tiny-ultramemv2": (72, 41),
     "tiny-memoryplus": (37, 22),
     "tiny-engram": (59, 46),
-    "tiny-ultramem-engram": (65, 42),
-    "tiny-ultramem:int8": (91, 50),
-    "tiny-ultramem:int4": (91, 50),
+    "tiny-ultramem-engram": (64, 42),
+    "tiny-ultramem:int8": (89, 50),
+    "tiny-ultramem:int4": (89, 50),
     "tiny-ultramem:cpu": (59, 35),
     "tiny-ultramem:disk": (59, 35),
     "tiny-engram:int8": (86, 57),
@@ -28,7 +28,7 @@ MAX_OVER_DENSE = {  # preset or preset:store -> (operators, launches)
 # The same with the C++ CPU kernels (memory implementation "cpp"): TDQKR's selection and the lookup-reduce one operator
 # each
 MAX_OVER_DENSE_CPP = {
-    "tiny-ultramem": (31, 15),
+    "tiny-ultramem": (29, 15),
     "tiny-pkm": (34, 19),
     "tiny-ultramemv2": (38, 18),
     "tiny-memoryplus": (35, 20),
