@@ -284,21 +284,21 @@ class NGramMemory(nn.Module):
     def start_read(self, rows: torch.Tensor, ahead: bool = True) -> Callable[[], torch.Tensor]:
         """Start reading rows (B, T, (N-1) K) of the table; the returned call gives e (B, T, (N-1) K d).
 
-        A table in memory is one embedding, read when called. Any other store serves the rows through its
-        lookup-reduce, each row a token of its own with one slot of weight 1 (the row as it is: no pooling); one that
-        reads ahead (`lookup_reduce_async`: the offloaded stores) starts now, with `ahead`, in the background. The
-        result is in the store's dtype (float32 from a quantized one).
+        A table in memory is one embedding, read when called. An offloaded store (`read_async`) reads the rows as
+        they are, in the background with `ahead`. Any other store serves them through its lookup-reduce, each row a
+        token of its own with one slot of weight 1 (the row as it is: no pooling). The result is in the store's dtype
+        (float32 from a quantized one).
         """
         table = self.values
         if isinstance(table, MemoryValueTable):
             return lambda: F.embedding(rows, table.weight).flatten(-2)
+        if hasattr(table, "read_async"):
+            pending = table.read_async(rows, background=ahead)
+            return lambda: pending.result().flatten(-2)
         slots = rows.reshape(-1, 1)  # (B T (N-1) K, 1)
         ops = memory_ops_for(getattr(self.config, "_memory_implementation", None), rows.device)
         ones = torch.ones(*slots.shape, 1, device=rows.device)
         lookup = (slots, torch.zeros_like(slots), ones, 1, ops)
-        if ahead and hasattr(table, "lookup_reduce_async"):
-            pending = table.lookup_reduce_async(*lookup)
-            return lambda: pending.result().reshape(*rows.shape[:-1], -1)
         return lambda: table(*lookup).reshape(*rows.shape[:-1], -1)
 
     def start(self, input_ids: torch.Tensor, inputs: MemoryInputs = MemoryInputs()) -> Callable[[], torch.Tensor]:

@@ -94,21 +94,21 @@ def test_every_ngram_read_starts_before_the_first_block_and_the_layer_uses_it(sa
     model.model.layers[0].register_forward_pre_hook(lambda module, args: events.append("block 0"))
     for idx, ngram in enumerate(model.model.ngram_memories):
         store = ngram.values
-        background, blocking = store.lookup_reduce_async, store.forward
+        read, blocking = store.read_async, store.forward
 
-        def started(slots, *args, idx=idx, background=background):
-            events.append(f"ngram {idx} started")
+        def started(slots, background=True, idx=idx, read=read):
+            events.append(f"ngram {idx} started" if background else f"ngram {idx} read")
             rows[idx] = slots
-            return background(slots, *args)
+            return read(slots, background)
 
-        store.lookup_reduce_async = started
+        store.read_async = started
         store.forward = lambda *args, idx=idx, blocking=blocking: events.append(f"ngram {idx} read") or blocking(*args)
     with torch.no_grad():
         model(**PROMPT)
     assert events == ["ngram 0 started", "ngram 1 started", "block 0"]
     for idx, ngram in enumerate(model.model.ngram_memories):
         assert ngram.values.rows_read == rows[idx].unique().numel() < ngram.values.num_embeddings
-        assert rows[idx].shape == (PROMPT["input_ids"].numel() * ngram.num_heads, 1)  # every head's row of every token
+        assert rows[idx].shape == (*PROMPT["input_ids"].shape, ngram.num_heads)  # every head's row of every token
 
 
 @pytest.mark.numerics

@@ -6,7 +6,8 @@ into the IVE groups by the PyTorch reference (`memory_ops.lookup_reduce`), and o
 result goes to the model's device. `lookup_reduce_async` does the host part in one background thread, so
 it overlaps the blocks between a memory layer's read and write blocks; on CUDA the copy runs on a side stream.
 A pre-value table's `lookup_dot` reads its rows the same way, on the caller's thread: the layer needs the (T, K)
-dots before it can pool, so there is nothing to overlap them with.
+dots before it can pool, so there is nothing to overlap them with. An n-gram memory pools nothing: `read_async` gives
+its rows as they are, read the same way in the background.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from __future__ import annotations
 import copy
 import functools
 import os
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.utils import logging
 
@@ -105,6 +108,11 @@ class OffloadedValueStore(nn.Module):
     def lookup_reduce_async(self, rows, groups, scores, num_groups, ops=None) -> PendingLookup:
         return self._start(rows, groups, scores, num_groups, background=self.asynchronous)
 
+    def read_async(self, rows: torch.Tensor, background: bool = True) -> PendingLookup:
+        """The table's `rows` (...) as they are, (..., Dv) on the device of `rows`, each distinct row read once: in the
+        background unless `background` is False or the store reads synchronously (`asynchronous`)."""
+        return self._submit(background and self.asynchronous, self._rows_on, rows.device, rows.cpu())
+
     def lookup_dot(self, rows: torch.Tensor, query: torch.Tensor, ops=None) -> torch.Tensor:
         """rows (T, K), query (T, Dp) -> (T, K) on the device of `query` (ops: host reference); the query gets its
         gradient through the host copy."""
@@ -124,10 +132,15 @@ class OffloadedValueStore(nn.Module):
         self._warn_if_training()
         device = scores.device
         host = rows.cpu(), groups.cpu(), scores.cpu()  # on a GPU this waits for retrieval, not for later blocks
+        return self._submit(background, self._pooled_on, device, *host, num_groups)
+
+    @staticmethod
+    def _submit(background: bool, work: Callable[..., tuple[torch.Tensor, Any]], *args: Any) -> PendingLookup:
+        """`work(*args)` in the reader thread, or now."""
         if background:
-            return PendingLookup(_READER.submit(self._pooled_on, device, *host, num_groups))
+            return PendingLookup(_READER.submit(work, *args))
         done: Future = Future()
-        done.set_result(self._pooled_on(device, *host, num_groups))
+        done.set_result(work(*args))
         return PendingLookup(done)
 
     def _will_read(self, rows: torch.Tensor) -> None:
@@ -145,15 +158,23 @@ class OffloadedValueStore(nn.Module):
         return lookup_reduce(*self._gather(rows), groups, scores, num_groups)
 
     def _pooled_on(self, device: torch.device, rows, groups, scores, num_groups) -> tuple[torch.Tensor, Any]:
-        pooled = self._pool(rows, groups, scores, num_groups)
+        return self._moved_to(device, self._pool(rows, groups, scores, num_groups))
+
+    def _rows_on(self, device: torch.device, rows: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        gathered, inverse = self._gather(rows)
+        return self._moved_to(device, F.embedding(inverse, gathered))  # (..., Dv)
+
+    @staticmethod
+    def _moved_to(device: torch.device, values: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """`values` on `device`, and on CUDA the event its side-stream copy records (`PendingLookup.result`)."""
         if device.type != "cuda":
-            return pooled.to(device), None
+            return values.to(device), None
         stream = _side_stream(device)
         with torch.cuda.stream(stream):
-            pooled = pooled.pin_memory().to(device, non_blocking=True)
+            values = values.pin_memory().to(device, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(stream)
-        return pooled, copied
+        return values, copied
 
 
 class HostValueStore(OffloadedValueStore):
