@@ -374,22 +374,22 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         """`forward` for decode steps (B, 1, D) -> (B, 1, D) on the weights as they are now, for the steps of one
         `generate` call, whose weights do not change (`UltraMemModel.fixed_weights`): the query's and the
         retrieval's decode steps and the forward's operators, without the module calls, checks and look-ups that
-        cost a tiny model's decode step on CPU more than its operators do. None where the layer has a part without
-        one (a value gate, PEER's pre-values, an adapter, weights that ZeRO-3 or accelerate hold elsewhere)."""
+        cost a tiny model's decode step on CPU more than its operators do (the value gates, PEER's and Memory+'s,
+        run their modules). None where a part has no decode step (an adapter, weights that ZeRO-3 or accelerate hold
+        elsewhere)."""
         expansion, projector = self.value_expansion, self.value_expansion.projector
-        if self.training or self.pre_value_gate is not None or expansion.gate is not None:
-            return None
-        if type(self.norm) is not nn.LayerNorm or type(projector) not in (ValueProjector, nn.Identity):
+        if self.training or type(self.norm) is not nn.LayerNorm or type(projector) not in (ValueProjector, nn.Identity):
             return None
         if not held_here(*self.norm.parameters(), *self.retrieval.parameters(), *projector.parameters()):
             return None
-        values = (inputs.stores or (self.values,))[0]
+        values, pre_values = inputs.stores or (self.values, self.pre_values)
         query = self.query.decode_step()
         if query is None or hasattr(values, "base_layer"):  # (the forward refuses an adapter on the table)
             return None
         ops, norm = self.memory_ops(self.norm.weight.device), self.norm
         select, slots = self.retrieval.decode_step(ops), expansion.physical_slots
         softmax, num_groups = self.config.memory_score_softmax, expansion.num_groups
+        pre_value_gate, value_gate = self.pre_value_gate, expansion.gate
         if type(values) is MemoryValueTable and held_here(values.weight):  # its forward, without the module call
             table = values.weight
             lookup = lambda rows, groups, scores: ops.lookup_reduce(table, rows, groups, scores, num_groups)  # noqa: E731
@@ -404,8 +404,12 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
                 scores = scores.softmax(dim=-2)
             batch = x.shape[0]
             rows, groups = slots(virtual_index.reshape(batch, -1))  # (B, H*m) each
-            pooled = lookup(rows, groups, scores.reshape(*rows.shape, -1))  # (B, E, Dv)
-            pooled = pooled.to(x.dtype)
+            scores = scores.reshape(*rows.shape, -1)  # (B, H*m, h)
+            if pre_value_gate is not None:
+                scores = pre_value_gate(scores, rows, x.reshape(batch, -1), pre_values, ops)
+            pooled = lookup(rows, groups, scores).to(x.dtype)  # (B, E, Dv)
+            if value_gate is not None:
+                pooled = value_gate(pooled.view(batch, 1, -1), x)
             if projection_t is None:
                 return pooled.view(batch, 1, -1)
             return torch.mm(pooled.view(batch, -1), projection_t).view(batch, 1, -1)  # one GEMM, (B, 1, D)

@@ -1,6 +1,6 @@
 """Decode steps inside `generate` (`UltraMemModel.fixed_weights`): each memory layer and n-gram memory builds its step
 from its weights once per call and runs the forward's operators on them. Generation with them is generation through
-the modules bit for bit; weights changed between calls are read; a layer without a decode step keeps its modules."""
+the modules bit for bit; weights changed between calls are read; forwards with gradients keep the modules."""
 
 import pytest
 import torch
@@ -13,7 +13,8 @@ CONFIGS = {
     "ultramem": {},
     "pkm": dict(retrieval_mode="product_key", tucker_rank=1, mcs_cores=1, memory_score_softmax=True),
     "ngram": dict(**NGRAM, eos_token_id=5),
-    "ultramemv2": VARIANTS["ultramemv2"],  # PEER's pre-values: no decode step, the modules
+    "ultramemv2": VARIANTS["ultramemv2"],  # PEER's pre-values in a shared pool, beside the MLP
+    "memoryplus": VARIANTS["memoryplus"],  # Memory+'s gate, instead of the MLP
 }
 
 
@@ -80,10 +81,7 @@ def test_generation_with_decode_steps_is_generation_through_the_modules(name, mo
     assert torch.equal(with_steps, _generate(model, input_ids, attention_mask))
     assert torch.equal(beams, model.generate(input_ids[:1], max_new_tokens=4, num_beams=3, do_sample=False))
     layers = len(model.model.memory_layers) + 2 * len(model.model.ngram_memories)  # an n-gram memory: two steps
-    if name == "ultramemv2":
-        assert used == 0
-    else:  # every layer at each of the 5 decode steps of both calls
-        assert used == layers * (5 + 3)
+    assert used == layers * (5 + 3)  # every layer at each decode step of both calls
 
 
 def test_weights_changed_between_calls_are_read():

@@ -161,8 +161,12 @@ class OffloadedValueStore(nn.Module):
         return self._moved_to(device, self._pool(rows, groups, scores, num_groups))
 
     def _rows_on(self, device: torch.device, rows: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return self._moved_to(device, self._read(rows))
+
+    def _read(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows (...) as they are, (..., Dv) on the host, each distinct row read once."""
         gathered, inverse = self._gather(rows)
-        return self._moved_to(device, F.embedding(inverse, gathered))  # (..., Dv)
+        return F.embedding(inverse, gathered)
 
     @staticmethod
     def _moved_to(device: torch.device, values: torch.Tensor) -> tuple[torch.Tensor, Any]:

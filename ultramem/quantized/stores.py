@@ -315,6 +315,12 @@ class _QuantizedOffloadedStore(QuantizedStoreMixin):
         self._will_read(unique)
         return self._lookup(self.table, rows, groups, scores, num_groups)
 
+    def _read(self, rows: torch.Tensor) -> torch.Tensor:
+        """Each row dequantized (float32): the quantized op's lookup, one slot of weight 1 a row."""
+        slots = rows.reshape(-1, 1)
+        ones = torch.ones(*slots.shape, 1)
+        return self._pool(slots, torch.zeros_like(slots), ones, 1).view(*rows.shape, -1)
+
 
 class QuantizedHostValueStore(_QuantizedOffloadedStore, HostValueStore):
     """memory_offload="cpu" with quantized tables: the uint8 table in host memory (pinned beside a GPU)."""
