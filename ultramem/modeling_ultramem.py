@@ -365,9 +365,10 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         """The residual stream (B, T, D) -> the layer's output (B, T, D)."""
         if self.fixed_weights and hidden_states.shape[1] == 1 and not torch.is_grad_enabled():
             if inputs.sequence_ids is None and not torch.compiler.is_compiling():
-                if self._decode is None:
-                    self._decode = self.decode_step(inputs) or self._forward_modules
-                return self._decode(hidden_states, inputs)
+                step = self._decode  # read once: a scope ending on another thread resets it
+                if step is None:
+                    step = self._decode = self.decode_step(inputs) or self._forward_modules
+                return step(hidden_states, inputs)
         return self._forward_modules(hidden_states, inputs)
 
     def decode_step(self, inputs: MemoryInputs) -> Callable[[torch.Tensor, MemoryInputs], torch.Tensor] | None:

@@ -319,9 +319,10 @@ class NGramMemory(nn.Module):
             return None
         if inputs.sequence_ids is not None or torch.compiler.is_compiling():
             return None
-        if self._decode is None:
-            self._decode = self.decode_steps() or False
-        return self._decode or None
+        steps = self._decode  # read once: a scope ending on another thread resets it
+        if steps is None:
+            steps = self._decode = self.decode_steps() or False
+        return steps or None
 
     def decode_steps(self) -> NGramDecodeSteps | None:
         """`start` and `forward` for decode steps (one token a sequence) on the weights as they are now, for the steps
