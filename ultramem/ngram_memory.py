@@ -43,11 +43,6 @@ from .memory_implementations import memory_ops_for
 from .memory_query import CausalDepthwiseConv, MemoryInputs
 from .value_stores import DeferredValueTable, MemoryValueTable, tables_deferred
 
-# A decode step's `start` (ids (B, 1), inputs -> the read of e) and `forward` (h, e, inputs -> output)
-NGramDecodeSteps = tuple[
-    Callable[[torch.Tensor, MemoryInputs], Callable[[], torch.Tensor]],
-    Callable[[torch.Tensor, torch.Tensor, MemoryInputs], torch.Tensor],
-]
 _MASK64 = (1 << 64) - 1
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment
 
@@ -220,8 +215,8 @@ class NGramMemory(nn.Module):
             config.hidden_size, config.ngram_conv_kernel_size, conv_slot, dilation=config.ngram_order
         )
         self.inference_cache = InferenceCache()
-        self.fixed_weights = False  # inside `UltraMemModel.fixed_weights`: decode steps run `decode_steps`
-        self._decode: NGramDecodeSteps | bool | None = None
+        self.fixed_weights = False  # inside `UltraMemModel.fixed_weights`: decode steps run `decode_step`
+        self._decode: Callable[[torch.Tensor, torch.Tensor, MemoryInputs], torch.Tensor] | bool | None = None
 
     def init_ultramem(self) -> None:
         """The hash's constants and identity canonical ids (a tokenizer's map replaces them: `set_canonical_ids`), a
@@ -308,26 +303,25 @@ class NGramMemory(nn.Module):
         block and hands the result to the layer's call (`started`): an offloaded table's rows are gathered while the
         blocks below the layer compute.
         """
-        step = self._decode_steps(input_ids, inputs)
-        if step is not None:
-            return step[0](input_ids, inputs)
         return self.start_read(self.rows(self.ngrams(input_ids, inputs)))
 
-    def _decode_steps(self, input_ids: torch.Tensor, inputs: MemoryInputs) -> NGramDecodeSteps | None:
-        """The decode steps (`decode_steps`) for one-token ids inside `UltraMemModel.fixed_weights`, built at the first."""
+    def _decode_step(
+        self, input_ids: torch.Tensor, inputs: MemoryInputs
+    ) -> Callable[[torch.Tensor, torch.Tensor, MemoryInputs], torch.Tensor] | None:
+        """The decode step (`decode_step`) for one-token ids inside `UltraMemModel.fixed_weights`, built at the first."""
         if not self.fixed_weights or input_ids.shape[1] != 1 or torch.is_grad_enabled():
             return None
         if inputs.sequence_ids is not None or torch.compiler.is_compiling():
             return None
-        steps = self._decode  # read once: a scope ending on another thread resets it
-        if steps is None:
-            steps = self._decode = self.decode_steps() or False
-        return steps or None
+        step = self._decode  # read once: a scope ending on another thread resets it
+        if step is None:
+            step = self._decode = self.decode_step() or False
+        return step or None
 
-    def decode_steps(self) -> NGramDecodeSteps | None:
-        """`start` and `forward` for decode steps (one token a sequence) on the weights as they are now, for the steps
-        of one `generate` call, whose weights do not change (`UltraMemModel.fixed_weights`): the same operators
-        without the module calls, checks and look-ups. None where `forward` does not fold its weights."""
+    def decode_step(self) -> Callable[[torch.Tensor, torch.Tensor, MemoryInputs], torch.Tensor] | None:
+        """`forward` for decode steps (h (B, 1, D), e (B, 1, (N-1) K d) -> (B, 1, D)) on the weights as they are now,
+        for the steps of one `generate` call, whose weights do not change (`UltraMemModel.fixed_weights`): the same
+        operators without the module calls, checks and look-ups. None where `forward` does not fold its weights."""
         value_norm, conv = self.value_norm, self.conv
         if self.training or not self._folds() or type(value_norm) is not nn.RMSNorm or not held_here(value_norm.weight):
             return None
@@ -336,21 +330,12 @@ class NGramMemory(nn.Module):
             return None
         folded, eps = self.inference_cache.get("folded", *self._folded_entry()), self.key_norm.eps
         norm = (value_norm.normalized_shape, value_norm.weight, value_norm.eps)
-        canonical, eos, no_token, order = self.canonical_ids, self.eos_ids, self.vocab_size, self.order
-        hash_constants = (self.multipliers, self.moduli, self.offsets)
-        tokens_of, start_read = self._tokens, self.start_read
 
-        def start(input_ids: torch.Tensor, inputs: MemoryInputs) -> Callable[[], torch.Tensor]:
-            padding_mask = inputs.padding_mask
-            ids = input_ids if padding_mask is None else input_ids.masked_fill(padding_mask == 0, no_token)
-            tokens = torch.take(canonical, tokens_of(ids, inputs.cache))  # (B, N)
-            return start_read(ngram_rows(ngram_tokens(tokens, no_token, eos, order), *hash_constants))
-
-        def layer(hidden_states: torch.Tensor, memory: torch.Tensor, inputs: MemoryInputs) -> torch.Tensor:
+        def step(hidden_states: torch.Tensor, memory: torch.Tensor, inputs: MemoryInputs) -> torch.Tensor:
             value = _folded_gated_value(hidden_states, memory, *folded, eps)
             return value + F.silu(convolve(F.rms_norm(value, *norm), inputs))
 
-        return start, layer
+        return step
 
     def gate(self, hidden_states: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
         """alpha (B, T, 1) = sigmoid(signed_sqrt(RMSNorm(h) . RMSNorm(W_k e) / sqrt(D)))."""
@@ -419,9 +404,9 @@ class NGramMemory(nn.Module):
         `started`: this step's read of the ids, from `start` (given by the model); else the ids are hashed and read
         here."""
         memory = (started if started is not None else self.start(input_ids, inputs))().to(hidden_states.dtype)  # e
-        step = self._decode_steps(input_ids, inputs)
+        step = self._decode_step(input_ids, inputs)
         if step is not None:
-            return step[1](hidden_states, memory, inputs)
+            return step(hidden_states, memory, inputs)
         if not self.training and self._folds():
             value = self._folded_value(hidden_states, memory)
         else:

@@ -54,15 +54,8 @@ def _counted_steps(monkeypatch) -> list[int]:
 
         return wrapped
 
-    def counted_pair(build):
-        def wrapped(self):
-            built = build(self)
-            return None if built is None else (counted(lambda: built[0])(), counted(lambda: built[1])())
-
-        return wrapped
-
     monkeypatch.setattr(UltraMemMemoryLayer, "decode_step", counted(UltraMemMemoryLayer.decode_step))
-    monkeypatch.setattr(NGramMemory, "decode_steps", counted_pair(NGramMemory.decode_steps))
+    monkeypatch.setattr(NGramMemory, "decode_step", counted(NGramMemory.decode_step))
     return calls
 
 
@@ -77,10 +70,10 @@ def test_generation_with_decode_steps_is_generation_through_the_modules(name, mo
     beams = model.generate(input_ids[:1], max_new_tokens=4, num_beams=3, do_sample=False)
     used = calls[0]
     monkeypatch.setattr(UltraMemMemoryLayer, "decode_step", lambda self, inputs: None)
-    monkeypatch.setattr(NGramMemory, "decode_steps", lambda self: None)
+    monkeypatch.setattr(NGramMemory, "decode_step", lambda self: None)
     assert torch.equal(with_steps, _generate(model, input_ids, attention_mask))
     assert torch.equal(beams, model.generate(input_ids[:1], max_new_tokens=4, num_beams=3, do_sample=False))
-    layers = len(model.model.memory_layers) + 2 * len(model.model.ngram_memories)  # an n-gram memory: two steps
+    layers = len(model.model.memory_layers) + len(model.model.ngram_memories)
     assert used == layers * (5 + 3)  # every layer at each decode step of both calls
 
 
