@@ -145,6 +145,12 @@ class CausalDepthwiseConv(nn.Module):
         return output
 
 
+def _window_features(window: torch.Tensor, taps: list[torch.Tensor]) -> torch.Tensor:
+    """A decode step's conv window (B, D, k) -> what the folded projection reads (`window_projection`): the conv's
+    output without its bias (B, D) with the taps apart, else the window itself (B, D*k)."""
+    return (window * taps[0]).sum(-1) if taps else window.reshape(window.shape[0], -1)
+
+
 def window_projection(
     weight_t: torch.Tensor, bias: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor, taps_apart: bool
 ) -> tuple[torch.Tensor, ...]:
@@ -260,8 +266,7 @@ class MemoryQuery(nn.Module):
         if folds and x.shape[1] == 1 and inputs.sequence_ids is None and self._folds_conv():  # a decode step
             window = self.conv.window(x, inputs)  # (B, D, k)
             *taps, weight_t, bias = self.inference_cache.get("window_projection", *self._window_projection_entry())
-            window = (window * taps[0]).sum(-1) if taps else window.reshape(x.shape[0], -1)  # (B, D) or (B, D*k)
-            query = torch.addmm(bias, window, weight_t)  # (B, H * (1|2) * Dk)
+            query = torch.addmm(bias, _window_features(window, taps), weight_t)  # (B, H * (1|2) * Dk)
             return self._parts(query, x.shape[:-1])
         if self.conv is not None:
             x = self.conv(x, inputs)
@@ -297,8 +302,7 @@ class MemoryQuery(nn.Module):
             window_of = self.conv.window
 
             def features(x: torch.Tensor, inputs: MemoryInputs) -> torch.Tensor:
-                window = window_of(x, inputs)  # (B, D, k)
-                return (window * taps[0]).sum(-1) if taps else window.reshape(x.shape[0], -1)  # (B, D) or (B, D*k)
+                return _window_features(window_of(x, inputs), taps)
 
         else:
             return None
