@@ -293,9 +293,14 @@ def assert_loads_alike_with_and_without_the_package(
     model: UltraMemForCausalLM, input_ids: torch.Tensor, folder
 ) -> None:
     """`model` saved to `folder` gives the same logits for `input_ids`, bit for bit, loaded in a fresh process with the
-    package and through the checkpoint's own code alone."""
-    with torch.no_grad():
-        expected = model(input_ids).logits
+    package and through the checkpoint's own code alone. All on one thread: a kernel's sums may split by thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            expected = model(input_ids).logits
+    finally:
+        torch.set_num_threads(threads)
     model.save_pretrained(folder)
     torch.save(input_ids, folder / "inputs.pt")
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}

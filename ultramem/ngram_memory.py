@@ -156,15 +156,28 @@ def _squashed(score: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(score.sign() * score.abs().clamp_min(1e-6).sqrt())
 
 
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim at inference. On CPU as the LayerNorm of [x, -x], whose mean is 0 and whose variance
+    is mean(x^2) (the same values to rounding: both 4e-7 from float64): one kernel, which the backbone's blocks keep
+    warm, where `F.rms_norm` runs a chain of five that a decode step finds cold (tiny-engram's layer inside `generate`,
+    one thread: 445 -> 350 us a step with `_folded_gated_value`'s matmul score). Elsewhere `F.rms_norm`, one kernel."""
+    dim = x.shape[-1]
+    if x.device.type != "cpu":
+        return F.rms_norm(x, (dim,), weight, eps)
+    normed = F.layer_norm(torch.cat([x, x.neg()], dim=-1), (2 * dim,), None, None, eps)[..., :dim]
+    return normed if weight is None else normed * weight
+
+
 def _folded_gated_value(
     hidden_states: torch.Tensor, memory: torch.Tensor, key_value_t: torch.Tensor, gate_weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
-    """alpha W_v e (B, T, D) from the folded weights ([W_k; W_v]^T, w): see `NGramMemory._folded_entry`."""
+    """alpha W_v e (B, T, D) from the folded weights ([W_k; W_v]^T (E, 2D), w (D, 1)): see `NGramMemory._folded_entry`."""
     dim = hidden_states.shape[-1]
-    key, value = (memory @ key_value_t).split(dim, dim=-1)  # (B, T, D) each
-    normed = F.rms_norm(torch.stack([hidden_states, key]), (dim,), None, eps)  # (2, B, T, D)
-    score = (normed.prod(0) * gate_weight).sum(-1, keepdim=True)  # RMSNorm(h) . RMSNorm(W_k e) / sqrt(D)
-    return _squashed(score) * value
+    key_value = torch.mm(memory.reshape(-1, memory.shape[-1]), key_value_t)  # (B*T, 2D): W_k e, then W_v e
+    both = torch.cat([hidden_states.reshape(-1, dim), key_value[:, :dim]])  # (2 B*T, D): h, then W_k e
+    normed, tokens = _rms_norm(both, None, eps), key_value.shape[0]
+    score = torch.mm(normed[:tokens] * normed[tokens:], gate_weight)  # (B*T, 1): RMSNorm(h) . RMSNorm(W_k e) / sqrt(D)
+    return (_squashed(score) * key_value[:, dim:]).view(hidden_states.shape)
 
 
 class NGramMemory(nn.Module):
@@ -322,18 +335,17 @@ class NGramMemory(nn.Module):
         """`forward` for decode steps (h (B, 1, D), e (B, 1, (N-1) K d) -> (B, 1, D)) on the weights as they are now,
         for the steps of one `generate` call, whose weights do not change (`UltraMemModel.fixed_weights`): the same
         operators without the module calls, checks and look-ups. None where `forward` does not fold its weights."""
-        value_norm, conv = self.value_norm, self.conv
-        if self.training or not self._folds() or type(value_norm) is not nn.RMSNorm or not held_here(value_norm.weight):
+        if self.training or not self._folds():
             return None
-        convolve = conv.decode_step()
+        convolve = self.conv.decode_step()
         if convolve is None:
             return None
         folded, eps = self.inference_cache.get("folded", *self._folded_entry()), self.key_norm.eps
-        norm = (value_norm.normalized_shape, value_norm.weight, value_norm.eps)
+        value_norm = (self.value_norm.weight, self.value_norm.eps)
 
         def step(hidden_states: torch.Tensor, memory: torch.Tensor, inputs: MemoryInputs) -> torch.Tensor:
             value = _folded_gated_value(hidden_states, memory, *folded, eps)
-            return value + F.silu(convolve(F.rms_norm(value, *norm), inputs))
+            return value + F.silu(convolve(_rms_norm(value, *value_norm), inputs))
 
         return step
 
@@ -348,27 +360,28 @@ class NGramMemory(nn.Module):
         return {"folded": self._folded_entry()} if self._folds() else {}
 
     def _folds(self) -> bool:
-        """Whether inference runs the folded projections and gate (`_folded_entry`): plain `nn.Linear` and `nn.RMSNorm`
-        whose weights are held here. An adapter or a quantized layer runs its own forward; a weight that ZeRO-3
+        """Whether inference runs the folded projections and gate (`_folded_entry`) and `_rms_norm`: plain `nn.Linear`
+        and `nn.RMSNorm` whose weights are held here. An adapter or a quantized layer runs its own forward; a weight that ZeRO-3
         partitions or accelerate offloads (meta) is only whole inside its module's own forward, which its hooks
         wrap."""
-        modules = (self.key_proj, self.value_proj, self.hidden_norm, self.key_norm)
-        if [type(module) for module in modules] != [nn.Linear, nn.Linear, nn.RMSNorm, nn.RMSNorm]:
+        modules = (self.key_proj, self.value_proj, self.hidden_norm, self.key_norm, self.value_norm)
+        if [type(module) for module in modules] != [nn.Linear, nn.Linear, nn.RMSNorm, nn.RMSNorm, nn.RMSNorm]:
             return False
         if self.hidden_norm.eps != self.key_norm.eps:  # (both the config's) h and W_k e are normalised as one stack
             return False
         return held_here(*(module.weight for module in modules))
 
     def _folded_entry(self) -> CacheEntry:
-        """([W_k; W_v]^T (E, 2D), w (D,)): the key and the value as one matmul, e [W_k; W_v]^T, and the gate's score
-        RMSNorm(h) . RMSNorm(W_k e) / sqrt(D) as sum(w rms_norm(h) rms_norm(W_k e)), h and W_k e normalised as one
-        stack without weights, w = w_h w_k / sqrt(D): fewer operators, each of which costs an eager step host time."""
+        """([W_k; W_v]^T (E, 2D), w (D, 1)): the key and the value as one matmul, e [W_k; W_v]^T, and the gate's score
+        RMSNorm(h) . RMSNorm(W_k e) / sqrt(D) as the matmul (rms_norm(h) rms_norm(W_k e)) w, h and W_k e normalised
+        together without weights, w = w_h w_k / sqrt(D): fewer operators, each of which costs an eager step host time."""
         parameters = (self.key_proj.weight, self.value_proj.weight, self.hidden_norm.weight, self.key_norm.weight)
         return parameters, self._folded_weights
 
     def _folded_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         key_value = torch.cat([self.key_proj.weight, self.value_proj.weight])  # (2D, E)
-        return key_value.T, self.hidden_norm.weight * self.key_norm.weight / math.sqrt(self.key_norm.weight.shape[0])
+        gate_weight = self.hidden_norm.weight * self.key_norm.weight / math.sqrt(self.key_norm.weight.shape[0])
+        return key_value.T, gate_weight[:, None]
 
     def _folded_value(self, hidden_states: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
         """alpha W_v e (B, T, D), as `gate` and `value_proj` compute it, with the folded weights (`_folded_entry`)."""
@@ -409,6 +422,8 @@ class NGramMemory(nn.Module):
             return step(hidden_states, memory, inputs)
         if not self.training and self._folds():
             value = self._folded_value(hidden_states, memory)
+            normed = _rms_norm(value, self.value_norm.weight, self.value_norm.eps)
         else:
             value = self.gate(hidden_states, memory) * self.value_proj(memory)
-        return value + F.silu(self.conv(self.value_norm(value), inputs))
+            normed = self.value_norm(value)
+        return value + F.silu(self.conv(normed, inputs))
