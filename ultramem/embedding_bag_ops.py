@@ -13,12 +13,13 @@ from __future__ import annotations
 import contextlib
 import math
 import mmap
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .memory_ops import lookup_dot, lookup_reduce
+from .memory_ops import lookup_dot, lookup_reduce, lookup_reduce_on
 
 EMBEDDING_BAG_MIN_TOKENS = 32
 """Fewest tokens for which `lookup_reduce_embedding_bag` uses embedding_bag: the crossover measured on CPU
@@ -154,6 +155,19 @@ def lookup_reduce_embedding_bag(
         values.view(-1, value_dim // num_cores), index, offsets, weights.to(values.dtype), bag_of_sample
     )  # (T*h*E, Dv/h)
     return pooled.view(num_tokens, num_cores, num_groups, -1).transpose(1, 2).reshape(num_tokens, num_groups, value_dim)
+
+
+def lookup_reduce_embedding_bag_on(values: torch.Tensor, num_groups: int) -> Callable[..., torch.Tensor]:
+    """`lookup_reduce_embedding_bag` on a table whose rows stay as they are: `memory_ops.lookup_reduce_on`'s call,
+    chunk weights included, running what `lookup_reduce_embedding_bag` runs for the same number of tokens."""
+    few_tokens = lookup_reduce_on(values, num_groups)
+
+    def lookup(rows: torch.Tensor, groups: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if rows.shape[0] < EMBEDDING_BAG_MIN_TOKENS:
+            return few_tokens(rows, groups, weights)
+        return lookup_reduce_embedding_bag(values, rows, groups, weights.view(*rows.shape, -1), num_groups)
+
+    return lookup
 
 
 def chunk_bags(

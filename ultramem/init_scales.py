@@ -70,7 +70,7 @@ def sampled_core_scores(
     projected = torch.stack(
         (torch.einsum("srn,sr->sn", rows, left[..., :, 0]), torch.einsum("srn,sr->sn", cols, right_h[..., 0, :])), 1
     )  # (S, 2, n): a and b
-    indices = rank_one_candidates(projected.unsqueeze(-2), top_m, signed).squeeze(-2).unbind(1)  # (S, m') each
+    indices = rank_one_candidates(projected[:, :, None, None], top_m, signed)[:, :, 0, 0].unbind(1)  # (S, m') each
     row_candidates, col_candidates = (
         scores.gather(-1, index.unsqueeze(1).expand(-1, rank, -1)) for scores, index in zip((rows, cols), indices)
     )  # (S, r, m')

@@ -22,8 +22,15 @@ from typing import Protocol
 import torch
 from transformers.utils.generic import GeneralInterface
 
-from .embedding_bag_ops import lookup_dot_embedding_bag, lookup_reduce_embedding_bag
-from .memory_ops import lookup_dot, lookup_reduce, tucker_candidate_topk, tucker_topk
+from .embedding_bag_ops import lookup_dot_embedding_bag, lookup_reduce_embedding_bag, lookup_reduce_embedding_bag_on
+from .memory_ops import (
+    lookup_dot,
+    lookup_reduce,
+    lookup_reduce_on,
+    tucker_candidate_topk,
+    tucker_topk,
+    tucker_topk_on,
+)
 from .package_registry import package_registry
 
 
@@ -50,17 +57,23 @@ class MemoryOps(Protocol):
     def lookup_dot(self, table: torch.Tensor, rows: torch.Tensor, query: torch.Tensor) -> torch.Tensor: ...
 
 
+# Optional, for decode steps on weights that stay as they are (`memory_ops.tucker_topk_on`, `lookup_reduce_on`): an
+# implementation may prepare `tucker_topk` on its cores and `lookup_reduce` on its table once per `generate` call
 TORCH_MEMORY_OPS: MemoryOps = SimpleNamespace(
     lookup_reduce=lookup_reduce,
     tucker_candidate_topk=tucker_candidate_topk,
     tucker_topk=tucker_topk,
     lookup_dot=lookup_dot,
+    tucker_topk_on=tucker_topk_on,
+    lookup_reduce_on=lookup_reduce_on,
 )
 EMBEDDING_BAG_MEMORY_OPS: MemoryOps = SimpleNamespace(
     lookup_reduce=lookup_reduce_embedding_bag,
     tucker_candidate_topk=tucker_candidate_topk,
     tucker_topk=tucker_topk,
     lookup_dot=lookup_dot_embedding_bag,
+    tucker_topk_on=tucker_topk_on,
+    lookup_reduce_on=lookup_reduce_embedding_bag_on,
 )
 
 

@@ -16,6 +16,8 @@ r Tucker rank, h MCS cores, E IVE groups, N physical rows and Dv the value dim.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -42,22 +44,37 @@ def lookup_reduce(
     Returns:
         (T, E, Dv) pooled values in the dtype of `values`, accumulated in float32.
     """
-    num_tokens, num_slots = rows.shape
-    num_cores = scores.shape[-1]
+    return lookup_reduce_on(values, num_groups)(rows, groups, chunk_weights(scores))
+
+
+def chunk_weights(scores: torch.Tensor) -> torch.Tensor:
+    """The scores (..., h) as the weights of the rows' h chunks (`lookup_reduce_on`): (..., h, 1), or as they are
+    with one core (..., 1)."""
+    return scores if scores.shape[-1] == 1 else scores.unsqueeze(-1)
+
+
+def lookup_reduce_on(values: torch.Tensor, num_groups: int) -> Callable[..., torch.Tensor]:
+    """`lookup_reduce` on a table whose rows stay as they are (the decode steps of one `generate` call): what depends
+    on the table alone taken once. The returned call takes rows and groups (T, K) (int64 or int32) and the scores as
+    the chunks' weights (`chunk_weights`: (T, K, h, 1), or (T, K, 1) with one core), the shape a caller can give
+    them in the view it takes anyway."""
     value_dim = values.shape[-1]
-    gathered = F.embedding(rows, values).float()  # (T, K, Dv)
-    if num_cores == 1:
-        weighted = gathered * scores.float()  # (T, K, Dv)
-    else:
-        chunks = gathered.view(num_tokens, num_slots, num_cores, value_dim // num_cores)
-        weighted = (chunks * scores.float().unsqueeze(-1)).view(num_tokens, num_slots, value_dim)  # (T, K, Dv)
-    if num_groups == 1:
-        pooled = weighted.sum(dim=1, keepdim=True)  # (T, 1, Dv)
-    else:
-        # one-hot by scatter: F.one_hot checks its range with a host synchronisation, in every decode step
-        group_one_hot = weighted.new_zeros(num_tokens, num_groups, num_slots).scatter_(1, groups.unsqueeze(1), 1.0)
-        pooled = torch.bmm(group_one_hot, weighted)  # (T, E, Dv)
-    return pooled.to(values.dtype)
+    # group e's one-hot is row e of the identity: F.one_hot checks its range with a host synchronisation, every step
+    one_hot = torch.eye(num_groups, dtype=torch.float32, device=values.device) if num_groups > 1 else None
+
+    def lookup(rows: torch.Tensor, groups: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        gathered = F.embedding(rows, values).float()  # (T, K, Dv)
+        if weights.dim() == gathered.dim():  # one core: (T, K, 1)
+            weighted = gathered * weights.float()
+        else:  # chunk c of each row by core c: (T, K, h, Dv/h) * (T, K, h, 1)
+            weighted = (gathered.view(*weights.shape[:-1], -1) * weights.float()).view(*rows.shape, value_dim)
+        if one_hot is None:
+            pooled = weighted.sum(dim=1, keepdim=True)  # (T, 1, Dv)
+        else:
+            pooled = torch.bmm(F.embedding(groups, one_hot).transpose(1, 2), weighted)  # (T, E, K) @ (T, K, Dv)
+        return pooled.to(values.dtype)
+
+    return lookup
 
 
 def tucker_candidate_topk(
@@ -82,12 +99,24 @@ def tucker_candidate_topk(
         flat_index: (..., topk) int64 index x * m + y into the candidate grid, best first.
         core_scores: (..., topk, h) per-core scores of the winners.
     """
+    return core_last_candidate_topk(row_scores, col_scores, core_last(cores), topk)
+
+
+def core_last(cores: torch.Tensor) -> torch.Tensor:
+    """The MCS cores (..., h, r, r) laid out for `core_last_candidate_topk`: (..., r, r, 1, 1, h), the core index
+    last, so that the winners' per-core scores are gathered as they lie, (..., topk, h)."""
+    *lead, num_cores, rank, _ = cores.shape
+    return cores.movedim(-3, -1).reshape(*lead, rank, rank, 1, 1, num_cores)
+
+
+def core_last_candidate_topk(
+    row_scores: torch.Tensor, col_scores: torch.Tensor, cores_last: torch.Tensor, topk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tucker_candidate_topk` on the cores laid out by `core_last`."""
     # S_row^T C^(i) S_col as two broadcast products, each summed over one rank index: r is 2 in the paper, too narrow
     # for a matmul to pay (broadcast matmuls copied their operands: twice the operators at decode, T = 1)
-    # The core index last: the winners' per-core scores are then gathered as they lie, (..., topk, h)
     *lead, rank, num_candidates = col_scores.shape
-    num_cores = cores.shape[-3]
-    cores_last = cores.movedim(-3, -1).reshape(*cores.shape[:-3], rank, rank, 1, 1, num_cores)  # (..., r, r, 1, 1, h)
+    num_cores = cores_last.shape[-1]
     col_parts = col_scores.reshape(*lead, 1, rank, 1, num_candidates, 1)  # (..., 1, r, 1, m, 1)
     core_times_col = (cores_last * col_parts).sum(-4)  # (..., r, 1, m, h): C^(i) S_col
     row_parts = row_scores.reshape(*lead, rank, num_candidates, 1, 1)  # (..., r, m, 1, 1)
@@ -120,8 +149,8 @@ def product_key_topk(
 
 
 def rank_one_candidates(projected: torch.Tensor, topk: int, signed: bool) -> torch.Tensor:
-    """Candidate rows and columns (..., 2, H, m') from the rank-1 projections (..., 2, H, n): a = u^T S_row and
-    b = t^T S_col, the axis first.
+    """Candidate rows and columns (..., 2, H, 1, m') from the rank-1 projections (..., 2, H, 1, n): a = u^T S_row and
+    b = t^T S_col, the axis first (the rank's dim kept: the candidates then gather the axis scores as they lie).
 
     sigma a_x b_y is large where a_x and b_y are both large, or both very negative. The SVD's sign is arbitrary
     ((u, t) and (-u, -t) are the same rank-1 core), so picking the positive quadrant after a sign normalisation makes
@@ -136,8 +165,8 @@ def rank_one_candidates(projected: torch.Tensor, topk: int, signed: bool) -> tor
         )
     # The quadrant is chosen from the axes' extremes, then one top-m runs on both axes, sign-flipped where the bottom
     # quadrant wins (the bottom-m of a is the top-m of -a): one topk call for the four candidate sets.
-    low, high = projected.aminmax(dim=-1, keepdim=True)  # (..., 2, H, 1)
-    bottom = high.prod(-3, keepdim=True) < low.prod(-3, keepdim=True)  # (..., 1, H, 1): max a max b < min a min b
+    low, high = projected.aminmax(dim=-1, keepdim=True)  # (..., 2, H, 1, 1)
+    bottom = high.prod(-4, keepdim=True) < low.prod(-4, keepdim=True)  # (..., 1, H, 1, 1): max a max b < min a min b
     return torch.where(bottom, -projected, projected).topk(topk, dim=-1).indices
 
 
@@ -153,7 +182,7 @@ def tucker_topk(
 
     Args:
         axis_scores: (..., 2, H, r, n) S_row and S_col of every key, the axis first (one GEMM's output, viewed).
-        cores: (H, h, r, r) the MCS cores.
+        cores: (H, h, r, r) the MCS cores, as `candidate_topk` takes them.
         leading_vectors: (2, H, r, 1) u and t, the leading singular vectors of each head's summed core.
         topk: m.
         signed: see `rank_one_candidates`.
@@ -166,14 +195,24 @@ def tucker_topk(
     # a = u^T S_row, b = t^T S_col, summed over the rank by broadcasting (an einsum here goes through a bmm on a
     # permuted copy: 10x slower on CPU); the choice of candidates has no gradient
     with torch.no_grad():
-        index = rank_one_candidates((axis_scores * leading_vectors).sum(-2), topk, signed)  # (..., 2, H, m')
-    num_candidates = index.shape[-1]
-    expand = (*index.shape[:-1], rank, num_candidates)
-    candidates = axis_scores.gather(-1, index.unsqueeze(-2).expand(expand))  # (..., 2, H, r, m')
+        index = rank_one_candidates((axis_scores * leading_vectors).sum(-2, keepdim=True), topk, signed)
+    candidates = axis_scores.gather(-1, index.expand(*index.shape[:-2], rank, -1))  # (..., 2, H, r, m')
     flat_index, core_scores = candidate_topk(*candidates.unbind(-4), cores, topk)  # (..., H, m), (..., H, m, h)
-    grid = torch.stack((flat_index // num_candidates, flat_index % num_candidates), dim=-3)  # (..., 2, H, m)
-    rows, cols = index.gather(-1, grid).unbind(-3)  # (..., H, m) each
-    return cols.add(rows, alpha=num_keys), core_scores
+    rows, cols = index.unbind(-4)  # (..., H, 1, m') each
+    # the virtual address x * n + y of every candidate pair (x, y), in the candidate grid's order, read at the winners
+    addresses = torch.add(cols, rows.transpose(-1, -2), alpha=num_keys).flatten(-2)  # (..., H, m' * m')
+    return addresses.gather(-1, flat_index), core_scores
+
+
+def tucker_topk_on(
+    cores: torch.Tensor, leading_vectors: torch.Tensor, topk: int, signed: bool = False
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """`tucker_topk` as a function of the axis scores on cores that stay as they are (the decode steps of one
+    `generate` call): their layout for the candidates' scores (`core_last`) taken once."""
+    arranged = core_last(cores)
+    return lambda axis_scores: tucker_topk(
+        axis_scores, arranged, leading_vectors, topk, signed, core_last_candidate_topk
+    )
 
 
 def physical_slots(

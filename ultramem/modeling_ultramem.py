@@ -257,7 +257,10 @@ class TuckerQueryKeyRetrieval(KeyRetrieval):
 
     def _selection(self, ops: MemoryOps) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
         leading = self.inference_cache.get("singular_vectors", (self.cores,), self.leading_singular_vectors)
-        cores, topk, signed, tucker_topk = self.cores, self.topk, self.signed_candidates, ops.tucker_topk
+        cores, topk, signed = self.cores, self.topk, self.signed_candidates
+        if hasattr(ops, "tucker_topk_on"):  # prepared on the cores once
+            return ops.tucker_topk_on(cores, leading, topk, signed)
+        tucker_topk = ops.tucker_topk
         return lambda axis_scores: tucker_topk(axis_scores, cores, leading, topk, signed)
 
 
@@ -391,9 +394,15 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
         select, slots = self.retrieval.decode_step(ops), expansion.physical_slots
         softmax, num_groups = self.config.memory_score_softmax, expansion.num_groups
         pre_value_gate, value_gate = self.pre_value_gate, expansion.gate
+        score_shape = (-1,)  # (B, H*m, h), as the stores take them
         if type(values) is MemoryValueTable and held_here(values.weight):  # its forward, without the module call
             table = values.weight
-            lookup = lambda rows, groups, scores: ops.lookup_reduce(table, rows, groups, scores, num_groups)  # noqa: E731
+            if hasattr(ops, "lookup_reduce_on") and pre_value_gate is None:  # prepared on the table once
+                lookup = ops.lookup_reduce_on(table, num_groups)
+                cores = self.config.mcs_cores if self.config.retrieval_mode == TUCKER else 1
+                score_shape = (cores, 1) if cores > 1 else (1,)  # the chunks' weights (`memory_ops.chunk_weights`)
+            else:
+                lookup = lambda rows, groups, scores: ops.lookup_reduce(table, rows, groups, scores, num_groups)  # noqa: E731
         else:
             lookup = lambda rows, groups, scores: values(rows, groups, scores, num_groups, ops)  # noqa: E731
         projection_t = projector.weight.T if isinstance(projector, ValueProjector) else None  # (E*Dv, D)
@@ -405,7 +414,7 @@ class UltraMemMemoryLayer(GradientCheckpointingLayer):
                 scores = scores.softmax(dim=-2)
             batch = x.shape[0]
             rows, groups = slots(virtual_index.reshape(batch, -1))  # (B, H*m) each
-            scores = scores.reshape(*rows.shape, -1)  # (B, H*m, h)
+            scores = scores.reshape(*rows.shape, *score_shape)  # (B, H*m, h), or the chunks' weights
             if pre_value_gate is not None:
                 scores = pre_value_gate(scores, rows, x.reshape(batch, -1), pre_values, ops)
             pooled = lookup(rows, groups, scores).to(x.dtype)  # (B, E, Dv)

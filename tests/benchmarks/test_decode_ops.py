@@ -13,16 +13,16 @@ import torch
 # an operator more for fewer kernels: `ngram_memory._rms_norm`.) An offloaded store reads its rows in a
 # worker thread, which the count does not see.
 MAX_OVER_DENSE = {  # preset or preset:store -> (operators, launches)
-    "tiny-ultramem": (66, 40),
+    "tiny-ultramem": (60, 36),
     "tiny-pkm": (36, 21),
-    "tiny-ultramemv2": (72, 41),
-    "tiny-memoryplus": (37, 22),
+    "tiny-ultramemv2": (66, 38),
+    "tiny-memoryplus": (36, 22),
     "tiny-engram": (60, 41),
-    "tiny-ultramem-engram": (64, 42),
-    "tiny-ultramem:int8": (89, 50),
-    "tiny-ultramem:int4": (89, 50),
-    "tiny-ultramem:cpu": (59, 35),
-    "tiny-ultramem:disk": (59, 35),
+    "tiny-ultramem-engram": (60, 38),
+    "tiny-ultramem:int8": (85, 47),
+    "tiny-ultramem:int4": (85, 47),
+    "tiny-ultramem:cpu": (57, 32),
+    "tiny-ultramem:disk": (57, 32),
     "tiny-engram:int8": (87, 52),
     "tiny-engram:cpu": (59, 40),
 }
@@ -31,7 +31,7 @@ MAX_OVER_DENSE = {  # preset or preset:store -> (operators, launches)
 MAX_OVER_DENSE_CPP = {
     "tiny-ultramem": (29, 15),
     "tiny-pkm": (34, 19),
-    "tiny-ultramemv2": (38, 18),
+    "tiny-ultramemv2": (36, 18),
     "tiny-memoryplus": (35, 20),
     "tiny-ultramem:cpu": (30, 14),
 }
