@@ -55,7 +55,7 @@ def chunk_weights(scores: torch.Tensor) -> torch.Tensor:
 
 def lookup_reduce_on(values: torch.Tensor, num_groups: int) -> Callable[..., torch.Tensor]:
     """`lookup_reduce` on a table whose rows stay as they are (the decode steps of one `generate` call): what depends
-    on the table alone taken once. The returned call takes rows and groups (T, K) (int64 or int32) and the scores as
+    on the table alone taken once. The returned call takes rows and groups (T, K) and the scores as
     the chunks' weights (`chunk_weights`: (T, K, h, 1), or (T, K, 1) with one core), the shape a caller can give
     them in the view it takes anyway."""
     value_dim = values.shape[-1]

@@ -93,3 +93,17 @@ def test_value_gradient_pages_chosen_by_how_densely_rows_are_written(dense):
     grad = embedding_bag_ops.zeros_in_fresh_pages((num_values, value_dim), torch.float32, torch.device("cpu"), rows)
     grad.index_copy_(0, rows, grad_rows)
     torch.testing.assert_close(grad, torch.zeros(num_values, value_dim).index_add_(0, rows, grad_rows), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("num_tokens", [SHORT, LONG])
+@pytest.mark.parametrize(("num_groups", "num_cores"), [(1, 1), (4, 1), (4, 2)])
+@pytest.mark.parametrize("ops", [TORCH_MEMORY_OPS, EMBEDDING_BAG_MEMORY_OPS], ids=["torch", "embedding_bag"])
+def test_a_lookup_prepared_on_its_table_equals_the_lookup(ops, num_tokens, num_groups, num_cores):
+    """`lookup_reduce_on` (a decode step's, the table's one-hot groups taken once, the scores as the chunks' weights)
+    gives the implementation's `lookup_reduce`, bit for bit, on either side of embedding_bag's token threshold."""
+    values, rows, groups, scores = _inputs(num_tokens, num_groups, num_cores, torch.float32)
+    prepared = ops.lookup_reduce_on(values, num_groups)
+    with torch.no_grad():
+        got = prepared(rows, groups, memory_ops.chunk_weights(scores))
+        expected = ops.lookup_reduce(values, rows, groups, scores, num_groups)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

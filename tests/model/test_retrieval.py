@@ -4,7 +4,7 @@ import pytest
 import torch
 from model_support import small_config
 
-from ultramem import UltraMemForCausalLM
+from ultramem import UltraMemForCausalLM, memory_ops
 
 
 def _memory_output_std(config, seeds: int = 32) -> float:
@@ -254,3 +254,18 @@ def test_diagnostics_under_zero3_gather_only_keys_and_cores(monkeypatch):
     assert retrieval_diagnostics(model, input_ids, attention_mask) == expected
     assert len(requests) == len(model.model.memory_layers)
     assert all(param.numel() == 0 for param in full)  # released again
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_tdqkr_prepared_on_its_cores_equals_the_selection(signed):
+    """`tucker_topk_on` (a decode step's, the cores' layout taken once) selects what `tucker_topk` does, bit for bit."""
+    generator = torch.Generator().manual_seed(0)
+    axis_scores = torch.randn(3, 1, 2, 2, 2, 40, generator=generator)  # (B, T, 2, H, r, n)
+    cores = torch.randn(2, 3, 2, 2, generator=generator)  # (H, h, r, r)
+    _, u, t = memory_ops.core_svd(cores.sum(1))
+    leading = torch.stack((u, t)).unsqueeze(-1)  # (2, H, r, 1)
+    index, scores = memory_ops.tucker_topk_on(cores, leading, 6, signed)(axis_scores)
+    expected_index, expected_scores = memory_ops.tucker_topk(axis_scores, cores, leading, 6, signed)
+    assert index.shape == (3, 1, 2, 6) and scores.shape == (3, 1, 2, 6, 3)
+    torch.testing.assert_close(index, expected_index, rtol=0, atol=0)
+    torch.testing.assert_close(scores, expected_scores, rtol=0, atol=0)
