@@ -62,7 +62,7 @@ class CausalDepthwiseConv(nn.Module):
             return self._within_sequences(self._masked(x, inputs), inputs.sequence_ids)
         window = self.window(x, inputs)  # (B, D, (k-1) * dilation + T)
         if x.shape[1] == 1:  # a decode step: one dot product per channel, a fraction of conv1d's cost on CPU
-            return ((window * self._window_taps()).sum(-1) + self.bias).unsqueeze(1)  # (B, 1, D)
+            return _convolved_window(window, self._window_taps(), self.bias)
         convolved = F.conv1d(window, self.weight, self.bias, dilation=self.dilation, groups=window.shape[1])
         return convolved.transpose(1, 2)  # (B, T, D)
 
@@ -72,7 +72,7 @@ class CausalDepthwiseConv(nn.Module):
         if not held_here(self.weight, self.bias):
             return None
         taps, bias, window_of = self._window_taps(), self.bias, self.window
-        return lambda x, inputs: ((window_of(x, inputs) * taps).sum(-1) + bias).unsqueeze(1)
+        return lambda x, inputs: _convolved_window(window_of(x, inputs), taps, bias)
 
     def cached_entries(self) -> dict[str, CacheEntry]:
         """What `inference_cache` keeps (for `refresh_inference_cache`): a dilated conv's taps spread over the window
@@ -143,6 +143,11 @@ class CausalDepthwiseConv(nn.Module):
             earlier = F.pad(x[:, :-shift] * same_sequence, (0, 0, shift, 0))  # x[t - shift], zero across a boundary
             output = output + earlier * self.weight[:, 0, -1 - tap]
         return output
+
+
+def _convolved_window(window: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """A decode step's conv: its window (B, D, W) and one tap per input of it (D, W) -> (B, 1, D)."""
+    return ((window * taps).sum(-1) + bias).unsqueeze(1)
 
 
 def _window_features(window: torch.Tensor, taps: list[torch.Tensor]) -> torch.Tensor:
