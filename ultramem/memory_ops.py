@@ -198,10 +198,25 @@ def tucker_topk(
         index = rank_one_candidates((axis_scores * leading_vectors).sum(-2, keepdim=True), topk, signed)
     candidates = axis_scores.gather(-1, index.expand(*index.shape[:-2], rank, -1))  # (..., 2, H, r, m')
     flat_index, core_scores = candidate_topk(*candidates.unbind(-4), cores, topk)  # (..., H, m), (..., H, m, h)
+    return winner_addresses(index, flat_index, num_keys), core_scores
+
+
+ADDRESS_GRID_MAX = 1 << 16
+"""Most candidate pairs (tokens x heads x m'^2) whose addresses `winner_addresses` lays out as a grid (512 KB of int64):
+a decode step's few tokens, where the grid saves operators; a training batch's addresses take O(m) a token instead."""
+
+
+def winner_addresses(index: torch.Tensor, flat_index: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """The virtual addresses x * n + y (..., H, m) of the winners `flat_index` (..., H, m) of the candidate grid of the
+    rows and columns `index` (..., 2, H, 1, m'). For few tokens read from every candidate pair's address (one broadcast
+    add); for many from the winners' row and column (a divide, a remainder and a gather), the same integers."""
+    num_candidates = index.shape[-1]
     rows, cols = index.unbind(-4)  # (..., H, 1, m') each
-    # the virtual address x * n + y of every candidate pair (x, y), in the candidate grid's order, read at the winners
-    addresses = torch.add(cols, rows.transpose(-1, -2), alpha=num_keys).flatten(-2)  # (..., H, m' * m')
-    return addresses.gather(-1, flat_index), core_scores
+    if flat_index.numel() // flat_index.shape[-1] * num_candidates**2 <= ADDRESS_GRID_MAX:
+        addresses = torch.add(cols, rows.transpose(-1, -2), alpha=num_keys).flatten(-2)  # (..., H, m' * m')
+        return addresses.gather(-1, flat_index)
+    row = rows.squeeze(-2).gather(-1, torch.div(flat_index, num_candidates, rounding_mode="floor"))  # (..., H, m)
+    return row.mul(num_keys).add_(cols.squeeze(-2).gather(-1, flat_index % num_candidates))
 
 
 def tucker_topk_on(

@@ -269,3 +269,26 @@ def test_tdqkr_prepared_on_its_cores_equals_the_selection(signed):
     assert index.shape == (3, 1, 2, 6) and scores.shape == (3, 1, 2, 6, 3)
     torch.testing.assert_close(index, expected_index, rtol=0, atol=0)
     torch.testing.assert_close(scores, expected_scores, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("grid_max", [0, 1 << 30], ids=["divided", "grid"])
+def test_winner_addresses_either_way_are_the_rows_and_columns_they_name(monkeypatch, grid_max):
+    """Many tokens read the winners' row and column, few their grid of candidate pairs: both give x * n + y."""
+    monkeypatch.setattr(memory_ops, "ADDRESS_GRID_MAX", grid_max)
+    generator = torch.Generator().manual_seed(0)
+    num_keys, candidates, topk = 50, 7, 5
+    index = torch.randint(0, num_keys, (3, 2, 2, 1, candidates), generator=generator)  # (B, 2, H, 1, m')
+    flat_index = torch.randint(0, candidates**2, (3, 2, topk), generator=generator)  # (B, H, m)
+    expected = torch.tensor(
+        [
+            [
+                [
+                    int(index[b, 0, h, 0, f // candidates]) * num_keys + int(index[b, 1, h, 0, f % candidates])
+                    for f in row
+                ]
+                for h, row in enumerate(heads.tolist())
+            ]
+            for b, heads in enumerate(flat_index)
+        ]
+    )
+    torch.testing.assert_close(memory_ops.winner_addresses(index, flat_index, num_keys), expected, rtol=0, atol=0)
