@@ -47,7 +47,9 @@ the in-memory one (issue 45: n-gram tables from disk <= 1.05x in memory):
 Where a decode step's time goes: `--by-part` adds, after the timed calls, `--iters` generate calls with forward
 hooks on the memory layers (product-key and n-gram), the decoder blocks and the LM head, each timed in place (the
 hooks synchronize the device: read it on CPU), and a table of each part's ms per token for every model, the rest of
-the step last (embedding, generate's own work, the hooks):
+the step last (embedding, generate's own work, the hooks), then `memory warm ms`: the memory layers' last decode steps
+run again back to back after each call, what they take with warm caches (in place the LM head between two steps has
+evicted them):
 
     OMP_NUM_THREADS=1 python benchmarks/bench_generate.py --device cpu --sizes tiny --kinds dense,ultramem,engram \
         --caches eager --batch-sizes 1 --prompt 64 --new-tokens 32 --iters 20 --interleave --by-part \
@@ -69,6 +71,8 @@ from typing import Any
 import torch
 from lib import cli, models, report, timing
 from transformers import StoppingCriteria, StoppingCriteriaList
+
+from ultramem.modeling_ultramem import UltraMemModel
 
 DEFAULT_NAME = "generate"
 # engram on request: Engram's n-gram memory (lib.models.ENGRAM_PEERS); a kind + "-disk": its tables memory-mapped
@@ -156,11 +160,13 @@ PARTS = {"memory": r"model\.(memory_layers|ngram_memories)\.\d+", "blocks": r"mo
 
 class PartClock:
     """Wall time of each call of a model's memory layers, decoder blocks and LM head, from forward hooks that
-    synchronize the device at each edge (on an accelerator they serialise what they time)."""
+    synchronize the device at each edge (on an accelerator they serialise what they time); and the memory layers'
+    last calls, to time them again with warm caches (`memory_warm_ms`)."""
 
     def __init__(self, model, device: torch.device):
-        self.device = device
+        self.model, self.device = model, device
         self.calls: dict[tuple[str, str], list[float]] = {}  # (part, module) -> each call's seconds
+        self.last_memory_calls: dict[str, tuple] = {}  # module name -> (module, args, kwargs) of its last call
         self.hooks = []
         for name, module in model.named_modules():
             part = next((part for part, pattern in PARTS.items() if re.fullmatch(pattern, name)), None)
@@ -170,6 +176,9 @@ class PartClock:
                 self.hooks.append(
                     module.register_forward_hook(lambda *_, t=times, s=start: t.append(self.now() - s.pop()))
                 )
+            if part == "memory":
+                remember = lambda m, a, k, name=name: self.last_memory_calls.__setitem__(name, (m, a, k))  # noqa: E731
+                self.hooks.append(module.register_forward_pre_hook(remember, with_kwargs=True))
 
     def now(self) -> float:
         timing.synchronize(self.device)
@@ -181,6 +190,22 @@ class PartClock:
         for (part, _), times in self.calls.items():
             parts[part] += statistics.fmean(times[1:]) * 1e3
         return parts
+
+    def memory_warm_ms(self, calls: int) -> float:
+        """The memory layers' last decode step again, `calls` times back to back (after one untimed) inside one
+        `fixed_weights` scope, as generate runs it: their ms per token with warm caches, where in place the LM head
+        between two steps has evicted them. Called after the hooks are removed and the generate call is over (the
+        calls update the conv states again)."""
+        backbone = next((m for m in self.model.modules() if isinstance(m, UltraMemModel)), None)
+        if backbone is None or not self.last_memory_calls:
+            return 0.0
+        total = 0.0
+        with backbone.fixed_weights():
+            for module, args, kwargs in self.last_memory_calls.values():
+                call = lambda m=module, a=args, k=kwargs: m(*a, **k)  # noqa: E731
+                wall, _ = timing.time_calls(call, self.device, warmup=1, iters=calls)
+                total += statistics.median(wall)
+        return total
 
     def remove(self) -> None:
         for hook in self.hooks:
@@ -199,7 +224,8 @@ def time_parts(peers: dict[str, Any], prompts: dict[str, torch.Tensor], cache: s
             finally:
                 clock.remove()
             parts = clock.per_token_ms()
-            runs[name].append({**parts, "rest": statistics.fmean(wall) - sum(parts.values())})
+            rest = statistics.fmean(wall) - sum(parts.values())
+            runs[name].append({**parts, "rest": rest, "memory_warm": clock.memory_warm_ms(args.new_tokens)})
     return {name: {part: statistics.median(run[part] for run in of) for part in of[0]} for name, of in runs.items()}
 
 
@@ -363,7 +389,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.by_part:
         by_part = [{**row, **row["by_part_ms"]} for row in rows]
         columns = {"size": "size", "kind": "kind", "cache": "cache", "batch": "batch", "ms": "ms/token",
-                   **{part: f"{part} ms" for part in (*PARTS, "rest")}}  # fmt: skip
+                   **{part: f"{part} ms" for part in (*PARTS, "rest")}, "memory_warm": "memory warm ms"}  # fmt: skip
         print("where a decode step's time goes (ms per token, in place):")
         print(report.format_table(by_part, columns))
     report.finish(args, payload, report.format_table(payload["ratios"], table_columns(args.kinds)))

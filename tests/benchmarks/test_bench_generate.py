@@ -46,7 +46,8 @@ def test_bench_generate_times_every_new_token_after_the_prefill(tmp_path, capsys
 
 def test_by_part_times_each_part_of_the_step_in_place(tmp_path, capsys):
     """`--by-part`: each model's memory layers (product-key and n-gram), blocks and LM head, from hooked calls apart
-    from the timed ones; a dense model has no memory part. UltraMem with the C++ kernels shares UltraMem's model."""
+    from the timed ones, and the memory layers' last steps again with warm caches; a dense model has no memory part.
+    UltraMem with the C++ kernels shares UltraMem's model."""
     argv = ["--device", "cpu", "--sizes", "tiny", "--batch-sizes", "1", "--prompt", "8", "--new-tokens", "3",
             "--warmup", "0", "--iters", "1", "--caches", "eager", "--kinds", "dense,ultramem,ultramem-cpp,engram",
             "--interleave", "--by-part", "--no-plot", "--results-dir", str(tmp_path), "--name", "generate"]  # fmt: skip
@@ -61,9 +62,9 @@ def test_by_part_times_each_part_of_the_step_in_place(tmp_path, capsys):
     )
     for kind, row in rows.items():
         parts = row["by_part_ms"]
-        assert set(parts) == {"memory", "blocks", "head", "rest"}
+        assert set(parts) == {"memory", "blocks", "head", "rest", "memory_warm"}
         assert parts["blocks"] > 0 and parts["head"] > 0
-        assert (parts["memory"] > 0) == (kind != "dense")
+        assert (parts["memory"] > 0) == (parts["memory_warm"] > 0) == (kind != "dense")
     assert "where a decode step's time goes" in capsys.readouterr().out
 
 
