@@ -61,6 +61,7 @@ MoE/UltraMem, Engram/dense and disk/in memory for every size, batch and cache) i
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 import tempfile
@@ -330,6 +331,18 @@ def table_columns(kinds: list[str]) -> dict[str, str]:
     return {"size": "size", "cache": "cache", "batch": "batch", **{f"{k}_ms": f"{k} ms/token" for k in kinds}, **ratios}
 
 
+def draw_parts(axis, rows: list[dict[str, Any]]) -> None:
+    """`--by-part`: each model's step stacked by part, in place, and its memory layers' warm time as a tick."""
+    kinds, bottom = [row["kind"] for row in rows], [0.0] * len(rows)
+    for part in (*PARTS, "rest"):
+        heights = [row["by_part_ms"][part] for row in rows]
+        axis.bar(kinds, heights, bottom=bottom, label=part if part != "memory" else "memory, in place")
+        bottom = [low + height for low, height in zip(bottom, heights, strict=True)]
+    warm = [row["by_part_ms"]["memory_warm"] or math.nan for row in rows]  # none without memory layers
+    axis.scatter(kinds, warm, marker="_", s=500, color="black", zorder=3, label="memory, warm (back to back)")
+    axis.tick_params(axis="x", labelsize=7)
+
+
 def plot(args, rows: list[dict[str, Any]], ratios: list[dict[str, Any]]) -> None:
     panels = []
     for size in args.sizes:
@@ -354,6 +367,10 @@ def plot(args, rows: list[dict[str, Any]], ratios: list[dict[str, Any]]) -> None
         }
         panels.append(report.Panel(f"{size}: ratios (target U/D <= 1.10)", "ratio", series, xlabel="batch size",
                                    draw=lambda axis: axis.axhline(1.10, color="grey", ls=":")))  # fmt: skip
+        for cache, batch in dict.fromkeys((r["cache"], r["batch"]) for r in rows if "by_part_ms" in r):
+            timed = [r for r in rows if (r["size"], r["cache"], r["batch"]) == (size, cache, batch)]
+            panels.append(report.Panel(f"{size}: the step by part, {cache}, batch {batch}", "ms / token", xlog=False,
+                                       draw=lambda axis, timed=timed: draw_parts(axis, timed)))  # fmt: skip
     title = f"generate, greedy, prompt {args.prompt} + {args.new_tokens} tokens, prefill excluded"
     report.plot(args.results_dir / f"{args.name}.png", panels, title)
 

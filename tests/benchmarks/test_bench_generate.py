@@ -50,7 +50,7 @@ def test_by_part_times_each_part_of_the_step_in_place(tmp_path, capsys):
     UltraMem with the C++ kernels shares UltraMem's model."""
     argv = ["--device", "cpu", "--sizes", "tiny", "--batch-sizes", "1", "--prompt", "8", "--new-tokens", "3",
             "--warmup", "0", "--iters", "1", "--caches", "eager", "--kinds", "dense,ultramem,ultramem-cpp,engram",
-            "--interleave", "--by-part", "--no-plot", "--results-dir", str(tmp_path), "--name", "generate"]  # fmt: skip
+            "--interleave", "--by-part", "--results-dir", str(tmp_path), "--name", "generate"]  # fmt: skip
     bench_generate.main(argv)
     payload = json.loads((tmp_path / "generate.json").read_text())
     rows = {row["kind"]: row for row in payload["rows"]}
@@ -66,6 +66,7 @@ def test_by_part_times_each_part_of_the_step_in_place(tmp_path, capsys):
         assert parts["blocks"] > 0 and parts["head"] > 0
         assert (parts["memory"] > 0) == (parts["memory_warm"] > 0) == (kind != "dense")
     assert "where a decode step's time goes" in capsys.readouterr().out
+    assert (tmp_path / "generate.png").stat().st_size > 0  # with the step by part
 
 
 def test_bench_generate_needs_two_new_tokens():
