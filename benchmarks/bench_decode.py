@@ -4,7 +4,8 @@ One decoding step (sequence length 1) with a KV cache of 2048 tokens, random wei
 to the largest that fits. The three models at a size are this project's dense backbone (`dense-*`), UltraMem
 (`ultramem-*-x12`) and Transformers' `MixtralForCausalLM` (`moe-*-2inN`, parameters and FLOPs matched, see
 docs/design.md) on its fastest expert path. All three use the same StaticCache, SDPA attention and execution mode
-(`--mode compile`: torch.compile(mode="reduce-overhead"), i.e. CUDA graphs; or `--mode eager`). Beside each
+(`--mode compile`: torch.compile(mode="reduce-overhead"), i.e. CUDA graphs; or `--mode eager`), UltraMem's steps as
+`generate` runs them (each memory layer's decode step built once, `UltraMemModel.fixed_weights`). Beside each
 time the paper's analytic memory access is printed (`lib.models.decode_memory_access`).
 
 H100 / H200 (bf16, CUDA graphs; the 1.6B models at batch 64 need ~80 GB with the KV cache, i.e. an H200):
@@ -89,7 +90,7 @@ def bench_model(size: str, kind: str, args) -> tuple[list[dict[str, Any]], dict[
     """Time one model at every batch size (stopping at out-of-memory); returns rows and a description."""
     model, info = build_peer(size, kind, args)
     rows = []
-    with torch.no_grad():
+    with torch.no_grad(), models.as_generate_runs(model):
         for batch in args.batch_sizes:
             try:
                 rows.append(row_of(info, model, batch, args, models.time_decode(model, batch, args, args.account)))
@@ -109,7 +110,7 @@ def bench_size_interleaved(size: str, args) -> tuple[list[dict[str, Any]], list[
     """`--interleave`: the three models of `size` held at once, their steps timed in turn at every batch size."""
     peers = {kind: build_peer(size, kind, args) for kind in KINDS}
     rows = []
-    with torch.no_grad():
+    with torch.no_grad(), models.as_generate_runs(*(model for model, _ in peers.values())):
         for batch in args.batch_sizes:
             steps = {kind: models.decode_step(model, batch, args) for kind, (model, _) in peers.items()}
             times = timing.measure_interleaved(steps, args.device, args.warmup, args.iters, args.statistic)

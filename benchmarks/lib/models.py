@@ -4,8 +4,8 @@ bytes that step must read (the paper's memory-access model)."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,6 +115,18 @@ def filled_static_cache(model: PreTrainedModel, batch: int, context: int, max_le
             layer.values[:, :, :context].normal_()
             layer.cumulative_length.fill_(context)
     return cache
+
+
+@contextmanager
+def as_generate_runs(*models: PreTrainedModel) -> Iterator[None]:
+    """Decode steps as `generate` runs them: inside each UltraMem backbone's `fixed_weights`, where every memory layer
+    builds its one-token step from the weights once and reuses it (a compiled step traces the modules as before)."""
+    with ExitStack() as scopes:
+        for model in models:
+            backbone = getattr(model, "model", None)
+            if hasattr(backbone, "fixed_weights"):
+                scopes.enter_context(backbone.fixed_weights())
+        yield
 
 
 def decode_step(model: PreTrainedModel, batch: int, args: argparse.Namespace) -> Callable[[], None]:

@@ -235,3 +235,24 @@ def test_kernel_table_ranks_profiled_operators_by_their_total_time(bench):
     every = timing.kernel_table(events)["kernel_table"]
     assert {row["name"]: row["calls"] for row in every} == {"aten::mm": 3, "aten::add": 5}
     assert table["kernel_us"] == pytest.approx(sum(row["total_us"] for row in every), abs=0.2)
+
+
+def test_decode_steps_run_as_generate_runs_them(bench):
+    """`as_generate_runs`: inside it UltraMem's memory layers run the decode steps `generate` builds (the same
+    logits as the modules' forward), a dense model runs as it is, and the layers are as before after it."""
+    models = bench("lib.models")
+    torch.manual_seed(0)
+    ultramem, dense = (models.build(preset, "cpu", torch.float32).eval() for preset in ("tiny-ultramem", "tiny-dense"))
+    prompt, token = torch.randint(3, 1000, (1, 6)), torch.randint(3, 1000, (1, 1))
+
+    def next_logits() -> torch.Tensor:
+        cache = ultramem(prompt, use_cache=True).past_key_values
+        return ultramem(token, cache=cache).logits
+
+    with torch.no_grad():
+        expected = next_logits()
+        with models.as_generate_runs(ultramem, dense):
+            logits = next_logits()
+            assert all(layer._decode is not None for layer in ultramem.model.memory_layers)
+        assert all(layer._decode is None and not layer.fixed_weights for layer in ultramem.model.memory_layers)
+    torch.testing.assert_close(logits, expected)
