@@ -271,6 +271,21 @@ def test_tdqkr_prepared_on_its_cores_equals_the_selection(signed):
     torch.testing.assert_close(scores, expected_scores, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("rows_max", [0, 1 << 30], ids=["amin-amax", "aminmax"])
+def test_rank_one_candidates_either_way_take_the_same_quadrant(monkeypatch, rows_max):
+    """Few rows take their extremes with one `aminmax`, many (on CPU) with `amin` and `amax`: the same candidates,
+    those of the quadrant whose best rank-1 score is higher."""
+    monkeypatch.setattr(memory_ops, "AMINMAX_CPU_ROWS_MAX", rows_max)
+    generator = torch.Generator().manual_seed(0)
+    projected = torch.randn(64, 2, 3, 1, 30, generator=generator)  # (B, 2, H, 1, n): a and b
+    candidates = memory_ops.rank_one_candidates(projected, 4, signed=False)  # (B, 2, H, 1, m)
+    a, b = projected.unbind(1)
+    bottom = a.amax(-1) * b.amax(-1) < a.amin(-1) * b.amin(-1)  # (B, H, 1)
+    chosen = torch.where(bottom[:, None, :, :, None], -projected, projected)
+    torch.testing.assert_close(candidates, chosen.topk(4, dim=-1).indices, rtol=0, atol=0)
+    assert 0 < int(bottom.sum()) < bottom.numel()  # both quadrants chosen somewhere
+
+
 @pytest.mark.parametrize("grid_max", [0, 1 << 30], ids=["divided", "grid"])
 def test_winner_addresses_either_way_are_the_rows_and_columns_they_name(monkeypatch, grid_max):
     """Many tokens read the winners' row and column, few their grid of candidate pairs: both give x * n + y."""
