@@ -90,7 +90,7 @@ def bench_model(size: str, kind: str, args) -> tuple[list[dict[str, Any]], dict[
     """Time one model at every batch size (stopping at out-of-memory); returns rows and a description."""
     model, info = build_peer(size, kind, args)
     rows = []
-    with torch.no_grad(), models.as_generate_runs(model):
+    with torch.no_grad():
         for batch in args.batch_sizes:
             try:
                 rows.append(row_of(info, model, batch, args, models.time_decode(model, batch, args, args.account)))

@@ -73,8 +73,6 @@ import torch
 from lib import cli, models, report, timing
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from ultramem.modeling_ultramem import UltraMemModel
-
 DEFAULT_NAME = "generate"
 # engram on request: Engram's n-gram memory (lib.models.ENGRAM_PEERS); a kind + "-disk": its tables memory-mapped
 # ultramem-cpp: UltraMem with the C++ CPU kernels (memory implementation "cpp")
@@ -165,14 +163,11 @@ class PartClock:
     last calls, to time them again with warm caches (`memory_warm_ms`)."""
 
     def __init__(self, model, device: torch.device):
-        self.device = device
-        self.backbone: UltraMemModel | None = None  # whose `fixed_weights` the warm calls run in
+        self.model, self.device = model, device
         self.calls: dict[tuple[str, str], list[float]] = {}  # (part, module) -> each call's seconds
         self.last_memory_calls: dict[str, tuple] = {}  # module name -> (module, args, kwargs) of its last call
         self.hooks = []
         for name, module in model.named_modules():
-            if isinstance(module, UltraMemModel):
-                self.backbone = module
             part = next((part for part, pattern in PARTS.items() if re.fullmatch(pattern, name)), None)
             if part is not None:
                 times, start = self.calls.setdefault((part, name), []), []
@@ -200,10 +195,10 @@ class PartClock:
         `fixed_weights` scope, as generate runs it: their ms per token with warm caches, where in place the LM head
         between two steps has evicted them. Called after the hooks are removed and the generate call is over (the
         calls update the conv states again)."""
-        if self.backbone is None or not self.last_memory_calls:
+        if not self.last_memory_calls:
             return 0.0
         total = 0.0
-        with self.backbone.fixed_weights():
+        with models.as_generate_runs(self.model):
             for module, args, kwargs in self.last_memory_calls.values():
                 call = lambda m=module, a=args, k=kwargs: m(*a, **k)  # noqa: E731
                 wall, _ = timing.time_calls(call, self.device, warmup=1, iters=calls)

@@ -156,10 +156,12 @@ def decode_step(model: PreTrainedModel, batch: int, args: argparse.Namespace) ->
 
 def time_decode(model: PreTrainedModel, batch: int, args: argparse.Namespace, account: int = 0) -> dict[str, Any]:
     """Time of one decoding step (`decode_step`), then one more step under the profiler counting its launches, and
-    with `account` that many profiled steps split into kernels, copies, gaps and host time (`step_account`)."""
-    step = decode_step(model, batch, args)
-    measured = timing.measure(step, args.device, args.warmup, args.iters, args.statistic)
-    return {**measured, **timing.count_launches(step, args.device), **account_decode(model, step, args, account)}
+    with `account` that many profiled steps split into kernels, copies, gaps and host time (`step_account`); the
+    steps as `generate` runs them (`as_generate_runs`)."""
+    with as_generate_runs(model):
+        step = decode_step(model, batch, args)
+        measured = timing.measure(step, args.device, args.warmup, args.iters, args.statistic)
+        return {**measured, **timing.count_launches(step, args.device), **account_decode(model, step, args, account)}
 
 
 def account_decode(model: PreTrainedModel, step: Callable[[], None], args: argparse.Namespace, steps: int) -> dict:
